@@ -1,0 +1,177 @@
+"""Do the peers of a group still hold the same anchor? A compact, tolerance-aware check.
+
+hivemind can end an all-reduce "successfully" while peers hold different results (a reducer
+that died leaves its part at each peer's local value), and fp16 compression makes even a healthy
+all-reduce end with slightly different results on every peer: each peer adds
+``fp16(average - local)`` to its own local part. So an exact checksum would flag every round,
+and the check must measure *how far apart* anchors are.
+
+A fingerprint is, per chunk of the flat anchor, ``K`` random-sign projections ``s_k · x``
+(float64). For two peers, ``E[(s·a - s·b)^2] = ||a - b||^2`` (Johnson-Lindenstrauss), so the
+fingerprints estimate the RMS difference of every chunk without sending the anchor. The signs are
+a fixed table of period ``SIGN_PERIOD`` (a prime, so it does not line up with tensor shapes)
+tiled over the chunk: one matmul per chunk, no per-round random numbers.
+
+Tolerance. With fp16 (unit round-off ``u = 2**-11``) a peer's averaged pseudo-gradient is off by
+at most ``u * |avg - local|`` per element, and an error ``e`` in one averaged pseudo-gradient moves
+the anchor by ``lr / (1 - mu) * e`` over all later Nesterov steps (``outer_update_bound``). With
+lr 0.7, mu 0.9 that is ``7 u ~ 0.0034`` of one round's pseudo-gradient in the worst case, and in
+RMS about ``0.002 * sqrt(rounds)`` of it as errors random-walk. A failed part instead differs by
+about ``lr * (1 + mu) * |avg - local|``, i.e. about one pseudo-gradient. Peers therefore agree
+when every chunk's estimated RMS difference is below ``rel_tol`` (default 0.25) times the RMS of
+the last averaged pseudo-gradient on that chunk, plus ``abs_tol`` for float32 noise: fp16 drift
+needs thousands of rounds to reach it (and a resync then resets it), a failed part crosses it at
+once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from protocols.messages import RoundGather
+
+SIGN_PERIOD = 4093
+NUM_PROJECTIONS = 4
+MAX_CHUNKS = 64
+SIGN_SEED = 0x5EA1  # part of the protocol: every peer must build the same sign table
+DEFAULT_REL_TOL = 0.25
+DEFAULT_ABS_TOL = 1e-6
+
+
+@functools.lru_cache(maxsize=1)
+def _sign_table() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(SIGN_SEED)
+    bits = torch.randint(0, 2, (SIGN_PERIOD, NUM_PROJECTIONS), generator=generator)
+    return (bits * 2 - 1).to(torch.float64)
+
+
+def chunk_length(numel: int, max_chunks: int = MAX_CHUNKS) -> int:
+    """Elements per chunk: a multiple of the sign period, at most ``max_chunks`` chunks."""
+    periods = max(1, math.ceil(numel / (max_chunks * SIGN_PERIOD)))
+    return periods * SIGN_PERIOD
+
+
+def _chunks(flat: torch.Tensor, chunk_len: int):
+    for start in range(0, flat.numel(), chunk_len):
+        yield flat[start : start + chunk_len]
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """Per-chunk random projections of a flat vector: ``projections[c, k] = s_k · chunk_c``."""
+
+    numel: int
+    chunk_len: int
+    projections: torch.Tensor  # float64 [num_chunks, NUM_PROJECTIONS]
+
+    @property
+    def num_chunks(self) -> int:
+        return self.projections.shape[0]
+
+    def chunk_sizes(self) -> torch.Tensor:
+        sizes = torch.full((self.num_chunks,), self.chunk_len, dtype=torch.float64)
+        sizes[-1] = self.numel - self.chunk_len * (self.num_chunks - 1)
+        return sizes
+
+
+def fingerprint(flat: torch.Tensor, max_chunks: int = MAX_CHUNKS) -> Fingerprint:
+    """Fingerprint a flat CPU vector (one float64 pass; the temporaries are one chunk large)."""
+    assert flat.dim() == 1 and flat.numel() > 0
+    signs = _sign_table()
+    chunk_len = chunk_length(flat.numel(), max_chunks)
+    rows = []
+    for chunk in _chunks(flat.detach(), chunk_len):
+        padded = torch.zeros(chunk_len, dtype=torch.float64)
+        padded[: chunk.numel()] = chunk
+        rows.append((padded.view(-1, SIGN_PERIOD) @ signs).sum(dim=0))
+    return Fingerprint(flat.numel(), chunk_len, torch.stack(rows))
+
+
+def chunk_rms(flat: torch.Tensor, chunk_len: int) -> torch.Tensor:
+    """RMS of each chunk of ``flat`` (float64), the scale the tolerance is relative to."""
+    return torch.stack([chunk.double().square().mean().sqrt() for chunk in _chunks(flat.detach(), chunk_len)])
+
+
+def rms_difference(a: Fingerprint, b: Fingerprint) -> torch.Tensor:
+    """Estimated RMS of ``x_a - x_b`` on each chunk."""
+    assert (a.numel, a.chunk_len) == (b.numel, b.chunk_len), "fingerprints of different layouts"
+    squared = (a.projections - b.projections).square().mean(dim=1)
+    return (squared / a.chunk_sizes()).sqrt()
+
+
+def agree(
+    a: Fingerprint,
+    b: Fingerprint,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    rel_tol: float = DEFAULT_REL_TOL,
+    abs_tol: float = DEFAULT_ABS_TOL,
+) -> bool:
+    """True when every chunk of the two anchors is within the tolerance (symmetric in a, b)."""
+    tolerance = rel_tol * torch.maximum(scale_a, scale_b) + abs_tol
+    return bool((rms_difference(a, b) <= tolerance).all())
+
+
+@dataclass(frozen=True, slots=True)
+class AnchorClaim:
+    """What one group member says about its anchor, as decoded from the round's gather."""
+
+    fingerprint: Fingerprint
+    scale: torch.Tensor  # per-chunk RMS of the peer's last averaged pseudo-gradient (zeros before any)
+    rounds_done: int  # outer steps this peer has applied: a veteran is trusted over a newcomer
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The group's view of who holds the reference anchor; every member computes the same one."""
+
+    reference: str
+    agreeing: frozenset[str]
+    diverged: frozenset[str]
+
+
+def consensus(claims: dict[str, AnchorClaim], *, rel_tol: float = DEFAULT_REL_TOL, abs_tol: float = DEFAULT_ABS_TOL) -> Verdict:
+    """Pick the reference anchor: the one most members agree with, then the most experienced peer.
+
+    Deterministic given the same claims, so all members reach the same verdict without another
+    message. Members that do not agree with the reference must re-sync from the agreeing ones.
+    """
+    assert claims, "consensus of an empty group"
+    peers = sorted(claims)
+    agrees_with = {
+        p: {q for q in peers if q == p or agree(claims[p].fingerprint, claims[q].fingerprint,
+                                               claims[p].scale, claims[q].scale, rel_tol=rel_tol, abs_tol=abs_tol)}
+        for p in peers
+    }
+    reference = min(peers, key=lambda p: (-len(agrees_with[p]), -claims[p].rounds_done, p))
+    agreeing = frozenset(agrees_with[reference])
+    return Verdict(reference, agreeing, frozenset(peers) - agreeing)
+
+
+def claim_to_gather(claim: AnchorClaim, *, round: int) -> RoundGather:
+    """Encode this peer's claim as the round report it attaches to the all-reduce."""
+    fp = claim.fingerprint
+    return RoundGather(
+        round=round,
+        rounds_done=claim.rounds_done,
+        numel=fp.numel,
+        chunk_len=fp.chunk_len,
+        num_projections=NUM_PROJECTIONS,
+        projections=tuple(fp.projections.flatten().tolist()),
+        scale=tuple(claim.scale.tolist()),
+    )
+
+
+def claim_from_gather(report: RoundGather) -> AnchorClaim:
+    """The inverse of ``claim_to_gather`` for a report that ``RoundGather.decode`` validated."""
+    projections = torch.tensor(report.projections, dtype=torch.float64).view(report.num_chunks, report.num_projections)
+    return AnchorClaim(
+        fingerprint=Fingerprint(report.numel, report.chunk_len, projections),
+        scale=torch.tensor(report.scale, dtype=torch.float64),
+        rounds_done=report.rounds_done,
+    )

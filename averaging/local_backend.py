@@ -1,0 +1,82 @@
+"""An in-process ``AveragingBackend`` for unit tests: threads meet in a ``LocalHub``.
+
+It averages exactly (weighted mean) and gathers every member's report, like a healthy
+butterfly all-reduce without compression, so tests of the worker and of round logic run in
+milliseconds. Integration tests always use the real hivemind backend.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from averaging.backend import AverageOutcome, DownloadedState
+
+
+class LocalHub:
+    """Where local peers meet: a round completes when every peer that prepared it has arrived."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._prepared: dict[int, set[str]] = {}
+        self._arrived: dict[int, dict[str, tuple[torch.Tensor, float, Any]]] = {}
+        self._results: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
+        self.state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]] = {}
+
+    def prepare(self, peer: str, round: int) -> None:
+        with self._cond:
+            self._prepared.setdefault(round, set()).add(peer)
+
+    def average(self, peer: str, round: int, vector: torch.Tensor, weight: float, gather: Any, timeout: float):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._arrived.setdefault(round, {})[peer] = (vector.clone(), weight, gather)
+            arrived = self._arrived[round]
+            if set(arrived) >= self._prepared.get(round, set()) and round not in self._results:
+                total = sum(w for _, w, _ in arrived.values())
+                mean = sum(v * (w / total) for v, w, _ in arrived.values())
+                self._results[round] = (mean, {p: g for p, (_, _, g) in arrived.items()})
+                self._cond.notify_all()
+            while round not in self._results:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._cond.wait(remaining):
+                    return None
+            return self._results[round]
+
+
+class LocalBackend:
+    def __init__(self, hub: LocalHub, peer_id: str, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]]):
+        self.hub, self.peer_id = hub, peer_id
+        hub.state_providers[peer_id] = state_provider
+        self._prepared: tuple[int, dict] | None = None
+
+    def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float) -> None:
+        self.hub.prepare(self.peer_id, round)
+        self._prepared = (round, gather)
+
+    def average(self, vector: torch.Tensor, *, weight: float, timeout: float) -> AverageOutcome:
+        if self._prepared is None:
+            return AverageOutcome(ok=False, error="no averaging step was prepared")
+        (round, gather), self._prepared = self._prepared, None
+        started = time.perf_counter()
+        result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout)
+        if result is None:
+            return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error="timed out")
+        mean, gathered = result
+        vector.copy_(mean)
+        return AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered,
+                              sync_s=time.perf_counter() - started)
+
+    def download_state(self, peers: list[str], *, timeout: float) -> DownloadedState | None:
+        for peer in peers:
+            if peer != self.peer_id and peer in self.hub.state_providers:
+                metadata, tensors = self.hub.state_providers[peer]()
+                return DownloadedState(peer=peer, metadata=metadata, tensors=tensors)
+        return None
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,47 @@
+"""The DiLoCo outer loop as pure functions on flat CPU tensors.
+
+Every peer keeps an *anchor* (the parameters after the last outer step) and an outer momentum
+buffer. Each round it sends the pseudo-gradient ``anchor - params``; the group averages them and
+every peer applies the same Nesterov-SGD step to its anchor. Keeping these functions free of
+threads and sockets lets the tests check them against ``torch.optim.SGD(nesterov=True)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pseudo_gradient(anchor: torch.Tensor, params: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``anchor - params``: the direction the local inner steps moved, as a gradient (descent = minus)."""
+    return torch.sub(anchor, params, out=out)
+
+
+def outer_step_(
+    anchor: torch.Tensor,
+    averaged_pseudo_grad: torch.Tensor,
+    momentum: torch.Tensor,
+    *,
+    lr: float,
+    mu: float,
+    nesterov: bool = True,
+) -> torch.Tensor:
+    """Apply one outer SGD step to ``anchor`` in place; returns the applied update (``anchor_old - anchor_new``).
+
+    Same arithmetic as ``torch.optim.SGD(lr, momentum=mu, nesterov=nesterov, dampening=0)`` with the
+    momentum buffer starting at zero (torch's first step, ``buf = g``, is ``mu * 0 + g``).
+    """
+    momentum.mul_(mu).add_(averaged_pseudo_grad)
+    update = averaged_pseudo_grad.add(momentum, alpha=mu) if nesterov else momentum.clone()
+    update.mul_(lr)
+    anchor.sub_(update)
+    return update
+
+
+def outer_update_bound(lr: float, mu: float) -> float:
+    """How much one error ``e`` in an averaged pseudo-gradient moves the anchor over all later steps.
+
+    With Nesterov momentum the error enters the step once as ``(1 + mu) e`` and then decays
+    through the momentum buffer: ``lr * (1 + mu + mu**2 / (1 - mu)) = lr / (1 - mu)``. Used to
+    state the tolerance that lossy compression allows between peers' anchors.
+    """
+    return lr / (1.0 - mu)

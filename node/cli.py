@@ -1,0 +1,149 @@
+"""The ``shoal`` command. Thin on purpose: parse → build → run → close."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import typer
+
+from protocols.errors import ConfigError, ShoalError
+
+EXIT_OK = 0
+EXIT_INTERNAL_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="shoal: train one model together with other people's GPUs, over the internet.")
+logger = logging.getLogger("node.cli")
+
+
+@app.callback()
+def _shoal() -> None:
+    """shoal: train one model together with other people's GPUs, over the internet."""
+
+
+def _configure_logging(ui: bool) -> None:
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    if ui:
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    use_hivemind_log_handler("in_root_logger")
+    logging.getLogger("hivemind").setLevel(os.environ.get("SHOAL_HIVEMIND_LOGLEVEL", "WARNING"))
+
+
+class Interrupts:
+    """Ctrl+C once: finish the current step, leave, checkpoint. Twice: exit now (children too)."""
+
+    def __init__(self, stop: threading.Event):
+        self.stop, self.count = stop, 0
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self)
+        signal.signal(signal.SIGTERM, self)
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.stop.set()
+            logger.warning("stopping after the current step; press Ctrl+C again to exit immediately")
+            return
+        _kill_children()
+        os._exit(EXIT_INTERRUPTED)
+
+
+def _kill_children() -> None:
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
+def _fail(error: ShoalError) -> None:
+    typer.echo(f"error: {error}", err=True)
+    raise typer.Exit(error.exit_code)
+
+
+@app.command()
+def run(
+    config: Path = typer.Option(None, "--config", envvar="SHOAL_CONFIG", help="Run config (TOML). Default: examples/configs/tiny.toml."),
+    initial_peer: list[str] = typer.Option([], "--initial-peer", envvar="SHOAL_INITIAL_PEERS", help="Multiaddr of a peer in the swarm (repeatable). None: start a new swarm."),
+    listen: list[str] = typer.Option([], "--listen", envvar="SHOAL_LISTEN", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/0."),
+    announce: list[str] = typer.Option([], "--announce", envvar="SHOAL_ANNOUNCE", help="Public multiaddr to announce, e.g. behind NAT (repeatable)."),
+    run_id: str = typer.Option(None, "--run-id", envvar="SHOAL_RUN_ID", help="Run to join (overrides the config's run_id)."),
+    device: str = typer.Option(None, "--device", envvar="SHOAL_DEVICE", help="auto | cpu | cuda | cuda:N"),
+    round_seconds: float = typer.Option(None, "--round-seconds", envvar="SHOAL_ROUND_SECONDS", help="Round length in seconds (overrides [round] seconds)."),
+    max_rounds: int = typer.Option(None, "--max-rounds", envvar="SHOAL_MAX_ROUNDS", min=1, help="Leave cleanly and exit 0 after global round N."),
+    checkpoint_dir: Path = typer.Option(None, "--checkpoint-dir", envvar="SHOAL_CHECKPOINT_DIR", help="Write checkpoints here (every few rounds and at exit)."),
+    metrics_file: Path = typer.Option(None, "--metrics-file", envvar="SHOAL_METRICS_FILE", help="Append one JSON object per line (round, start, peers, errors, exit)."),
+    no_ui: bool = typer.Option(False, "--no-ui", envvar="SHOAL_NO_UI", help="Plain log lines instead of the live status panel."),
+    bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, help="Seconds to wait for an initial peer before giving up."),
+) -> None:
+    """Join (or start) a swarm and train."""
+    from protocols.addresses import parse_listen_multiaddr, parse_peer_multiaddr
+
+    ui = not no_ui and sys.stdout.isatty()
+    _configure_logging(ui)
+    try:
+        peers = [parse_peer_multiaddr(a) for a in initial_peer]
+        listen_addrs = [parse_listen_multiaddr(a, "--listen") for a in listen]
+        announce_addrs = [parse_listen_multiaddr(a, "--announce") for a in announce]
+        overrides = {"run_id": run_id, "train.device": device, "round.seconds": round_seconds}
+        from node.config import load_config
+
+        run_config = load_config(config, {k: v for k, v in overrides.items() if v is not None})
+    except ShoalError as e:
+        _fail(e)
+
+    from node.node import Node, NodeOptions
+
+    options = NodeOptions(initial_peers=peers, listen=listen_addrs, announce=announce_addrs, max_rounds=max_rounds,
+                          checkpoint_dir=checkpoint_dir, metrics_file=metrics_file, ui=ui,
+                          bootstrap_timeout=bootstrap_timeout)
+    stop = threading.Event()
+    interrupts = Interrupts(stop)
+    interrupts.install()
+    node = None
+    try:
+        node = Node(run_config, options, stop)
+        interrupts.install()  # hivemind's averager set SIGINT to ignored when it started
+        node.train()
+        reason = "interrupted" if stop.is_set() else "max_rounds"
+    except ShoalError as e:
+        if node is not None:
+            node.close("error")
+        _fail(e)
+    except ValueError as e:  # config checks that only fail once data or devices are known
+        if node is not None:
+            node.close("error")
+        _fail(ConfigError(str(e)))
+    except BaseException:
+        if node is not None:
+            node.close("crash")
+        raise
+    node.close(reason)
+    raise typer.Exit(EXIT_OK)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""Training text: corpus files, the cached byte-token file, shards, held-out split, batches.
+
+Tokens are raw bytes (uint8), matching the byte-level model, so there is no tokenizer to
+download or to agree on. Peers that read the same files get the same corpus, the same
+held-out tail and the same shard boundaries.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+MIN_CORPUS_BYTES = 16 * 1024
+"""Below this a corpus cannot fill a few batches, so a typo in data.paths fails early."""
+
+_CACHE_FORMAT = "shoal-corpus-v1"
+"""Bumped when the cache layout changes, so old cache files are never misread."""
+
+_DOC_ROOTS = (Path("/usr/share/doc"),)
+_DOC_SUFFIXES = frozenset({".txt", ".md", ".rst"})
+_SKIPPED_STDLIB_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where training text comes from and how it is split between peers."""
+
+    paths: list[str] = field(default_factory=list)
+    """Globs of local text files (recursive ** allowed, ~ expanded); empty = default corpus."""
+    cache_dir: str = ""
+    """Where the token cache lives; "" = $SHOAL_CACHE_DIR or ~/.cache/shoal."""
+    max_corpus_bytes: int = 64_000_000
+    """Stop reading files once the corpus has this many bytes."""
+    eval_fraction: float = 0.01
+    """Fraction of the corpus (its tail) held out for evaluation."""
+    max_eval_bytes: int = 1_000_000
+    """Cap on the held-out split, so big corpora do not waste training text."""
+    num_shards: int = 16
+    """The train split is cut into this many contiguous shards; each peer trains on one."""
+    batch_size: int = 16
+    """Sequences per training batch."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.paths, str) or not all(isinstance(p, str) for p in self.paths):
+            raise ValueError(
+                f"data.paths ({self.paths!r}) must be a list of glob strings, e.g. ['~/text/**/*.txt']"
+            )
+        if not isinstance(self.cache_dir, str):
+            raise ValueError(
+                f"data.cache_dir ({self.cache_dir!r}) must be a string path; use '' for the default"
+            )
+        for name in ("max_corpus_bytes", "max_eval_bytes", "num_shards", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"data.{name} ({value!r}) must be a positive integer")
+        if not 0.0 < self.eval_fraction < 0.5:
+            raise ValueError(f"data.eval_fraction ({self.eval_fraction}) must be in (0, 0.5), e.g. 0.01")
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Train and held-out views of one corpus; the held-out part is its tail."""
+
+    train: np.ndarray
+    eval: np.ndarray
+
+
+def default_corpus_files() -> list[Path]:
+    """Text every machine with Python has: the stdlib's .py sources plus installed docs.
+
+    Sorted so that two machines with the same Python and docs read the same corpus.
+    Test suites and third-party packages are skipped: they are large, noisy and vary
+    between installs.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = _walk_files(stdlib, {".py"}, skip_dirs=_SKIPPED_STDLIB_DIRS)
+    for root in _DOC_ROOTS:
+        files.extend(_walk_files(root, _DOC_SUFFIXES, skip_dirs=frozenset()))
+    return sorted(set(files))
+
+
+def _walk_files(root: Path, suffixes: set[str] | frozenset[str], *, skip_dirs: frozenset[str]) -> list[Path]:
+    """Files under `root` with one of `suffixes`; unreadable directories are ignored."""
+    found: list[Path] = []
+    if not root.is_dir():
+        return found
+    # os.walk does not follow directory symlinks, so a link loop cannot trap it.
+    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda _err: None):
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs]
+        found.extend(Path(dirpath, f) for f in filenames if Path(f).suffix in suffixes)
+    return found
+
+
+def resolve_files(config: DataConfig) -> list[Path]:
+    """Expand `config.paths` to a sorted, deduplicated list of files (the default corpus if empty)."""
+    if not config.paths:
+        files = default_corpus_files()
+        if not files:
+            raise ValueError(
+                "data.paths is empty and no default corpus was found; point data.paths at text files"
+            )
+        return files
+    matched: set[Path] = set()
+    for pattern in config.paths:
+        for name in glob.glob(os.path.expanduser(pattern), recursive=True):
+            path = Path(name)
+            if path.is_file():
+                matched.add(path)
+    if not matched:
+        raise ValueError(f"data.paths: no files match {config.paths!r}; point it at existing text files")
+    return sorted(matched)
+
+
+def cache_dir_for(config: DataConfig) -> Path:
+    """The token cache directory: data.cache_dir, else $SHOAL_CACHE_DIR, else ~/.cache/shoal."""
+    chosen = config.cache_dir or os.environ.get("SHOAL_CACHE_DIR", "") or "~/.cache/shoal"
+    return Path(chosen).expanduser()
+
+
+def load_corpus(config: DataConfig) -> np.ndarray:
+    """All corpus bytes as a read-only uint8 array, built once and then read from a cache file.
+
+    The cache name hashes each file's (path, size, mtime) and max_corpus_bytes, so editing
+    a file or the cap rebuilds it. It is written to a temp file and renamed into place, so
+    several peers starting at once on one machine never see a half-written cache.
+    """
+    files = resolve_files(config)
+    fingerprint = _fingerprint(files)
+    key_material = repr((_CACHE_FORMAT, config.max_corpus_bytes, fingerprint)).encode()
+    key = hashlib.sha256(key_material).hexdigest()[:16]
+    cache_dir = cache_dir_for(config)
+    cache_path = cache_dir / f"corpus-{key}.bin"
+
+    if cache_path.is_file() and cache_path.stat().st_size > 0:
+        logger.debug("using cached corpus %s", cache_path)
+        return _open_tokens(cache_path)
+
+    corpus = _read_files([Path(path) for path, _, _ in fingerprint], config.max_corpus_bytes)
+    if len(corpus) < MIN_CORPUS_BYTES:
+        raise ValueError(
+            f"corpus has only {len(corpus)} bytes from {len(fingerprint)} readable file(s), "
+            f"need at least {MIN_CORPUS_BYTES}; add more text to data.paths"
+        )
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomically(cache_path, corpus)
+    logger.info("cached %d corpus bytes from %d files at %s", len(corpus), len(fingerprint), cache_path)
+    return _open_tokens(cache_path)
+
+
+def _fingerprint(files: list[Path]) -> list[tuple[str, int, int]]:
+    """(path, size, mtime_ns) of each file that can be stat-ed; broken links are dropped."""
+    entries: list[tuple[str, int, int]] = []
+    for path in files:
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        entries.append((str(path), stat.st_size, stat.st_mtime_ns))
+    return entries
+
+
+def _read_files(files: list[Path], max_bytes: int) -> bytes:
+    """Concatenate file bytes separated by b"\\n", skipping unreadable or empty files, up to max_bytes."""
+    corpus = bytearray()
+    for path in files:
+        remaining = max_bytes - len(corpus)
+        if remaining <= 0:
+            break
+        try:
+            with open(path, "rb") as handle:
+                content = handle.read(remaining)
+        except OSError:
+            logger.debug("skipping unreadable file %s", path)
+            continue
+        if not content:
+            continue
+        if corpus:
+            corpus += b"\n"
+        corpus += content
+    return bytes(corpus[:max_bytes])
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same directory + os.replace, so readers see all or nothing."""
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it 0600; the cache is plain readable data
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def _open_tokens(path: Path) -> np.ndarray:
+    # memmap read-only: peers on one machine share the page cache instead of each holding a copy.
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def split_corpus(tokens: np.ndarray, eval_fraction: float, max_eval_bytes: int) -> Split:
+    """Hold out the tail of the corpus; a pure function of its length, so identical on every peer."""
+    n_eval = min(int(len(tokens) * eval_fraction), max_eval_bytes)
+    if n_eval < 1 or n_eval >= len(tokens):
+        raise ValueError(
+            f"held-out split of {n_eval} bytes from a {len(tokens)}-byte corpus is unusable; "
+            "raise data.eval_fraction or add more data"
+        )
+    cut = len(tokens) - n_eval
+    return Split(train=tokens[:cut], eval=tokens[cut:])
+
+
+def shard_bounds(n_tokens: int, num_shards: int, shard_index: int) -> tuple[int, int]:
+    """[start, end) of one of `num_shards` contiguous, disjoint shards covering [0, n_tokens)."""
+    if num_shards <= 0:
+        raise ValueError(f"data.num_shards ({num_shards}) must be a positive integer")
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard index {shard_index} is outside [0, {num_shards})")
+    if n_tokens < 0:
+        raise ValueError(f"n_tokens ({n_tokens}) must be non-negative")
+    # Integer floor division spreads the remainder over the shards: sizes differ by at most 1.
+    return n_tokens * shard_index // num_shards, n_tokens * (shard_index + 1) // num_shards
+
+
+def shard_for_peer(peer_id: str, num_shards: int) -> int:
+    """Stable shard of a peer: sha256-based, unlike hash(), which is salted per process."""
+    if num_shards <= 0:
+        raise ValueError(f"data.num_shards ({num_shards}) must be a positive integer")
+    digest = hashlib.sha256(peer_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % num_shards
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) int64 tensors from windows of seq_len+1 bytes at `starts`; y is x shifted by one."""
+    # Fancy indexing copies, so the read-only memmap is never handed to torch.
+    windows = np.asarray(tokens)[starts[:, None] + np.arange(seq_len + 1)]
+    batch = torch.from_numpy(windows.astype(np.int64))
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+class BatchSampler:
+    """Random windows of seq_len+1 bytes from one shard; seeded so a peer's stream is reproducible."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> None:
+        if seq_len <= 0 or batch_size <= 0:
+            raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
+        if len(tokens) < seq_len + 1:
+            raise ValueError(
+                f"shard has {len(tokens)} bytes but a window needs seq_len+1 = {seq_len + 1}; "
+                "use fewer data.num_shards or more data"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self._rng = np.random.default_rng(seed)
+        # Pinned host memory makes .to(device, non_blocking=True) truly asynchronous.
+        self._pin = torch.cuda.is_available()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of shape (batch_size, seq_len) on CPU; y[:, t] is the byte after x[:, t]."""
+        starts = self._rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        x, y = _windows(self.tokens, starts, self.seq_len)
+        if self._pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        return x, y
+
+
+def eval_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed batches of evenly spaced windows, so every peer scores the same held-out text."""
+    if seq_len <= 0 or batch_size <= 0 or num_batches <= 0:
+        raise ValueError(
+            f"seq_len ({seq_len}), batch_size ({batch_size}) and num_batches ({num_batches}) must be positive"
+        )
+    if len(tokens) < seq_len + 1:
+        raise ValueError(
+            f"held-out split has {len(tokens)} bytes but a window needs seq_len+1 = {seq_len + 1}; "
+            "raise data.eval_fraction / data.max_eval_bytes or add more data"
+        )
+    last_start = len(tokens) - seq_len - 1
+    starts = np.linspace(0, last_start, num=batch_size * num_batches).astype(np.int64)
+    return [
+        _windows(tokens, starts[i * batch_size : (i + 1) * batch_size], seq_len) for i in range(num_batches)
+    ]

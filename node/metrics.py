@@ -1,0 +1,120 @@
+"""The JSON-lines metrics file (``--metrics-file``): a contract users' scripts rely on.
+
+Each line is one JSON object with at least ``event``, ``peer`` and ``time`` (unix seconds).
+``event == "round"`` lines carry every key in ``ROUND_FIELDS``. Lines are strict JSON: NaN and
+infinity become ``null``, because a diverged loss must not make the whole file unparseable
+for ``jq`` or a browser.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+ROUND_FIELDS = (
+    "round",
+    "group_size",
+    "inner_steps",
+    "tokens",
+    "compute_s",
+    "wait_s",
+    "sync_s",
+    "wall_s",
+    "loss",
+    "eval_loss",
+)
+_RESERVED = ("event", "peer", "time")
+
+
+def _finite_or_none(value: Any) -> Any:
+    """Replace NaN/inf floats (at any depth) with None so the line stays valid JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; thread-safe, flushed per line; ``path=None`` is a no-op.
+
+    Flushing per line means a crash loses nothing already written. Writes after ``close()``
+    are dropped rather than raised: a background thread may still report while the node shuts down.
+    """
+
+    def __init__(self, path: Path | None, peer_id: str) -> None:
+        self.path = Path(path) if path is not None else None
+        self.peer_id = peer_id
+        self._lock = threading.Lock()
+        self._file: IO[str] | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, event: str, **fields: Any) -> dict:
+        """Write one record and return it (as written: NaN/inf already replaced by None)."""
+        if clash := [key for key in _RESERVED if key in fields]:
+            raise ValueError(f"metrics fields {clash} are reserved; MetricsWriter fills them in")
+        record = _finite_or_none({"event": event, "peer": self.peer_id, "time": time.time(), **fields})
+        # Serialize outside the lock; allow_nan=False guarantees strict JSON (raises otherwise).
+        line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file is not None:
+                # One write() call per line, so concurrent writers never interleave inside a line.
+                self._file.write(line)
+                self._file.flush()
+        return record
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def round_record_fields(**kwargs: Any) -> dict:
+    """The fields of a ``round`` event: all of ``ROUND_FIELDS`` in order, then any extras.
+
+    A missing key is a bug in the caller, caught here rather than in a user's plotting script.
+    """
+    missing = [key for key in ROUND_FIELDS if key not in kwargs]
+    if missing:
+        raise ValueError(
+            f"round record is missing {missing}; every round line must carry {list(ROUND_FIELDS)}"
+        )
+    ordered = {key: kwargs[key] for key in ROUND_FIELDS}
+    ordered.update((key, value) for key, value in kwargs.items() if key not in ordered)
+    return ordered
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Parse a metrics file; a truncated final line (a crash mid-write) is skipped.
+
+    A bad line anywhere else means the file is not ours or was edited: ``ValueError``.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            # split("\n") leaves the unterminated tail last; only that one may be torn.
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from exc
+    return records

@@ -1,0 +1,41 @@
+"""User-facing errors, each with its own process exit code.
+
+Why a separate hierarchy: the CLI catches `ShoalError`, prints its one-line message without a
+traceback and exits with `exit_code`, so scripts can tell a bad flag from an unreachable peer.
+Anything else that escapes is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ShoalError(Exception):
+    """A user-facing problem: the message is one line that names what is wrong and how to fix it.
+
+    The CLI prints it without a traceback.
+    """
+
+    exit_code: int = 2
+
+
+class ConfigError(ShoalError):
+    """A bad config value, flag or environment variable."""
+
+    exit_code = 2
+
+
+class AddressError(ShoalError):
+    """A multiaddr the user gave cannot be used (malformed, missing transport or peer id)."""
+
+    exit_code = 3
+
+
+class NetworkError(ShoalError):
+    """The swarm cannot be reached, e.g. an unreachable bootstrap peer."""
+
+    exit_code = 4
+
+
+class CheckpointError(ShoalError):
+    """A checkpoint is missing, truncated or corrupt."""
+
+    exit_code = 5

@@ -1,0 +1,88 @@
+"""What peers tell each other inside an all-reduce round, and its validation.
+
+Every group member attaches a ``RoundGather`` to its averaging step (hivemind's ``gather``
+carries it to all members). Nothing received is trusted: ``RoundGather.decode`` checks types,
+sizes, bounds and finiteness and raises ``MessageError`` so a malformed or hostile peer is
+ignored, never crashes the receiver.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAX_FINGERPRINT_VALUES = 1 << 16
+
+
+class MessageError(ValueError):
+    """A peer sent something malformed; the message says what."""
+
+
+def _floats(blob: Any, count: int, what: str) -> tuple[float, ...]:
+    if not isinstance(blob, bytes) or len(blob) != 8 * count:
+        raise MessageError(f"{what}: expected {count} float64 values")
+    values = struct.unpack(f"<{count}d", blob)
+    if not all(math.isfinite(v) for v in values):
+        raise MessageError(f"{what}: non-finite value")
+    return values
+
+
+def _int(obj: dict, key: str, low: int, high: int) -> int:
+    value = obj.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise MessageError(f"{key}: expected an int in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class RoundGather:
+    """One member's round report, fixed when matchmaking starts: its round and a fingerprint of its anchor."""
+
+    round: int
+    rounds_done: int
+    numel: int
+    chunk_len: int
+    num_projections: int
+    projections: tuple[float, ...]  # row-major [num_chunks, num_projections]
+    scale: tuple[float, ...]  # [num_chunks]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.scale)
+
+    def encode(self) -> dict:
+        return {
+            "v": PROTOCOL_VERSION,
+            "round": self.round,
+            "rounds_done": self.rounds_done,
+            "numel": self.numel,
+            "chunk_len": self.chunk_len,
+            "k": self.num_projections,
+            "proj": struct.pack(f"<{len(self.projections)}d", *self.projections),
+            "scale": struct.pack(f"<{len(self.scale)}d", *self.scale),
+        }
+
+    @classmethod
+    def decode(cls, obj: Any, *, numel: int, chunk_len: int, num_projections: int) -> RoundGather:
+        """Validate a received report against the layout this peer expects."""
+        if not isinstance(obj, dict):
+            raise MessageError("round report is not a map")
+        if obj.get("v") != PROTOCOL_VERSION:
+            raise MessageError(f"protocol version {obj.get('v')!r:.20}, expected {PROTOCOL_VERSION}")
+        if (obj.get("numel"), obj.get("chunk_len"), obj.get("k")) != (numel, chunk_len, num_projections):
+            raise MessageError("fingerprint layout differs from ours (different model?)")
+        num_chunks = -(-numel // chunk_len)
+        if num_chunks * num_projections > MAX_FINGERPRINT_VALUES:
+            raise MessageError("fingerprint too large")
+        return cls(
+            round=_int(obj, "round", 0, 2**40),
+            rounds_done=_int(obj, "rounds_done", 0, 2**40),
+            numel=numel,
+            chunk_len=chunk_len,
+            num_projections=num_projections,
+            projections=_floats(obj.get("proj"), num_chunks * num_projections, "proj"),
+            scale=_floats(obj.get("scale"), num_chunks, "scale"),
+        )

@@ -1,0 +1,240 @@
+"""Corpus loading and caching, held-out split, shards and batches."""
+
+import hashlib
+import os
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from node import data
+from node.data import (
+    BatchSampler,
+    DataConfig,
+    default_corpus_files,
+    eval_batches,
+    load_corpus,
+    resolve_files,
+    shard_bounds,
+    shard_for_peer,
+    split_corpus,
+)
+
+torch.set_num_threads(1)
+
+
+def _write_corpus(root: Path) -> list[bytes]:
+    """Three files (one nested) big enough to pass the minimum corpus size; returns contents in path order."""
+    rng = np.random.default_rng(0)
+    contents = {
+        root / "a.txt": rng.integers(0, 256, 9000, dtype=np.uint8).tobytes(),
+        root / "b.txt": b"hello shoal\n" * 800,
+        root / "sub" / "c.txt": rng.integers(0, 256, 7000, dtype=np.uint8).tobytes(),
+    }
+    for path, content in contents.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    return [contents[path] for path in sorted(contents)]
+
+
+def _config(tmp_path: Path, **overrides) -> DataConfig:
+    return DataConfig(
+        paths=[str(tmp_path / "text" / "**" / "*.txt")], cache_dir=str(tmp_path / "cache"), **overrides
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"eval_fraction": 0.0}, r"data\.eval_fraction"),
+        ({"eval_fraction": 0.5}, r"data\.eval_fraction"),
+        ({"num_shards": 0}, r"data\.num_shards"),
+        ({"batch_size": -4}, r"data\.batch_size"),
+        ({"max_corpus_bytes": 0}, r"data\.max_corpus_bytes"),
+        ({"max_eval_bytes": 0}, r"data\.max_eval_bytes"),
+        ({"paths": "*.txt"}, r"data\.paths"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DataConfig(**kwargs)
+
+
+def test_default_corpus_has_stdlib_sources() -> None:
+    files = default_corpus_files()
+    py_files = [f for f in files if f.suffix == ".py"]
+    assert len(py_files) > 50
+    assert any(f.name == "os.py" for f in py_files)
+    assert not any("site-packages" in f.parts for f in files)
+    assert files == sorted(files)
+
+
+def test_resolve_files_expands_recursive_globs(tmp_path: Path) -> None:
+    _write_corpus(tmp_path / "text")
+    files = resolve_files(_config(tmp_path))
+    assert [f.name for f in files] == ["a.txt", "b.txt", "c.txt"]
+
+
+def test_unmatched_glob_is_a_clear_error(tmp_path: Path) -> None:
+    config = DataConfig(paths=[str(tmp_path / "nothing" / "*.txt")], cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(
+        ValueError, match=r"data\.paths: no files match .*nothing.*point it at existing text files"
+    ):
+        load_corpus(config)
+
+
+def test_load_corpus_concatenates_files_and_caches_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    contents = _write_corpus(tmp_path / "text")
+    config = _config(tmp_path)
+    tokens = load_corpus(config)
+    assert tokens.dtype == np.uint8
+    assert tokens.tobytes() == b"\n".join(contents)
+    cache_files = list((tmp_path / "cache").glob("corpus-*.bin"))
+    assert len(cache_files) == 1
+    assert not list((tmp_path / "cache").glob("*.tmp"))  # the temp file was renamed, not left behind
+
+    # A second load must come from the cache: reading any corpus file would now fail.
+    def no_reading(*args, **kwargs):
+        raise AssertionError("corpus files were read again instead of using the cache")
+
+    monkeypatch.setattr(data, "_read_files", no_reading)
+    again = load_corpus(config)
+    assert again.tobytes() == tokens.tobytes()
+
+
+def test_editing_a_file_invalidates_the_cache(tmp_path: Path) -> None:
+    _write_corpus(tmp_path / "text")
+    config = _config(tmp_path)
+    load_corpus(config)
+    edited = tmp_path / "text" / "b.txt"
+    edited.write_bytes(b"changed\n" * 1000)
+    os.utime(edited, ns=(0, 10**18))  # make sure mtime differs even on coarse clocks
+    tokens = load_corpus(config)
+    assert b"changed" in tokens.tobytes()
+    assert len(list((tmp_path / "cache").glob("corpus-*.bin"))) == 2
+
+
+def test_load_corpus_stops_at_max_bytes(tmp_path: Path) -> None:
+    contents = _write_corpus(tmp_path / "text")
+    tokens = load_corpus(_config(tmp_path, max_corpus_bytes=20_000))
+    assert len(tokens) == 20_000
+    assert tokens.tobytes() == b"\n".join(contents)[:20_000]
+
+
+def test_tiny_corpus_is_rejected(tmp_path: Path) -> None:
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "small.txt").write_bytes(b"too short")
+    with pytest.raises(ValueError, match="data.paths"):
+        load_corpus(_config(tmp_path))
+    assert not list(tmp_path.rglob("corpus-*.bin"))  # a useless corpus is not cached
+
+
+def test_eval_split_is_the_fixed_tail_disjoint_from_train() -> None:
+    tokens = np.arange(10_000, dtype=np.int64)  # distinct values make overlap detectable
+    split = split_corpus(tokens, eval_fraction=0.05, max_eval_bytes=1_000_000)
+    assert len(split.eval) == 500
+    assert len(split.train) + len(split.eval) == len(tokens)
+    assert np.intersect1d(split.train, split.eval).size == 0
+    np.testing.assert_array_equal(split.eval, tokens[-500:])
+    again = split_corpus(tokens, eval_fraction=0.05, max_eval_bytes=1_000_000)
+    np.testing.assert_array_equal(again.eval, split.eval)
+    capped = split_corpus(tokens, eval_fraction=0.4, max_eval_bytes=123)
+    assert len(capped.eval) == 123
+
+
+def test_eval_split_too_small_is_rejected() -> None:
+    with pytest.raises(ValueError, match="eval_fraction"):
+        split_corpus(np.zeros(50, dtype=np.uint8), eval_fraction=0.01, max_eval_bytes=1000)
+
+
+@pytest.mark.parametrize(("n_tokens", "num_shards"), [(0, 3), (10, 1), (10, 3), (1000, 16), (17, 17), (5, 8)])
+def test_shards_are_contiguous_disjoint_and_cover_everything(n_tokens: int, num_shards: int) -> None:
+    bounds = [shard_bounds(n_tokens, num_shards, i) for i in range(num_shards)]
+    assert bounds[0][0] == 0
+    assert bounds[-1][1] == n_tokens
+    for (_, end), (next_start, _) in pairwise(bounds):
+        assert end == next_start
+    sizes = [end - start for start, end in bounds]
+    assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1
+
+
+def test_shard_index_out_of_range_is_rejected() -> None:
+    with pytest.raises(ValueError):
+        shard_bounds(100, 4, 4)
+
+
+def test_shard_for_peer_is_stable_and_in_range() -> None:
+    # A fixed expectation catches an accidental switch to the process-salted hash().
+    expected = int.from_bytes(hashlib.sha256(b"peer-a").digest()[:8], "big") % 1_000_003
+    assert shard_for_peer("peer-a", 1_000_003) == expected
+    shards = [shard_for_peer(f"peer-{i}", 16) for i in range(200)]
+    assert all(0 <= s < 16 for s in shards)
+    assert shards == [shard_for_peer(f"peer-{i}", 16) for i in range(200)]
+    assert len(set(shards)) > 8  # spreads peers over shards
+
+
+def test_batch_sampler_windows_are_slices_of_the_shard_and_y_is_x_shifted() -> None:
+    corpus = np.arange(4000, dtype=np.int64)  # distinct values: each window reveals where it came from
+    start, end = shard_bounds(len(corpus), 4, 2)
+    shard = corpus[start:end]
+    sampler = BatchSampler(shard, seq_len=16, batch_size=64, seed=3)
+    seen_starts = set()
+    for _ in range(10):
+        x, y = sampler.next_batch()
+        assert x.shape == y.shape == (64, 16)
+        assert x.dtype == y.dtype == torch.int64
+        for row_x, row_y in zip(x, y, strict=True):
+            offset = int(row_x[0]) - start
+            assert 0 <= offset and offset + 17 <= len(shard)
+            np.testing.assert_array_equal(row_x.numpy(), shard[offset : offset + 16])
+            np.testing.assert_array_equal(row_y.numpy(), shard[offset + 1 : offset + 17])
+            seen_starts.add(offset)
+    # 640 draws over 984 possible starts: both ends of the shard should be reachable.
+    assert min(seen_starts) < 50 and max(seen_starts) > len(shard) - 17 - 50
+
+
+def test_batch_sampler_is_reproducible_from_its_seed() -> None:
+    shard = np.random.default_rng(0).integers(0, 256, 2000, dtype=np.uint8)
+    a, b, c = (BatchSampler(shard, seq_len=16, batch_size=4, seed=s) for s in (7, 7, 8))
+    batches_a = [a.next_batch() for _ in range(3)]
+    batches_b = [b.next_batch() for _ in range(3)]
+    for (xa, ya), (xb, yb) in zip(batches_a, batches_b, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(batches_a[0][0], c.next_batch()[0])
+
+
+def test_batch_sampler_rejects_a_shard_shorter_than_a_window() -> None:
+    with pytest.raises(ValueError, match="fewer data.num_shards or more data"):
+        BatchSampler(np.zeros(16, dtype=np.uint8), seq_len=16, batch_size=2, seed=0)
+
+
+def test_batch_sampler_accepts_the_memmapped_corpus(tmp_path: Path) -> None:
+    _write_corpus(tmp_path / "text")
+    tokens = load_corpus(_config(tmp_path))
+    x, y = BatchSampler(tokens, seq_len=8, batch_size=2, seed=0).next_batch()
+    assert x.shape == (2, 8) and x.max() < 256
+
+
+def test_eval_batches_are_fixed_evenly_spaced_and_cover_the_split() -> None:
+    tokens = np.arange(1000, dtype=np.int64)
+    batches = eval_batches(tokens, seq_len=10, batch_size=4, num_batches=3)
+    assert len(batches) == 3
+    starts = [int(row[0]) for x, _ in batches for row in x]
+    assert starts[0] == 0 and starts[-1] == 1000 - 11  # first and last windows touch both ends
+    gaps = np.diff(starts)
+    assert gaps.min() >= 1 and gaps.max() - gaps.min() <= 1
+    for x, y in batches:
+        assert x.shape == y.shape == (4, 10)
+        torch.testing.assert_close(x + 1, y)
+    again = eval_batches(tokens, seq_len=10, batch_size=4, num_batches=3)
+    for (xa, ya), (xb, yb) in zip(batches, again, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_eval_batches_reject_a_split_shorter_than_a_window() -> None:
+    with pytest.raises(ValueError, match="eval_fraction"):
+        eval_batches(np.zeros(5, dtype=np.uint8), seq_len=8, batch_size=2, num_batches=1)

@@ -1,0 +1,57 @@
+"""The outer step and pseudo-gradient against torch's own Nesterov SGD."""
+
+import pytest
+import torch
+
+from averaging.flat import FlatLayout
+from averaging.outer import outer_step_, outer_update_bound, pseudo_gradient
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_matches_torch_sgd(nesterov):
+    gen = torch.Generator().manual_seed(0)
+    anchor = torch.randn(1000, generator=gen)
+    reference = torch.nn.Parameter(anchor.clone())
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=nesterov)
+    momentum = torch.zeros_like(anchor)
+    for _ in range(5):
+        params = anchor - 0.01 * torch.randn(1000, generator=gen)  # where local inner steps ended
+        grad = pseudo_gradient(anchor, params)
+        reference.grad = grad.clone()
+        sgd.step()
+        outer_step_(anchor, grad, momentum, lr=0.7, mu=0.9, nesterov=nesterov)
+        torch.testing.assert_close(anchor, reference.detach(), rtol=0, atol=1e-6)
+
+
+def test_outer_step_returns_the_applied_update():
+    anchor = torch.ones(4)
+    before = anchor.clone()
+    update = outer_step_(anchor, torch.full((4,), 0.5), torch.zeros(4), lr=1.0, mu=0.0)
+    torch.testing.assert_close(before - anchor, update)
+    torch.testing.assert_close(anchor, torch.full((4,), 0.5))
+
+
+def test_pseudo_gradient_is_anchor_minus_params():
+    anchor, params = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 3.0])
+    torch.testing.assert_close(pseudo_gradient(anchor, params), torch.tensor([0.5, -1.0]))
+
+
+def test_outer_update_bound_matches_simulated_error_propagation():
+    # An error in one round's pseudo-gradient moves the anchor by lr/(1-mu) times it in total.
+    a, b = torch.zeros(1), torch.zeros(1)
+    ma, mb = torch.zeros(1), torch.zeros(1)
+    for step in range(400):
+        g = torch.ones(1) * 0.1
+        outer_step_(a, g, ma, lr=0.7, mu=0.9)
+        outer_step_(b, g + (1.0 if step == 0 else 0.0), mb, lr=0.7, mu=0.9)
+    assert float(a - b) == pytest.approx(outer_update_bound(0.7, 0.9), rel=1e-4)
+
+
+def test_flat_layout_views_write_through():
+    named = [("a", torch.zeros(2, 3)), ("b", torch.zeros(4))]
+    layout = FlatLayout.of(named)
+    flat = layout.new_buffer()
+    layout.pack({"a": torch.ones(2, 3), "b": torch.full((4,), 2.0)}, flat)
+    assert flat.tolist() == [1.0] * 6 + [2.0] * 4
+    layout.views(flat)["b"].zero_()
+    assert flat[6:].abs().sum() == 0
