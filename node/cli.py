@@ -33,7 +33,10 @@ def _configure_logging(ui: bool) -> None:
     if ui:
         from rich.logging import RichHandler
 
-        handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
+        from node.ui import CONSOLE
+
+        # The live view's console: log lines are printed above the panel instead of through it.
+        handler: logging.Handler = RichHandler(console=CONSOLE, show_path=False, rich_tracebacks=False)
         handler.setFormatter(logging.Formatter("%(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)
@@ -41,8 +44,11 @@ def _configure_logging(ui: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
-    use_hivemind_log_handler("in_root_logger")
+    use_hivemind_log_handler("nowhere")  # hivemind's records reach our handler, once
     logging.getLogger("hivemind").setLevel(os.environ.get("SHOAL_HIVEMIND_LOGLEVEL", "WARNING"))
+    # A failed averaging step is expected (a lone peer, a peer that left) and shoal reports it
+    # itself, in one line and in the metrics; hivemind would log it with a traceback.
+    logging.getLogger("hivemind.averaging.averager").setLevel("CRITICAL")
 
 
 class Interrupts:

@@ -133,6 +133,7 @@ class Node:
 
     def train(self) -> int:
         self.announce()
+        self._initial_sync()
         self.monitor.start()
         self.view.start()
         self._closers.insert(0, self.view.stop)
@@ -142,6 +143,33 @@ class Node:
             self._run_round(round)
             round = max(round + 1, self.monitor.schedule.round_at(time.time()))
         return 0
+
+    def _initial_sync(self) -> None:
+        """Joining a run in progress: start from the swarm's current anchor, not from the init.
+
+        Runs before the monitor thread starts, so this thread is still the DHT's only user.
+        """
+        if not self.options.initial_peers:
+            return
+        self.monitor.tick()
+        donors = sorted((p for p in self.monitor.peers if p != self.peer_id),
+                        key=lambda p: -self.monitor.peers[p].get("round", 0))
+        if not donors:
+            return
+        started = time.perf_counter()
+        state = self.worker.download_state(donors, timeout=self.config.averaging.allreduce_timeout)
+        if state is None:
+            logger.warning("could not download the swarm's state; starting from the initial weights")
+            return
+        try:
+            adopted = self.outer.adopt(state)
+        except MessageError as e:
+            self.metrics.write("error", round=0, kind="state_download", message=str(e))
+            return
+        self.trainer.load_anchor(self.outer.anchor)
+        seconds = time.perf_counter() - started
+        logger.info(f"joined at round {adopted}: downloaded the shared state from {state.peer} in {seconds:.1f}s")
+        self.metrics.write("state_download", source=state.peer, adopted_round=adopted, seconds=seconds)
 
     def close(self, reason: str) -> None:
         """Leave: save the shared state, then shut everything down (each step best-effort)."""

@@ -20,6 +20,9 @@ from rich.text import Text
 
 logger = logging.getLogger(__name__)
 
+# One console for the live panel and the log handler, so log lines scroll above the panel.
+CONSOLE = Console()
+
 
 @dataclass(slots=True)
 class NodeStatus:
@@ -49,7 +52,7 @@ class LiveView:
 
     def __init__(self, console: Console | None = None):
         self.status = NodeStatus()
-        self.console = console or Console(stderr=False)
+        self.console = console or CONSOLE
         self._live = Live(get_renderable=self._render, console=self.console, refresh_per_second=4,
                           transient=False, redirect_stdout=True, redirect_stderr=True)
 

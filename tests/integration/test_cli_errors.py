@@ -1,0 +1,99 @@
+"""Bad input gets one clear line and a non-zero exit code, never a traceback or a hang."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from tests.integration.swarm import REPO, p2pd_pids, shoal_command
+
+pytestmark = pytest.mark.integration
+
+VALID_PEER_ID = "12D3KooWNSgyp7Jk9sKE6bQqBHmCKDCX6ayX3cFHpLdcFWUy56Sd"
+
+
+def shoal(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([*shoal_command(), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          start_new_session=True)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert result.returncode == code, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+    assert "Traceback" not in result.stderr + result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+@pytest.mark.parametrize(
+    ("address", "needle"),
+    [
+        ("/ip4/1.2.3/tcp/31337", "not a valid multiaddr"),
+        ("/ip4/127.0.0.1/tcp/31337", "/p2p/"),
+        ("127.0.0.1:31337", "127.0.0.1:31337"),
+        (f"/ip4/127.0.0.1/tcp/31337/p2p/{VALID_PEER_ID[:-3]}", "peer id"),
+    ],
+)
+def test_bad_initial_peer_is_named(address, needle):
+    result = shoal("run", "--no-ui", "--initial-peer", address)
+    assert_one_line_error(result, 3, "--initial-peer", needle)
+
+
+def test_bad_listen_address_is_named():
+    assert_one_line_error(shoal("run", "--no-ui", "--listen", "/ip4/127.0.0.1/tcpx/0"), 3, "--listen")
+
+
+def test_unreachable_bootstrap_peer_fails_fast_and_cleanly(tmp_path):
+    before = p2pd_pids()
+    started = time.monotonic()
+    result = shoal("run", "--no-ui", "--bootstrap-timeout", "10", "--listen", "/ip4/127.0.0.1/tcp/0",
+                   "--initial-peer", f"/ip4/127.0.0.1/tcp/9/p2p/{VALID_PEER_ID}",
+                   "--metrics-file", str(tmp_path / "m.jsonl"))
+    assert time.monotonic() - started < 60
+    assert_one_line_error(result, 4, "could not reach", "/ip4/127.0.0.1/tcp/9")
+    assert not p2pd_pids() - before
+
+
+@pytest.mark.parametrize(
+    ("toml", "needle"),
+    [
+        ("[round]\nseconds = 0\n", "round.seconds"),
+        ("[model]\ndmodel = 64\n", "model.dmodel"),
+        ("[model]\nd_model = 'big'\n", "model.d_model"),
+        ("[model]\nd_model = 66\nn_head = 4\n", "model.d_model"),
+        ("[averaging]\nrequest_timeout = 5.0\nmatchmaking_seconds = 3.0\n", "averaging.request_timeout"),
+        ("[data]\npaths = ['/nonexistent/*.txt']\n", "data.paths"),
+        ("this is = not toml [", "not valid TOML"),
+    ],
+)
+def test_bad_config_value_is_named(tmp_path, toml, needle):
+    config = tmp_path / "bad.toml"
+    config.write_text(toml)  # sections left out take their defaults
+    result = shoal("run", "--no-ui", "--config", str(config), "--listen", "/ip4/127.0.0.1/tcp/0")
+    assert_one_line_error(result, 2, needle)
+
+
+@pytest.mark.parametrize(("flag", "value", "needle"), [("--round-seconds", "0", "round.seconds"),
+                                                        ("--device", "tpu", "train.device"),
+                                                        ("--run-id", "bad id!", "run id")])
+def test_bad_flag_value_is_named(flag, value, needle):
+    assert_one_line_error(shoal("run", "--no-ui", flag, value), 2, needle)
+
+
+def test_missing_config_file():
+    assert_one_line_error(shoal("run", "--no-ui", "--config", "/nonexistent/run.toml"), 2, "/nonexistent/run.toml")
+
+
+def test_cuda_requested_without_cuda_cleans_up(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    before = p2pd_pids()
+    result = shoal("run", "--no-ui", "--device", "cuda", "--listen", "/ip4/127.0.0.1/tcp/0")
+    assert_one_line_error(result, 2, "--device cuda")
+    assert not p2pd_pids() - before

@@ -1,0 +1,70 @@
+"""Three real `shoal run` processes on loopback train the tiny model together (real DHT, real
+butterfly all-reduce with fp16 compression)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from node.checkpoint import load_latest_valid
+from node.config import load_config
+from node.metrics import read_metrics
+from node.model import build_model
+from tests.integration.swarm import TINY
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 7
+FP16_UNIT_ROUNDOFF = 2.0**-11
+
+
+def rounds_of(peer) -> dict[int, dict]:
+    return {r["round"]: r for r in read_metrics(peer.metrics_path) if r["event"] == "round"}
+
+
+@pytest.mark.timeout(400)
+def test_three_peers_train_one_model(swarm):
+    first = swarm.start("a", "--max-rounds", str(ROUNDS))
+    address = first.wait_for_address()
+    others = [swarm.start(name, "--max-rounds", str(ROUNDS), initial=address[:1]) for name in ("b", "c")]
+    peers = [first, *others]
+    for peer in peers:
+        assert peer.wait(timeout=300) == 0, peer.log()[-3000:]
+
+    per_peer = {peer.name: rounds_of(peer) for peer in peers}
+    # Peers start while the run is already going (process start-up is slow on 2 shared cores):
+    # from the first round every peer took part in, every group must hold all three.
+    common = range(max(min(rounds) for rounds in per_peer.values()) + 1, ROUNDS + 1)
+    assert len(common) >= 3, {name: sorted(r) for name, r in per_peer.items()}
+    for name, rounds in per_peer.items():
+        for r in common:
+            assert rounds[r]["group_size"] == 3, (name, r, rounds[r])
+            assert rounds[r]["applied"] == "averaged", (name, r, rounds[r])
+            assert rounds[r]["diverged"] == [], (name, r, rounds[r])
+        assert set(range(min(rounds), ROUNDS + 1)) <= set(rounds), f"{name} skipped a round: {sorted(rounds)}"
+
+    # Eval loss of the shared model went down over the run.
+    evals = [per_peer["a"][r]["eval_loss"] for r in sorted(per_peer["a"])]
+    assert evals[-1] < evals[0], evals
+
+    # The anchors agree. fp16 compression makes each peer add fp16(avg - local) to its own
+    # local value, so the averaged pseudo-gradients differ by at most 2^-11 of |avg - local| per
+    # element, and an error e in one round moves the anchor by lr/(1-mu) * e = 7e in total. Over
+    # the common rounds that stays far below 1% of how far the anchor moved from its init; a
+    # failed part (a peer keeping its own pseudo-gradient) would be of the order of that movement.
+    config = load_config(TINY)
+    init = torch.cat([p.detach().flatten() for p in build_model(config.model, seed=config.train.seed).parameters()])
+    anchors = {}
+    for peer in peers:
+        checkpoint = load_latest_valid(peer.checkpoint_dir)
+        assert checkpoint is not None and checkpoint.round == ROUNDS
+        anchors[peer.name] = torch.cat([t.flatten() for t in checkpoint.params.values()])
+    moved = (anchors["a"] - init).square().mean().sqrt()
+    bound = 7 * 2 * FP16_UNIT_ROUNDOFF * len(common)
+    for x, y in itertools.combinations(anchors, 2):
+        rms_diff = (anchors[x] - anchors[y]).square().mean().sqrt()
+        print(f"anchors {x}-{y}: rms diff {rms_diff:.3e}, max diff {(anchors[x] - anchors[y]).abs().max():.3e}, "
+              f"anchor moved {moved:.3e} (ratio {rms_diff / moved:.2e}, bound {bound:.2e})")
+        assert rms_diff <= bound * moved, (x, y, float(rms_diff), float(moved))
