@@ -31,7 +31,7 @@ from averaging.consistency import (
 )
 from averaging.flat import FlatLayout
 from averaging.outer import outer_step_
-from protocols.messages import MessageError, RoundGather
+from protocols.messages import MAX_ROUND, MessageError, RoundGather, bounded_int, floats
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class OuterState:
         self._lock = threading.Lock()
         self._claim: AnchorClaim | None = None
         self._scale = torch.zeros(fingerprint(self.anchor).num_chunks, dtype=torch.float64)
+        self._last_rms = 0.0  # RMS of the last applied pseudo-gradient
 
     # -- what we tell the group ------------------------------------------------------------
     def claim(self) -> AnchorClaim:
@@ -109,7 +110,7 @@ class OuterState:
         update = local_pseudo_grad
         if outcome.ok and averaged is not None:
             conclusion.group_size = len(outcome.group)
-            problem = check_average(averaged, local_pseudo_grad)
+            problem = check_average(averaged, local_pseudo_grad, reference_rms=self._last_rms)
             if problem is None:
                 update, conclusion.applied = averaged, "averaged"
             else:
@@ -144,6 +145,7 @@ class OuterState:
             self.last_round = round
             fp = fingerprint(self.anchor)
             self._scale = chunk_rms(pseudo_grad, fp.chunk_len)
+            self._last_rms = float(pseudo_grad.double().square().mean().sqrt())
             self._claim = AnchorClaim(fp, self._scale.clone(), self.rounds_done)
 
     # -- sharing and adopting the state ----------------------------------------------------
@@ -172,29 +174,35 @@ class OuterState:
                 raise MessageError(f"state from {state.peer}: tensor of shape {tuple(tensor.shape)} {tensor.dtype}")
             if not torch.isfinite(tensor).all():
                 raise MessageError(f"state from {state.peer}: non-finite values")
-        rounds = [metadata.get(k) for k in ("round", "rounds_done")]
-        if not all(isinstance(v, int) and v >= 0 for v in rounds):
-            raise MessageError(f"state from {state.peer}: bad round counters")
-        scale_blob = metadata.get("scale")
-        num_chunks = len(self._scale)
-        if not isinstance(scale_blob, bytes) or len(scale_blob) != 8 * num_chunks:
-            raise MessageError(f"state from {state.peer}: bad scale")
+        try:
+            rounds = [bounded_int(metadata, key, 0, MAX_ROUND) for key in ("round", "rounds_done")]
+        except MessageError as e:
+            raise MessageError(f"state from {state.peer}: bad round counters ({e})") from None
+        try:
+            scale = floats(metadata.get("scale"), len(self._scale), "scale")
+        except MessageError as e:
+            raise MessageError(f"state from {state.peer}: bad scale ({e})") from None
         with self._lock:
             self.anchor.copy_(tensors[0])
             self.momentum.copy_(tensors[1])
             self.last_round, self.rounds_done = rounds
-            self._scale = torch.tensor(struct.unpack(f"<{num_chunks}d", scale_blob), dtype=torch.float64)
+            self._scale = torch.tensor(scale, dtype=torch.float64)
             self._claim = None
         return self.last_round
 
 
-def check_average(averaged: torch.Tensor, local: torch.Tensor) -> str | None:
-    """Why an averaged pseudo-gradient from the network must not be applied, or None if it may."""
+def check_average(averaged: torch.Tensor, local: torch.Tensor, reference_rms: float = 0.0) -> str | None:
+    """Why an averaged pseudo-gradient from the network must not be applied, or None if it may.
+
+    The size check compares with our own pseudo-gradient, or with the last one we applied when
+    ours is zero (a peer that joined at the deadline and made no step); with neither, only
+    finiteness is checked.
+    """
     if not torch.isfinite(averaged).all():
         return "the averaged pseudo-gradient has NaN/inf values; applied the local update instead"
-    local_rms = local.double().square().mean().sqrt()
-    averaged_rms = averaged.double().square().mean().sqrt()
-    if averaged_rms > MAX_AVERAGE_TO_LOCAL_RATIO * local_rms + 1e-12:
-        return (f"the averaged pseudo-gradient is {float(averaged_rms / max(local_rms, 1e-30)):.3g}x larger "
+    reference = max(float(local.double().square().mean().sqrt()), reference_rms)
+    averaged_rms = float(averaged.double().square().mean().sqrt())
+    if reference > 0 and averaged_rms > MAX_AVERAGE_TO_LOCAL_RATIO * reference:
+        return (f"the averaged pseudo-gradient is {averaged_rms / reference:.3g}x larger "
                 "than ours; applied the local update instead")
     return None

@@ -24,7 +24,7 @@ class LocalHub:
         self._cond = threading.Condition()
         self._prepared: dict[int, set[str]] = {}
         self._arrived: dict[int, dict[str, tuple[torch.Tensor, float, Any]]] = {}
-        self._results: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
+        self._results: dict[int, tuple[torch.Tensor, dict[str, Any]] | None] = {}
         self.state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]] = {}
 
     def prepare(self, peer: str, round: int) -> None:
@@ -44,6 +44,9 @@ class LocalHub:
             while round not in self._results:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._cond.wait(remaining):
+                    # Like a real all-reduce, a round somebody gave up on fails for everyone.
+                    self._results.setdefault(round, None)
+                    self._cond.notify_all()
                     return None
             return self._results[round]
 

@@ -139,7 +139,11 @@ class RunConfig:
 
 # Sections whose every field must match across the peers of a run.
 SHARED_SECTIONS = ("model", "inner", "outer", "round")
-SHARED_FIELDS = (("data", "batch_size"), ("data", "num_shards"), ("averaging", "compression"), ("train", "seed"))
+SHARED_FIELDS = (
+    ("data", "batch_size"), ("data", "num_shards"), ("train", "seed"),
+    # the consistency verdict must be the same on every member of a group
+    ("averaging", "compression"), ("averaging", "rel_tol"), ("averaging", "abs_tol"),
+)
 
 
 def shared_fields(config: RunConfig) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from node.config import RunConfig, shared_fields, shared_hash
 from node.data import BatchSampler, eval_batches, load_corpus, shard_bounds, shard_for_peer, split_corpus
 from node.metrics import MetricsWriter, round_record_fields
 from node.model import build_model, count_parameters
+from node.sockets import hivemind_sockets, remove_stale
 from node.swarm import PeerMonitor, join_run, start_dht
 from node.trainer import StepTimer, Trainer, inner_lr, resolve_device
 from node.ui import LiveView, NodeStatus, PlainView
@@ -54,6 +55,7 @@ class Node:
     def __init__(self, config: RunConfig, options: NodeOptions, stop: threading.Event):
         self.config, self.options, self.stop = config, options, stop
         self._closers: list = []
+        self._sockets_before: set[str] | None = None
         try:
             self._build()
         except BaseException:
@@ -76,6 +78,7 @@ class Node:
         split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes)
 
         # 3. The swarm. Forks a process (hivemind's DHT).
+        self._sockets_before = hivemind_sockets()
         self.dht = start_dht(initial_peers=options.initial_peers, listen=options.listen,
                              announce=options.announce, timeout=options.bootstrap_timeout)
         self._closers.append(self.dht.shutdown)
@@ -190,6 +193,8 @@ class Node:
                 close()
             except Exception as e:  # noqa: BLE001
                 logger.warning(f"shutdown step {getattr(close, '__qualname__', close)} failed: {e!r}")
+        if self._sockets_before is not None:  # after every hivemind process has ended
+            remove_stale(hivemind_sockets() - self._sockets_before)
 
     # -- one round -------------------------------------------------------------------------
     def _run_round(self, round: int) -> None:

@@ -6,11 +6,11 @@ import re
 
 from protocols.errors import ConfigError
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 def validate_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise ConfigError(
             f"run id {run_id!r} is invalid; use 1-64 letters, digits, '_' or '-' (starting with a letter or digit)"
         )

@@ -21,7 +21,11 @@ class MessageError(ValueError):
     """A peer sent something malformed; the message says what."""
 
 
-def _floats(blob: Any, count: int, what: str) -> tuple[float, ...]:
+MAX_ROUND = 2**40
+
+
+def floats(blob: Any, count: int, what: str) -> tuple[float, ...]:
+    """``count`` finite little-endian float64 values packed in ``blob``, or MessageError."""
     if not isinstance(blob, bytes) or len(blob) != 8 * count:
         raise MessageError(f"{what}: expected {count} float64 values")
     values = struct.unpack(f"<{count}d", blob)
@@ -30,7 +34,8 @@ def _floats(blob: Any, count: int, what: str) -> tuple[float, ...]:
     return values
 
 
-def _int(obj: dict, key: str, low: int, high: int) -> int:
+def bounded_int(obj: dict, key: str, low: int, high: int) -> int:
+    """``obj[key]`` as an int within [low, high] (bools refused), or MessageError."""
     value = obj.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise MessageError(f"{key}: expected an int in [{low}, {high}], got {value!r:.40}")
@@ -78,11 +83,11 @@ class RoundGather:
         if num_chunks * num_projections > MAX_FINGERPRINT_VALUES:
             raise MessageError("fingerprint too large")
         return cls(
-            round=_int(obj, "round", 0, 2**40),
-            rounds_done=_int(obj, "rounds_done", 0, 2**40),
+            round=bounded_int(obj, "round", 0, MAX_ROUND),
+            rounds_done=bounded_int(obj, "rounds_done", 0, MAX_ROUND),
             numel=numel,
             chunk_len=chunk_len,
             num_projections=num_projections,
-            projections=_floats(obj.get("proj"), num_chunks * num_projections, "proj"),
-            scale=_floats(obj.get("scale"), num_chunks, "scale"),
+            projections=floats(obj.get("proj"), num_chunks * num_projections, "proj"),
+            scale=floats(obj.get("scale"), num_chunks, "scale"),
         )

@@ -97,3 +97,25 @@ def test_cuda_requested_without_cuda_cleans_up(tmp_path):
     result = shoal("run", "--no-ui", "--device", "cuda", "--listen", "/ip4/127.0.0.1/tcp/0")
     assert_one_line_error(result, 2, "--device cuda")
     assert not p2pd_pids() - before
+
+
+def test_bootstrap_peer_that_never_answers_times_out(tmp_path):
+    """A port that accepts TCP but never speaks libp2p: a bounded wait, then one line."""
+    import socket
+    import threading
+
+    before = p2pd_pids()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held = []
+    threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(16)], daemon=True).start()
+    try:
+        started = time.monotonic()
+        result = shoal("run", "--no-ui", "--bootstrap-timeout", "8", "--listen", "/ip4/127.0.0.1/tcp/0",
+                       "--initial-peer", f"/ip4/127.0.0.1/tcp/{server.getsockname()[1]}/p2p/{VALID_PEER_ID}")
+        assert time.monotonic() - started < 45
+        assert_one_line_error(result, 4, "could not reach")
+    finally:
+        server.close()
+    assert not p2pd_pids() - before

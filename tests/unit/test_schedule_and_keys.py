@@ -66,8 +66,6 @@ def test_validate_run_id_rejects_with_a_config_error(run_id):
         validate_run_id(run_id)
 
 
-@pytest.mark.xfail(strict=True, reason="keys.py: the pattern ends in '$', which also matches before a trailing "
-                                       "newline; validate_run_id('abc\\n') is accepted (use fullmatch or \\Z)")
 def test_validate_run_id_rejects_a_trailing_newline():
     with pytest.raises(ConfigError):
         validate_run_id("abc\n")
