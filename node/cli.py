@@ -56,12 +56,19 @@ class Interrupts:
 
     def __init__(self, stop: threading.Event):
         self.stop, self.count = stop, 0
+        self.pid = os.getpid()
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self)
         signal.signal(signal.SIGTERM, self)
 
     def __call__(self, signum, frame) -> None:
+        if os.getpid() != self.pid:
+            # A forked hivemind child inherited this handler: let the signal do its default
+            # (hivemind ends a stuck child with SIGTERM, which must not be swallowed here).
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.count += 1
         if self.count == 1:
             self.stop.set()

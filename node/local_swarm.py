@@ -59,6 +59,10 @@ class LocalPeer:
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"{self.name} still running after {timeout}s:\n{self.log()[-3000:]}") from None
 
+    def leftovers(self) -> list[int]:
+        """Processes still alive in the peer's session (a clean exit leaves none: no p2pd)."""
+        return session_members(self.proc.pid)
+
     def interrupt(self) -> None:
         """Ctrl+C for this peer alone: a clean leave."""
         if self.proc.poll() is None:
@@ -135,11 +139,13 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def p2pd_pids() -> set[int]:
-    """Running p2pd daemons (hivemind's libp2p daemon), for leak checks."""
-    pids = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if cmdline and os.path.basename(cmdline[0]) == "p2pd":
-            pids.add(proc.pid)
-    return pids
+def session_members(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (a peer started with start_new_session leads its own)."""
+    members = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(proc.pid) == sid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(proc.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return members

@@ -66,6 +66,8 @@ class Node:
         config, options = self.config, self.options
         if config.train.torch_threads:
             torch.set_num_threads(config.train.torch_threads)
+        # Fail on an unusable --device before starting any network process.
+        self.device = resolve_device(config.train.device)
 
         # 1. Model and anchor on the CPU; every peer builds the same weights from the run's seed.
         model = build_model(config.model, seed=config.train.seed)
@@ -102,8 +104,7 @@ class Node:
                                  matchmaking_grace=2 * avg.matchmaking_seconds)
         self._closers.insert(0, self.worker.close)
 
-        # 5. Device and the data this peer trains on (its own shard).
-        self.device = resolve_device(config.train.device)
+        # 5. The model on its device and the data this peer trains on (its own shard).
         self.trainer = Trainer(model, self.layout, config.inner, config.train, self.device)
         self.shard = shard_for_peer(self.peer_id, config.data.num_shards)
         lo, hi = shard_bounds(len(split.train), config.data.num_shards, self.shard)

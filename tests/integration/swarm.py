@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from node.local_swarm import LocalPeer, LocalSwarm, p2pd_pids, shoal_command
+from node.local_swarm import LocalPeer, LocalSwarm, session_members, shoal_command
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny.toml"
 
-__all__ = ["REPO", "TINY", "LocalPeer", "Swarm", "p2pd_pids", "shoal_command"]
+__all__ = ["REPO", "TINY", "LocalPeer", "Swarm", "session_members", "shoal_command"]
 
 
 class Swarm(LocalSwarm):

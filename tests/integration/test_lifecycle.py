@@ -12,14 +12,13 @@ import pytest
 
 from node.checkpoint import load_latest_valid
 from node.metrics import read_metrics
-from tests.integration.swarm import REPO, p2pd_pids
+from tests.integration.swarm import REPO
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(180)
 def test_ctrl_c_leaves_cleanly_with_a_checkpoint(swarm):
-    before = p2pd_pids()
     peer = swarm.start("a", "--round-seconds", "5")
     peer.wait_for_address()
     deadline = time.time() + 90
@@ -32,13 +31,12 @@ def test_ctrl_c_leaves_cleanly_with_a_checkpoint(swarm):
     assert checkpoint is not None and checkpoint.round >= 1
     exit_record = read_metrics(peer.metrics_path)[-1]
     assert exit_record["event"] == "exit" and exit_record["reason"] == "interrupted"
-    assert not p2pd_pids() - before
+    assert not peer.leftovers()
 
 
 @pytest.mark.timeout(300)
 def test_demo_script_runs_to_completion(tmp_path):
     """`make demo` in reduced form: 2 peers, 2 short rounds, no live view (no terminal here)."""
-    before = p2pd_pids()
     result = subprocess.run(
         [sys.executable, "examples/local_swarm.py", "--no-ui", "--peers", "2", "--rounds", "3",
          "--round-seconds", "6", "--workdir", str(tmp_path)],
@@ -48,4 +46,3 @@ def test_demo_script_runs_to_completion(tmp_path):
     assert "eval_loss" in result.stdout
     rounds = [r for r in read_metrics(tmp_path / "peer-1" / "metrics.jsonl") if r["event"] == "round"]
     assert rounds and rounds[-1]["round"] == 3
-    assert not p2pd_pids() - before
