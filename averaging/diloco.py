@@ -60,7 +60,7 @@ class OuterConfig:
 class RoundConclusion:
     """What happened at the end of a round, for metrics and the loop."""
 
-    applied: str  # "averaged" | "local"
+    applied: str  # "averaged" | "local" (alone in the swarm) | "folded" (kept for the next round)
     group_size: int
     bad_reports: int = 0
     verdict: Verdict | None = None
@@ -103,22 +103,27 @@ class OuterState:
 
     # -- ending a round --------------------------------------------------------------------
     def conclude(self, outcome: AverageOutcome, local_pseudo_grad: torch.Tensor, *, round: int,
-                 averaged: torch.Tensor | None = None, self_id: str = "") -> RoundConclusion:
-        """Apply the outer step with the group's average, or with our own pseudo-gradient if the
-        round failed or the average is unusable; then check our anchor against the group's."""
-        conclusion = RoundConclusion(applied="local", group_size=1, error=outcome.error)
-        update = local_pseudo_grad
+                 averaged: torch.Tensor | None = None, self_id: str = "", alone: bool = False) -> RoundConclusion:
+        """End a round: apply the outer step with the group's average if the round succeeded and
+        the average is usable; otherwise apply our own pseudo-gradient if we are alone in the
+        swarm (we then define the shared model), or leave the anchor as it is so that the work is
+        folded into our next contribution (it must not move away from the group's). Then check
+        our anchor against the group's."""
+        conclusion = RoundConclusion(applied="folded", group_size=1, error=outcome.error)
         if outcome.ok and averaged is not None:
             conclusion.group_size = len(outcome.group)
             problem = check_average(averaged, local_pseudo_grad, reference_rms=self._last_rms)
             if problem is None:
-                update, conclusion.applied = averaged, "averaged"
+                self.apply(averaged, round=round)
+                conclusion.applied = "averaged"
             else:
                 conclusion.error = problem
             conclusion.verdict, conclusion.bad_reports = self._judge(outcome.gathered, round)
             if conclusion.verdict is not None and self_id in conclusion.verdict.diverged:
                 conclusion.donors = sorted(conclusion.verdict.agreeing)
-        self.apply(update, round=round)
+        if conclusion.applied != "averaged" and alone:
+            self.apply(local_pseudo_grad, round=round)
+            conclusion.applied = "local"
         return conclusion
 
     def _judge(self, gathered: dict[str, Any], round: int) -> tuple[Verdict | None, int]:
@@ -199,10 +204,10 @@ def check_average(averaged: torch.Tensor, local: torch.Tensor, reference_rms: fl
     finiteness is checked.
     """
     if not torch.isfinite(averaged).all():
-        return "the averaged pseudo-gradient has NaN/inf values; applied the local update instead"
+        return "the averaged pseudo-gradient has NaN/inf values; it was not applied"
     reference = max(float(local.double().square().mean().sqrt()), reference_rms)
     averaged_rms = float(averaged.double().square().mean().sqrt())
     if reference > 0 and averaged_rms > MAX_AVERAGE_TO_LOCAL_RATIO * reference:
         return (f"the averaged pseudo-gradient is {averaged_rms / reference:.3g}x larger "
-                "than ours; applied the local update instead")
+                "than ours; it was not applied")
     return None

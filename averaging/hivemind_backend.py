@@ -129,6 +129,9 @@ class HivemindBackend:
         if self._control is not None and not self._control.done():
             self._control.cancel()
         self._round = round
+        # The round goes into the matchmaking key (hivemind's group bits), so a peer still
+        # finishing round r-1 can never pull a peer of round r into its group (or wait for it).
+        self._averager.set_group_bits(round_bits(round))
         self._control = self._averager.step(
             gather=gather,
             scheduled_time=scheduled_time,
@@ -176,6 +179,11 @@ class HivemindBackend:
             self._control.cancel()
         if self._averager.is_alive():
             self._averager.shutdown()
+
+
+def round_bits(round: int) -> str:
+    """Matchmaking key bits for ``round``: neighbouring rounds always differ."""
+    return format(round % 16, "04b")
 
 
 def _describe(e: BaseException) -> str:

@@ -45,7 +45,11 @@ def _configure_logging(ui: bool) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     use_hivemind_log_handler("nowhere")  # hivemind's records reach our handler, once
-    logging.getLogger("hivemind").setLevel(os.environ.get("SHOAL_HIVEMIND_LOGLEVEL", "WARNING"))
+    hivemind_level = os.environ.get("SHOAL_HIVEMIND_LOGLEVEL", "WARNING")
+    logging.getLogger("hivemind").setLevel(hivemind_level)
+    # p2p connections torn down while a peer leaves make asyncio log tracebacks in hivemind's
+    # processes; they are noise unless one is debugging hivemind itself.
+    logging.getLogger("asyncio").setLevel(hivemind_level if hivemind_level != "WARNING" else "CRITICAL")
     # A failed averaging step is expected (a lone peer, a peer that left) and shoal reports it
     # itself, in one line and in the metrics; hivemind would log it with a traceback.
     logging.getLogger("hivemind.averaging.averager").setLevel("CRITICAL")
@@ -106,6 +110,8 @@ def run(
     checkpoint_dir: Path = typer.Option(None, "--checkpoint-dir", envvar="SHOAL_CHECKPOINT_DIR", help="Write checkpoints here (every few rounds and at exit)."),
     metrics_file: Path = typer.Option(None, "--metrics-file", envvar="SHOAL_METRICS_FILE", help="Append one JSON object per line (round, start, peers, errors, exit)."),
     no_ui: bool = typer.Option(False, "--no-ui", envvar="SHOAL_NO_UI", help="Plain log lines instead of the live status panel."),
+    sync_mode: str = typer.Option(None, "--sync-mode", envvar="SHOAL_SYNC_MODE", help="overlap (default: average in the background while training) | blocking (fixed inner steps, then wait: the OpenDiLoCo baseline)."),
+    throttle: float = typer.Option(None, "--throttle", envvar="SHOAL_THROTTLE", help="Stretch each inner step to FACTOR x its compute time (a stand-in for a slower GPU)."),
     bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, help="Seconds to wait for an initial peer before giving up."),
 ) -> None:
     """Join (or start) a swarm and train."""
@@ -117,7 +123,8 @@ def run(
         peers = [parse_peer_multiaddr(a) for a in initial_peer]
         listen_addrs = [parse_listen_multiaddr(a, "--listen") for a in listen]
         announce_addrs = [parse_listen_multiaddr(a, "--announce") for a in announce]
-        overrides = {"run_id": run_id, "train.device": device, "round.seconds": round_seconds}
+        overrides = {"run_id": run_id, "train.device": device, "round.seconds": round_seconds,
+                     "round.sync_mode": sync_mode, "train.throttle": throttle}
         from node.config import load_config
 
         run_config = load_config(config, {k: v for k, v in overrides.items() if v is not None})

@@ -20,6 +20,7 @@ from typing import Any
 
 from averaging.consistency import DEFAULT_ABS_TOL, DEFAULT_REL_TOL
 from averaging.diloco import OuterConfig
+from averaging.outer_loop import SYNC_MODES
 from node.data import DataConfig
 from node.model import ModelConfig
 from protocols.errors import ConfigError
@@ -61,11 +62,17 @@ class InnerConfig:
 class RoundConfig:
     """Rounds are wall-clock windows on a schedule every peer shares."""
 
-    seconds: float = 10.0  # length of one round (inner steps + the outer all-reduce)
+    seconds: float = 10.0  # overlap mode: length of one round on the shared wall-clock schedule
+    sync_mode: str = "overlap"  # overlap (background sync) | blocking (H steps, then wait: the baseline)
+    inner_steps: int = 100  # blocking mode: inner steps per round (H)
 
     def __post_init__(self):
         if not 1.0 <= self.seconds <= 86400:
             raise ValueError(f"round.seconds ({self.seconds}) must be in [1, 86400]; use --round-seconds 10 for a CPU test run")
+        if self.sync_mode not in SYNC_MODES:
+            raise ValueError(f"round.sync_mode ({self.sync_mode!r}) must be one of: {', '.join(SYNC_MODES)}")
+        if self.inner_steps < 1:
+            raise ValueError(f"round.inner_steps ({self.inner_steps}) must be >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,6 +110,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     torch_threads: int = 0  # 0 = torch's default
+    throttle: float = 1.0  # stretch each inner step to this many times its compute time (stand-in for a slower GPU)
     eval_batches: int = 8
     eval_every_rounds: int = 1
     checkpoint_every_rounds: int = 5
@@ -112,6 +120,8 @@ class TrainConfig:
             raise ValueError(f"train.device ({self.device!r}) must be auto, cpu, cuda or cuda:N")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"train.precision ({self.precision!r}) must be auto, fp32 or bf16")
+        if not 1.0 <= self.throttle <= 100.0:
+            raise ValueError(f"train.throttle ({self.throttle}) must be in [1, 100]; 2 makes this peer behave like a GPU half as fast")
         if self.torch_threads < 0 or self.eval_batches < 1 or self.eval_every_rounds < 1 or self.checkpoint_every_rounds < 1:
             raise ValueError("train.torch_threads must be >= 0; eval_batches, eval_every_rounds, checkpoint_every_rounds >= 1")
 

@@ -138,7 +138,8 @@ class PeerMonitor:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.period + 5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.period + 5)
 
     def _run(self) -> None:
         while not self._stop.is_set():

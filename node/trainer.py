@@ -1,21 +1,17 @@
-"""Inner training on the device: AdamW steps on local batches, eval, and the hand-off between
-the model on the device and the flat CPU anchor.
+"""Inner training on the device: AdamW steps on local batches and eval of the shared model.
 
-The model lives on the device; the anchor and outer momentum never leave the CPU. Each round the
-parameters are copied device→host once (into a pinned buffer on CUDA, asynchronously, then one
-sync), and after the outer step the new anchor is copied back host→device.
+The model lives on the device; the anchor and outer momentum never leave the CPU (the round
+engine, ``averaging.outer_loop``, moves data between the two).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
-import time
 
 import torch
 
-from averaging.flat import FlatLayout
-from averaging.outer import pseudo_gradient
 from node.config import InnerConfig, TrainConfig
 from protocols.errors import ConfigError
 
@@ -46,14 +42,12 @@ def inner_lr(config: InnerConfig, progress_rounds: float) -> float:
 class Trainer:
     """Owns the model on the device and its inner optimizer; used only from the training loop."""
 
-    def __init__(self, model: torch.nn.Module, layout: FlatLayout, inner: InnerConfig, train: TrainConfig,
-                 device: torch.device):
+    def __init__(self, model: torch.nn.Module, inner: InnerConfig, train: TrainConfig, device: torch.device):
         self.model = model.to(device)
-        self.layout = layout
         self.inner = inner
         self.device = device
         self.params = dict(self.model.named_parameters())
-        assert tuple(self.params) == layout.names, "layout must follow the model's parameter order"
+        self._eval_model: torch.nn.Module | None = None
         use_bf16 = train.precision == "bf16" or (train.precision == "auto" and device.type == "cuda")
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
         decay = [p for p in self.params.values() if p.dim() >= 2]
@@ -62,8 +56,6 @@ class Trainer:
             [{"params": decay, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=inner.lr, betas=(inner.beta1, inner.beta2), fused=device.type == "cuda",
         )
-        # Host staging buffer for the params: pinned on CUDA so the device→host copies are async.
-        self._host_params = layout.new_buffer(pin_memory=device.type == "cuda")
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -87,44 +79,22 @@ class Trainer:
         return loss.detach()
 
     @torch.no_grad()
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        self.model.eval()
+    def _evaluate(self, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        model.eval()
         total = torch.zeros((), device=self.device)
         for x, y in batches:
             with self._autocast():
-                _, loss = self.model(x.to(self.device), y.to(self.device))
+                _, loss = model(x.to(self.device), y.to(self.device))
             total += loss.float()
         return float(total) / len(batches)
 
     @torch.no_grad()
-    def pseudo_gradient(self, anchor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``anchor - params`` into the CPU buffer ``out`` (one device sync)."""
-        for name, view in self.layout.views(self._host_params).items():
-            view.copy_(self.params[name].detach(), non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return pseudo_gradient(anchor, self._host_params, out=out)
-
-    @torch.no_grad()
-    def load_anchor(self, anchor: torch.Tensor) -> None:
-        """Reset the model's parameters to the (new) anchor."""
-        for name, view in self.layout.views(anchor).items():
-            self.params[name].copy_(view, non_blocking=True)
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-class StepTimer:
-    """An EMA of inner-step time, so the loop stops early enough to meet the round deadline."""
-
-    def __init__(self, alpha: float = 0.2):
-        self.alpha, self.mean = alpha, None
-
-    def add(self, seconds: float) -> None:
-        self.mean = seconds if self.mean is None else (1 - self.alpha) * self.mean + self.alpha * seconds
-
-    def fits_before(self, deadline: float, now: float | None = None) -> bool:
-        now = time.time() if now is None else now
-        return now + (self.mean or 0.0) <= deadline
+    def evaluate_anchor(self, anchor: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Eval loss of the shared model (the anchor), not of the live parameters, which in
+        overlap mode also hold this peer's unsynced progress. Uses a second copy of the model."""
+        if self._eval_model is None:
+            self._eval_model = copy.deepcopy(self.model)
+        for name, param in self._eval_model.named_parameters():
+            if name in anchor:
+                param.copy_(anchor[name], non_blocking=True)
+        return self._evaluate(self._eval_model, batches)

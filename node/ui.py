@@ -41,6 +41,7 @@ class NodeStatus:
     sync_s: float = 0.0
     last_sync: str = "-"  # averaged | local (why) | ...
     rounds_done: int = 0
+    finished_round: int = 0  # the last round whose sync landed
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
@@ -104,7 +105,7 @@ class PlainView:
     def round_done(self, status: NodeStatus) -> None:
         self.status = status
         logger.info(
-            f"round {status.round}: peers={status.peers} loss={_fmt(status.loss)} eval_loss={_fmt(status.eval_loss)} "
+            f"round {status.finished_round}: peers={status.peers} loss={_fmt(status.loss)} eval_loss={_fmt(status.eval_loss)} "
             f"tokens/s={status.tokens_per_s:,.0f} sync={status.last_sync} group={status.group_size} "
             f"sync_s={status.sync_s:.2f}"
         )

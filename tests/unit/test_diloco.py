@@ -54,12 +54,22 @@ def ok(gathered=None) -> AverageOutcome:
 
 
 # -- applying the round's update ---------------------------------------------------------------
-def test_a_failed_round_applies_the_local_pseudo_gradient():
+def test_a_failed_round_of_a_peer_in_a_swarm_folds_its_work():
+    state = new_state()
+    anchor, momentum = state.anchor.clone(), state.momentum.clone()
+    conclusion = state.conclude(AverageOutcome(ok=False, error="timed out"), randn(1, std=1e-3), round=3,
+                                averaged=randn(2, std=1e-3), self_id="peer-a")
+    assert (conclusion.applied, conclusion.group_size, conclusion.error) == ("folded", 1, "timed out")
+    assert torch.equal(state.anchor, anchor) and torch.equal(state.momentum, momentum)
+    assert (state.rounds_done, state.last_round) == (0, 0)
+
+
+def test_a_failed_round_of_a_peer_alone_applies_the_local_pseudo_gradient():
     state = new_state()
     local = randn(1, std=1e-3)
     expected_anchor, expected_momentum = reference_step(state, local)
     conclusion = state.conclude(AverageOutcome(ok=False, error="timed out"), local, round=3,
-                                averaged=randn(2, std=1e-3), self_id="peer-a")
+                                averaged=randn(2, std=1e-3), self_id="peer-a", alone=True)
     assert (conclusion.applied, conclusion.group_size, conclusion.error) == ("local", 1, "timed out")
     assert conclusion.verdict is None and conclusion.donors == [] and conclusion.bad_reports == 0
     assert torch.equal(state.anchor, expected_anchor)
@@ -83,7 +93,7 @@ def test_an_ok_round_without_an_averaged_vector_applies_the_local_one():
     state = new_state()
     local = randn(6, std=1e-3)
     expected_anchor, _ = reference_step(state, local)
-    assert state.conclude(ok(), local, round=1, averaged=None).applied == "local"
+    assert state.conclude(ok(), local, round=1, averaged=None, alone=True).applied == "local"
     assert torch.equal(state.anchor, expected_anchor)
 
 
@@ -95,13 +105,13 @@ def test_an_ok_round_without_an_averaged_vector_applies_the_local_one():
         (lambda local: local * 1000, "1e+03x larger"),
     ],
 )
-def test_an_unusable_average_is_refused_and_the_local_update_applied(make_averaged, mentions):
+def test_an_unusable_average_is_refused_and_the_work_folded(make_averaged, mentions):
     state = new_state()
     local = randn(7, std=1e-3)
-    expected_anchor, _ = reference_step(state, local)
+    expected_anchor = state.anchor.clone()
     conclusion = state.conclude(ok(), local, round=1, averaged=make_averaged(local))
-    assert conclusion.applied == "local"
-    assert mentions in conclusion.error and "local update" in conclusion.error
+    assert conclusion.applied == "folded"
+    assert mentions in conclusion.error and "not applied" in conclusion.error
     assert torch.equal(state.anchor, expected_anchor)
     assert torch.isfinite(state.anchor).all()
 

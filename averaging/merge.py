@@ -1,0 +1,40 @@
+"""Merging an averaged update into a model that kept training (the overlap mode's core math).
+
+At the end of round r the loop snapshots ``pseudo_grad = anchor_r - params_snapshot`` and goes
+on training; the all-reduce and the outer step run in the background and produce
+``anchor_{r+1}``. When that arrives, k inner steps later, the parameters are
+
+    params = params_snapshot + local_progress           (local_progress: the k new steps)
+
+and become ``anchor_{r+1} + local_progress``: the new shared point plus the work done since the
+snapshot, which the next pseudo-gradient then carries. This is the one-outer-step-delay scheme
+("overlapping communication" with tau = 1 in Streaming DiLoCo, arXiv 2501.18512; the "delayed"
+baseline of Eager Updates, arXiv 2502.12996). We pick it over the eager variant (apply the local
+pseudo-gradient at once as a stand-in, correct later) because its evidence holds at one outer
+step of delay, it needs no extra outer-state bookkeeping, and a failed round then degrades to
+"nothing happened" instead of to a locally-stepped anchor that disagrees with the group's.
+
+If this peer's pseudo-gradient did *not* make it into the average (it missed the group, the
+round failed, or it re-synced), the work before the snapshot is kept too: the parameters move
+by ``anchor_{r+1} - anchor_r`` only, so that work is folded into the next contribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_correction(new_anchor: torch.Tensor, old_anchor: torch.Tensor, snapshot_pseudo_grad: torch.Tensor,
+                     *, contributed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """What to add to the live parameters (flat, CPU): ``new_anchor - params_snapshot`` if our
+    pseudo-gradient went into the new anchor, else ``new_anchor - old_anchor`` (fold it into the next)."""
+    correction = torch.sub(new_anchor, old_anchor, out=out)
+    if contributed:
+        correction += snapshot_pseudo_grad
+    return correction
+
+
+@torch.no_grad()
+def apply_correction_(params: list[torch.Tensor], corrections: list[torch.Tensor]) -> None:
+    """``params += corrections`` as one fused multi-tensor op on the parameters' device."""
+    torch._foreach_add_(params, corrections)

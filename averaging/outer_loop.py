@@ -1,0 +1,352 @@
+"""The round engine: when a round ends, what the sync worker does with it, and the merge.
+
+One ``OuterLoop`` per peer, driven by the training loop with one ``after_step`` call per inner
+step; the node and the library API both use it. The training loop never waits on the network
+unless it must:
+
+- **overlap** (default): rounds are wall-clock windows on the run's schedule. At the last step
+  boundary before the deadline the loop snapshots its parameters (device→pinned host, async on
+  CUDA) and calls ``begin_sync``; the worker thread computes the pseudo-gradient, runs the
+  all-reduce and the outer step, and prepares matchmaking for the next round, while the loop
+  keeps training. ``try_merge`` at a later step boundary adds the result in one fused pass
+  (``averaging.merge``). The loop only stalls if a sync is still in flight when the *next*
+  round ends.
+- **blocking** (the OpenDiLoCo baseline): a fixed number of inner steps per round, then the
+  loop waits for the all-reduce.
+
+Threads: ``after_step``/``begin_sync``/``try_merge`` run on the training thread; the sync job runs
+on the worker's thread and is the only code that changes the anchor; the two meet through the
+job's future (the training thread reads the anchor only while no job is in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from averaging.diloco import OuterState, RoundConclusion
+from averaging.flat import FlatLayout
+from averaging.merge import apply_correction_, merge_correction
+from averaging.outer import pseudo_gradient
+from averaging.sync import SyncWorker
+from protocols.messages import MessageError
+from protocols.schedule import RoundSchedule
+
+logger = logging.getLogger(__name__)
+
+SYNC_MODES = ("overlap", "blocking")
+RESYNC_ATTEMPTS = 5
+
+
+@dataclass(slots=True)
+class RoundStats:
+    """One finished round, as the metrics file and the view report it."""
+
+    round: int
+    inner_steps: int
+    tokens: int
+    compute_s: float  # time in inner steps (throttling included)
+    wait_s: float  # time the training loop was stalled on the network
+    sync_s: float  # the all-reduce
+    wall_s: float  # the round's wall-clock length
+    loss: float | None
+    group_size: int
+    group: list[str]
+    applied: str
+    error: str | None
+    diverged: list[str]
+    bad_reports: int
+    resynced: bool
+    rounds_done: int
+
+
+@dataclass(slots=True)
+class _Window:
+    """The round being trained right now."""
+
+    round: int
+    started: float
+    steps: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    loss_sum: float = 0.0
+    ended: float = 0.0
+
+
+@dataclass(slots=True)
+class _SyncResult:
+    conclusion: RoundConclusion
+    correction: torch.Tensor
+    sync_s: float
+    group: tuple[str, ...]
+    resynced: bool
+
+
+@dataclass(slots=True)
+class _Job:
+    window: _Window
+    future: Future
+    weight: float
+
+
+@dataclass(slots=True)
+class _StepTimer:
+    """EMA of the inner-step time: stop early enough to meet the round deadline."""
+
+    mean: float | None = None
+    alpha: float = 0.2
+
+    def add(self, seconds: float) -> None:
+        self.mean = seconds if self.mean is None else (1 - self.alpha) * self.mean + self.alpha * seconds
+
+    def fits_before(self, deadline: float, now: float) -> bool:
+        return now + (self.mean or 0.0) <= deadline
+
+
+@dataclass(kw_only=True, slots=True)
+class LoopConfig:
+    """How rounds end and how long the network may take."""
+
+    mode: str = "overlap"
+    inner_steps: int = 100  # blocking mode: inner steps per round
+    matchmaking_seconds: float = 3.0
+    prepare_lead: float = 4.5  # overlap mode: start matchmaking this long before the round's deadline
+    download_timeout: float = 60.0
+
+    def __post_init__(self):
+        if self.mode not in SYNC_MODES:
+            raise ValueError(f"sync mode {self.mode!r} must be one of {', '.join(SYNC_MODES)}")
+        if self.inner_steps < 1:
+            raise ValueError(f"round.inner_steps ({self.inner_steps}) must be >= 1")
+
+
+class OuterLoop:
+    def __init__(self, *, outer: OuterState, worker: SyncWorker, layout: FlatLayout,
+                 params: Callable[[], dict[str, torch.Tensor]], schedule: Callable[[], RoundSchedule],
+                 config: LoopConfig, peer_id: str, alone: Callable[[], bool], device: torch.device):
+        self.outer, self.worker, self.layout = outer, worker, layout
+        self._params, self._schedule, self.config = params, schedule, config
+        self.peer_id, self._alone, self.device = peer_id, alone, device
+        cuda = device.type == "cuda"
+        # Host staging for the parameter snapshot: pinned so device→host copies are async.
+        self._host_params = layout.new_buffer(pin_memory=cuda)
+        self._pseudo_grad = layout.new_buffer()
+        self._host_correction = layout.new_buffer(pin_memory=cuda)
+        self._device_correction = torch.empty(layout.numel, device=device) if cuda else None
+        self._timer = _StepTimer()
+        self._job: _Job | None = None
+        self._carried_tokens = 0  # tokens of work folded from rounds that did not make it
+        self._prepared_round = 0
+        self.window: _Window | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def round(self) -> int:
+        return self.window.round if self.window else 0
+
+    @property
+    def syncing(self) -> bool:
+        """A round's sync is in flight (the loop keeps training meanwhile in overlap mode)."""
+        return self._job is not None
+
+    def start(self) -> None:
+        now = time.time()
+        if self.config.mode == "overlap":
+            first = max(1, self._schedule().round_at(now))
+        else:
+            first = self.outer.last_round + 1
+        self.window = _Window(first, started=now)
+        self._maybe_prepare(now)
+
+    def initial_sync(self, donors: list[str]) -> int | None:
+        """Adopt the shared state of a running swarm (blocking: before training starts)."""
+        state = self.worker.submit(self.worker.backend.download_state, donors,
+                                   timeout=self.config.download_timeout).result()
+        if state is None:
+            return None
+        adopted = self.outer.adopt(state)  # MessageError if invalid: the caller reports it
+        self.load_anchor_into_params()
+        return adopted
+
+    def progress(self, now: float | None = None) -> float:
+        """Global progress in rounds, for the inner learning-rate schedule."""
+        if self.config.mode == "overlap":
+            return self._schedule().progress(time.time() if now is None else now)
+        steps = self.window.steps if self.window else 0
+        return max(0.0, self.round - 1 + steps / self.config.inner_steps)
+
+    def finish(self) -> list[RoundStats]:
+        """Leaving: let a sync in flight land (bounded by the all-reduce timeout)."""
+        return self.try_merge(wait=True)
+
+    # -- the training thread's side ----------------------------------------------------------
+    def after_step(self, *, tokens: int, seconds: float, loss: float | None = None) -> list[RoundStats]:
+        """Call after every inner step; returns the rounds that finished (usually none)."""
+        window = self.window
+        window.steps += 1
+        window.tokens += tokens
+        window.compute_s += seconds
+        if loss is not None:
+            window.loss_sum += loss
+        self._timer.add(seconds)
+        finished = self.try_merge()
+        self._maybe_prepare(time.time())
+        if self._round_over():
+            finished += self.begin_sync()
+        return finished
+
+    def _maybe_prepare(self, now: float) -> None:
+        """Overlap mode: start matchmaking shortly before the deadline. Not earlier: a step
+        prepared long in advance sits in hivemind's matchmaking where late peers of the
+        previous round could find it."""
+        round = self.window.round
+        if self.config.mode != "overlap" or self._prepared_round >= round:
+            return
+        if now >= self._schedule().round_end(round) - self.config.prepare_lead:
+            self._prepared_round = round
+            self.worker.submit(self._prepare, round)
+
+    def _round_over(self) -> bool:
+        if self.config.mode == "blocking":
+            return self.window.steps >= self.config.inner_steps
+        return not self._timer.fits_before(self._schedule().round_end(self.window.round), time.time())
+
+    def begin_sync(self) -> list[RoundStats]:
+        """End the current round: snapshot, hand it to the worker, start the next window."""
+        finished = self.try_merge(wait=True)  # the previous sync must land before a new snapshot
+        window, now = self.window, time.time()
+        window.ended = now
+        event = self._snapshot_params()
+        weight = float(window.tokens + self._carried_tokens)
+        if self.config.mode == "overlap":
+            next_round = max(window.round + 1, self._schedule().round_at(now))
+        else:
+            next_round = window.round + 1
+        future = self.worker.submit(self._sync_round, window.round, weight, event)
+        self._job = _Job(window, future, weight)
+        self.window = _Window(next_round, started=now)
+        if self.config.mode == "blocking":
+            finished += self.try_merge(wait=True)
+        return finished
+
+    def try_merge(self, wait: bool = False) -> list[RoundStats]:
+        """Merge a finished sync into the live parameters (a step boundary); never blocks unless ``wait``."""
+        job = self._job
+        if job is None or (not wait and not job.future.done()):
+            return []
+        stalled = time.perf_counter()
+        stall_s = 0.0 if job.future.done() else None
+        result: _SyncResult = job.future.result()
+        stall_s = time.perf_counter() - stalled if stall_s is None else stall_s
+        self._job = None
+        self._merge(result.correction)
+        # In blocking mode the round's own wait is part of the round; in overlap mode a stall
+        # (a sync longer than a round) is charged to the window that had to wait.
+        charged = job.window if self.config.mode == "blocking" else self.window
+        charged.wait_s += stall_s
+        conclusion = result.conclusion
+        contributed = conclusion.applied == "averaged"
+        self._carried_tokens = 0 if contributed or conclusion.applied == "local" else int(job.weight)
+        window = job.window
+        end = time.time() if self.config.mode == "blocking" else window.ended
+        return [RoundStats(
+            round=window.round, inner_steps=window.steps, tokens=window.tokens, compute_s=window.compute_s,
+            wait_s=window.wait_s, sync_s=result.sync_s, wall_s=end - window.started,
+            loss=window.loss_sum / window.steps if window.steps else None,
+            group_size=conclusion.group_size, group=list(result.group), applied=conclusion.applied,
+            error=conclusion.error, diverged=sorted(conclusion.verdict.diverged) if conclusion.verdict else [],
+            bad_reports=conclusion.bad_reports, resynced=result.resynced, rounds_done=self.outer.rounds_done,
+        )]
+
+    @torch.no_grad()
+    def _snapshot_params(self) -> torch.cuda.Event | None:
+        """Copy the live parameters to the host buffer; on CUDA asynchronously, with an event
+        the worker waits on (the copies are stream-ordered before the next step's kernels)."""
+        params = self._params()
+        for name, view in self.layout.views(self._host_params).items():
+            view.copy_(params[name].detach(), non_blocking=True)
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    @torch.no_grad()
+    def _merge(self, correction: torch.Tensor) -> None:
+        params = self._params()
+        names = self.layout.names
+        if self._device_correction is not None:
+            # Pinned host buffer → device, stream-ordered before the next step's kernels; the
+            # worker rewrites the host buffer only after the next snapshot's event, i.e. later.
+            self._device_correction.copy_(correction, non_blocking=True)
+            corrections = self.layout.views(self._device_correction)
+        else:
+            corrections = self.layout.views(correction)
+        apply_correction_([params[n].data for n in names], [corrections[n] for n in names])
+
+    @torch.no_grad()
+    def load_anchor_into_params(self) -> None:
+        params = self._params()
+        for name, view in self.layout.views(self.outer.anchor).items():
+            params[name].data.copy_(view)
+
+    # -- the worker thread's side ------------------------------------------------------------
+    def _prepare(self, round: int) -> None:
+        deadline = self._schedule().round_end(round)
+        self.worker.backend.prepare(round=round, scheduled_time=deadline,
+                                    gather=self.outer.round_report(round=round).encode(),
+                                    timeout=deadline - time.time() + self.worker.matchmaking_grace)
+
+    def _sync_round(self, round: int, weight: float, event: torch.cuda.Event | None) -> _SyncResult:
+        # 1. The pseudo-gradient, once the snapshot has reached the host.
+        if event is not None:
+            event.synchronize()
+        pseudo_grad = pseudo_gradient(self.outer.anchor, self._host_params, out=self._pseudo_grad)
+        matchmaking_timeout = self.worker.matchmaking_grace
+        if self.config.mode == "blocking":
+            # Lockstep: matchmaking starts when this peer is done with its steps, and may wait
+            # for the slowest peer (with min_group_size = swarm size, nobody averages without it).
+            matchmaking_timeout = self.worker.allreduce_timeout
+            self.worker.backend.prepare(round=round, scheduled_time=time.time() + self.config.matchmaking_seconds,
+                                        gather=self.outer.round_report(round=round).encode(),
+                                        timeout=self.config.matchmaking_seconds + matchmaking_timeout)
+        # 2. The all-reduce (our own pseudo-gradient stays as the fallback).
+        averaged = pseudo_grad.clone()
+        started = time.perf_counter()
+        outcome = self.worker.backend.average(averaged, weight=weight,
+                                              timeout=matchmaking_timeout + self.worker.allreduce_timeout)
+        sync_s = outcome.sync_s or (time.perf_counter() - started)
+        # 3. Outer step, consistency check, re-sync if our anchor diverged.
+        old_anchor = self.outer.anchor.clone()
+        conclusion = self.outer.conclude(outcome, pseudo_grad, round=round, averaged=averaged if outcome.ok else None,
+                                         self_id=self.peer_id, alone=self._alone())
+        resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
+        correction = merge_correction(self.outer.anchor, old_anchor, pseudo_grad, out=self._host_correction,
+                                      contributed=conclusion.applied in ("averaged", "local"))
+        return _SyncResult(conclusion, correction, sync_s, outcome.group, resynced)
+
+    def _resync(self, round: int, conclusion: RoundConclusion, averaged: torch.Tensor | None) -> bool:
+        """Our anchor disagrees with the group's: take the state of a peer that agrees."""
+        logger.warning(f"round {round}: our anchor diverged from the group's; re-syncing from {conclusion.donors}")
+        adopted = None
+        for _ in range(RESYNC_ATTEMPTS):
+            state = self.worker.backend.download_state(conclusion.donors, timeout=self.config.download_timeout)
+            if state is None:
+                continue
+            try:
+                adopted = self.outer.adopt(state)
+            except MessageError as e:
+                logger.warning(f"round {round}: refused the state of {state.peer}: {e}")
+                continue
+            if adopted >= round:
+                break
+            time.sleep(0.2)  # the donor has not applied this round's outer step yet
+        if adopted is not None and adopted < round and averaged is not None and conclusion.applied == "averaged":
+            self.outer.apply(averaged, round=round)  # catch the donor's state up to this round
+        return adopted is not None

@@ -1,0 +1,193 @@
+"""The library API: DiLoCo over a shoal swarm for your own model and training loop.
+
+    swarm = DiLoCoSwarm(model, run_id="my-run", initial_peers=[...])   # before model.cuda() if you can
+    model.cuda(); opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    swarm.start()
+    while swarm.round <= 100:
+        t0 = time.perf_counter()
+        loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+        for finished in swarm.step(tokens=x.numel(), seconds=time.perf_counter() - t0, loss=loss.item()):
+            print(finished.round, finished.group_size)
+    swarm.close()
+
+One ``step`` call per inner step is all the loop does; averaging runs on a background thread
+and its result is merged into the model at a later ``step`` (overlap mode), or right away
+(blocking mode). ``shoal run`` drives its own model through exactly this class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from averaging.diloco import OuterConfig, OuterState
+from averaging.flat import FlatLayout
+from averaging.hivemind_backend import HivemindBackend
+from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
+from averaging.sync import SyncWorker
+from node.config import AveragingConfig, RoundConfig
+from node.sockets import hivemind_sockets, remove_stale
+from node.swarm import PeerMonitor, join_run, start_dht
+from protocols.keys import averager_prefix
+from protocols.messages import MessageError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DiLoCoSwarm", "RoundStats"]
+
+
+class DiLoCoSwarm:
+    """Joins a swarm and keeps a model in sync with it (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        run_id: str,
+        outer: OuterConfig | None = None,
+        averaging: AveragingConfig | None = None,
+        rounds: RoundConfig | None = None,
+        initial_peers: list[str] | tuple[str, ...] = (),
+        listen: list[str] | tuple[str, ...] = (),
+        announce: list[str] | tuple[str, ...] = (),
+        bootstrap_timeout: float = 30.0,
+        shared: dict[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        heartbeat: Callable[[], dict] | None = None,
+        on_peers_changed: Callable[[set[str], set[str]], None] | None = None,
+    ):
+        self.model, self.run_id = model, run_id
+        self.outer_config = outer or OuterConfig()
+        self.averaging = averaging or AveragingConfig()
+        self.rounds = rounds or RoundConfig()
+        self.initial_peers = list(initial_peers)
+        self._closers: list[Callable[[], Any]] = []
+        self._sockets_before = hivemind_sockets()
+        self._heartbeat = heartbeat
+        try:
+            self._build(listen, announce, bootstrap_timeout, shared or {}, device, on_peers_changed)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, listen, announce, bootstrap_timeout, shared, device, on_peers_changed) -> None:
+        # 1. The anchor: an fp32 CPU copy of the trainable parameters.
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.layout = FlatLayout.of(named)
+        anchor = self.layout.pack(dict(named), self.layout.new_buffer())
+        avg = self.averaging
+        self.outer = OuterState(self.layout, anchor, self.outer_config, rel_tol=avg.rel_tol, abs_tol=avg.abs_tol)
+        self.shared = {
+            **shared,
+            **{f"outer.{k}": v for k, v in asdict(self.outer_config).items()},
+            **{f"round.{k}": v for k, v in asdict(self.rounds).items()},
+            "averaging.compression": avg.compression, "averaging.rel_tol": avg.rel_tol, "averaging.abs_tol": avg.abs_tol,
+            "parameters": hashlib.sha256(json.dumps(self.layout.describe()).encode()).hexdigest()[:16],
+        }
+        # 2. The DHT and the run's schedule (forks hivemind's DHT process).
+        self.dht = start_dht(initial_peers=self.initial_peers, listen=list(listen), announce=list(announce),
+                             timeout=bootstrap_timeout)
+        self._closers.append(self.dht.shutdown)
+        self.peer_id = str(self.dht.peer_id)
+        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        period = min(5.0, max(1.0, self.rounds.seconds / 3))
+        self.schedule = join_run(self.dht, self.run_id, self.shared, self.rounds.seconds, record_ttl=max(600.0, 3 * period))
+        # 3. The averager (forks again; before our own threads, before CUDA if the caller allows).
+        backend = HivemindBackend(
+            self.dht, numel=self.layout.numel, prefix=averager_prefix(self.run_id),
+            state_provider=self.outer.shared_state, compression=avg.compression,
+            target_group_size=avg.target_group_size or None, min_group_size=avg.min_group_size,
+            min_matchmaking_time=avg.matchmaking_seconds, request_timeout=avg.request_timeout,
+            allreduce_timeout=avg.allreduce_timeout,
+        )
+        self.worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
+                                 matchmaking_grace=avg.matchmaking_seconds)
+        self._closers.insert(0, self.worker.close)
+        # 4. Who else is here, and the round engine.
+        self.monitor = PeerMonitor(self.dht, self.run_id, schedule=self.schedule, shared=self.shared, period=period,
+                                   status=self._status, on_change=on_peers_changed or (lambda joined, left: None))
+        self._closers.insert(0, self.monitor.stop)
+        named_now = lambda: dict(self.model.named_parameters())  # noqa: E731 - follows .to(device)
+        self.loop = OuterLoop(
+            outer=self.outer, worker=self.worker, layout=self.layout, params=named_now,
+            schedule=lambda: self.monitor.schedule,
+            config=LoopConfig(mode=self.rounds.sync_mode, inner_steps=self.rounds.inner_steps,
+                              matchmaking_seconds=avg.matchmaking_seconds, download_timeout=avg.allreduce_timeout,
+                              prepare_lead=avg.matchmaking_seconds + avg.request_timeout),
+            peer_id=self.peer_id, alone=lambda: self.monitor.peer_count <= 1,
+            device=torch.device(device) if device is not None else next(self.model.parameters()).device,
+        )
+
+    # -- the training loop's calls -------------------------------------------------------------
+    def start(self) -> dict | None:
+        """Catch up with a running swarm (download its state), then begin the first round.
+        Returns what was downloaded (``source``, ``round``, ``seconds``), if anything."""
+        joined = self._initial_sync()
+        self.monitor.start()
+        self.loop.start()
+        return joined
+
+    def step(self, *, tokens: int, seconds: float, loss: float | None = None) -> list[RoundStats]:
+        """Call after each inner optimizer step; returns the rounds that finished."""
+        return self.loop.after_step(tokens=tokens, seconds=seconds, loss=loss)
+
+    @property
+    def round(self) -> int:
+        return self.loop.round
+
+    def progress(self) -> float:
+        return self.loop.progress()
+
+    @property
+    def peer_count(self) -> int:
+        return self.monitor.peer_count
+
+    def finish(self) -> list[RoundStats]:
+        """Let a sync in flight land before leaving."""
+        return self.loop.finish()
+
+    def close(self) -> None:
+        closers, self._closers = self._closers, []
+        for close in closers:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - leaving goes on
+                logger.warning(f"shutdown step {getattr(close, '__qualname__', close)} failed: {e!r}")
+        remove_stale(hivemind_sockets() - self._sockets_before)  # after every hivemind process ended
+
+    # -- internals -------------------------------------------------------------------------------
+    def _initial_sync(self) -> dict | None:
+        """Joining a run in progress: start from the swarm's current anchor, not from the init.
+        Runs before the monitor thread starts, so this thread is still the DHT's only user."""
+        if not self.initial_peers:
+            return None
+        self.monitor.tick()
+        donors = sorted((p for p in self.monitor.peers if p != self.peer_id),
+                        key=lambda p: -self.monitor.peers[p].get("round", 0))
+        if not donors:
+            return None
+        started = time.perf_counter()
+        try:
+            adopted = self.loop.initial_sync(donors)
+        except MessageError as e:
+            logger.warning(f"refused the swarm's state: {e}; starting from the initial weights")
+            return None
+        if adopted is None:
+            logger.warning("could not download the swarm's state; starting from the initial weights")
+            return None
+        seconds = time.perf_counter() - started
+        logger.info(f"joined at round {adopted}: downloaded the shared state in {seconds:.1f}s")
+        return {"round": adopted, "seconds": seconds}
+
+    def _status(self) -> dict:
+        status = {"round": int(self.loop.round)}
+        if self._heartbeat is not None:
+            status.update(self._heartbeat())
+        return status
