@@ -145,27 +145,30 @@ class HivemindBackend:
         if control is None:
             return AverageOutcome(ok=False, error="no averaging step was prepared")
         if control.done():
-            return AverageOutcome(ok=False, error=f"matchmaking ended early: {_reason(control)}")
+            return AverageOutcome(ok=False, error=f"matchmaking ended early: {_reason(control)}", no_group=True)
         # 1. Fill the buffer while the averager cannot be using it (the step waits for our trigger).
         with self._averager.get_tensors() as (buffer,):
             buffer.copy_(vector)
         control.weight = float(weight)
-        started = time.perf_counter()
+        started, started_wall = time.perf_counter(), time.time()
         control.allow_allreduce()
         # 2. Wait for the group; a failure keeps the caller's vector as it was.
         try:
             gathered = control.result(timeout=timeout)
         except Exception as e:
             control.cancel()
-            return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error=_describe(e))
+            no_group = not control.began_allreduce  # matchmaking never produced a group
+            return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error=_describe(e), no_group=no_group)
         sync_s = time.perf_counter() - started
+        allreduce_s = time.time() - max(started_wall, control.scheduled_time)
         if not gathered:
             return AverageOutcome(ok=False, sync_s=sync_s, error="averaging returned no group")
         # 3. Read the result only after the step finished (the averager released the lock).
         with self._averager.get_tensors() as (buffer,):
             vector.copy_(buffer)
         gathered_by_peer = {str(peer): data for peer, data in gathered.items()}
-        return AverageOutcome(ok=True, group=tuple(sorted(gathered_by_peer)), gathered=gathered_by_peer, sync_s=sync_s)
+        return AverageOutcome(ok=True, group=tuple(sorted(gathered_by_peer)), gathered=gathered_by_peer, sync_s=sync_s,
+                              allreduce_s=allreduce_s)
 
     def download_state(self, peers: list[str], *, timeout: float) -> DownloadedState | None:
         result = self._averager.download_state_from([p for p in peers if p != self.peer_id], timeout)

@@ -20,7 +20,8 @@ from averaging.backend import AverageOutcome, DownloadedState
 class LocalHub:
     """Where local peers meet: a round completes when every peer that prepared it has arrived."""
 
-    def __init__(self):
+    def __init__(self, min_group_size: int = 1):
+        self.min_group_size = min_group_size  # like hivemind's: a smaller group keeps waiting
         self._cond = threading.Condition()
         self._prepared: dict[int, set[str]] = {}
         self._arrived: dict[int, dict[str, tuple[torch.Tensor, float, Any]]] = {}
@@ -34,9 +35,13 @@ class LocalHub:
     def average(self, peer: str, round: int, vector: torch.Tensor, weight: float, gather: Any, timeout: float):
         deadline = time.monotonic() + timeout
         with self._cond:
+            if round in self._results:
+                # The round ended without us: its result is not ours (nor is a failure's).
+                result = self._results[round]
+                return result if result is not None and peer in result[1] else None
             self._arrived.setdefault(round, {})[peer] = (vector.clone(), weight, gather)
             arrived = self._arrived[round]
-            if set(arrived) >= self._prepared.get(round, set()) and round not in self._results:
+            if set(arrived) >= self._prepared.get(round, set()) and len(arrived) >= self.min_group_size:
                 total = sum(w for _, w, _ in arrived.values())
                 mean = sum(v * (w / total) for v, w, _ in arrived.values())
                 self._results[round] = (mean, {p: g for p, (_, _, g) in arrived.items()})
@@ -68,7 +73,7 @@ class LocalBackend:
         started = time.perf_counter()
         result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout)
         if result is None:
-            return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error="timed out")
+            return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error="timed out", no_group=True)
         mean, gathered = result
         vector.copy_(mean)
         return AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered,

@@ -52,7 +52,8 @@ class RoundStats:
     tokens: int
     compute_s: float  # time in inner steps (throttling included)
     wait_s: float  # time the training loop was stalled on the network
-    sync_s: float  # the all-reduce
+    sync_s: float  # from handing over the pseudo-gradient to the averaged result
+    allreduce_s: float  # the all-reduce itself (from its scheduled start)
     wall_s: float  # the round's wall-clock length
     loss: float | None
     group_size: int
@@ -84,6 +85,7 @@ class _SyncResult:
     conclusion: RoundConclusion
     correction: torch.Tensor
     sync_s: float
+    allreduce_s: float
     group: tuple[str, ...]
     resynced: bool
 
@@ -96,7 +98,7 @@ class _Job:
 
 
 @dataclass(slots=True)
-class _StepTimer:
+class StepTimer:
     """EMA of the inner-step time: stop early enough to meet the round deadline."""
 
     mean: float | None = None
@@ -139,7 +141,7 @@ class OuterLoop:
         self._pseudo_grad = layout.new_buffer()
         self._host_correction = layout.new_buffer(pin_memory=cuda)
         self._device_correction = torch.empty(layout.numel, device=device) if cuda else None
-        self._timer = _StepTimer()
+        self._timer = StepTimer()
         self._job: _Job | None = None
         self._carried_tokens = 0  # tokens of work folded from rounds that did not make it
         self._prepared_round = 0
@@ -257,7 +259,7 @@ class OuterLoop:
         end = time.time() if self.config.mode == "blocking" else window.ended
         return [RoundStats(
             round=window.round, inner_steps=window.steps, tokens=window.tokens, compute_s=window.compute_s,
-            wait_s=window.wait_s, sync_s=result.sync_s, wall_s=end - window.started,
+            wait_s=window.wait_s, sync_s=result.sync_s, allreduce_s=result.allreduce_s, wall_s=end - window.started,
             loss=window.loss_sum / window.steps if window.steps else None,
             group_size=conclusion.group_size, group=list(result.group), applied=conclusion.applied,
             error=conclusion.error, diverged=sorted(conclusion.verdict.diverged) if conclusion.verdict else [],
@@ -308,20 +310,15 @@ class OuterLoop:
         if event is not None:
             event.synchronize()
         pseudo_grad = pseudo_gradient(self.outer.anchor, self._host_params, out=self._pseudo_grad)
-        matchmaking_timeout = self.worker.matchmaking_grace
-        if self.config.mode == "blocking":
-            # Lockstep: matchmaking starts when this peer is done with its steps, and may wait
-            # for the slowest peer (with min_group_size = swarm size, nobody averages without it).
-            matchmaking_timeout = self.worker.allreduce_timeout
-            self.worker.backend.prepare(round=round, scheduled_time=time.time() + self.config.matchmaking_seconds,
-                                        gather=self.outer.round_report(round=round).encode(),
-                                        timeout=self.config.matchmaking_seconds + matchmaking_timeout)
         # 2. The all-reduce (our own pseudo-gradient stays as the fallback).
-        averaged = pseudo_grad.clone()
         started = time.perf_counter()
-        outcome = self.worker.backend.average(averaged, weight=weight,
-                                              timeout=matchmaking_timeout + self.worker.allreduce_timeout)
-        sync_s = outcome.sync_s or (time.perf_counter() - started)
+        if self.config.mode == "overlap":
+            averaged = pseudo_grad.clone()
+            outcome = self.worker.backend.average(averaged, weight=weight, timeout=self.worker.matchmaking_grace
+                                                  + self.worker.allreduce_timeout)
+        else:
+            averaged, outcome = self._lockstep_average(round, pseudo_grad, weight)
+        sync_s = time.perf_counter() - started
         # 3. Outer step, consistency check, re-sync if our anchor diverged.
         old_anchor = self.outer.anchor.clone()
         conclusion = self.outer.conclude(outcome, pseudo_grad, round=round, averaged=averaged if outcome.ok else None,
@@ -329,7 +326,23 @@ class OuterLoop:
         resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
         correction = merge_correction(self.outer.anchor, old_anchor, pseudo_grad, out=self._host_correction,
                                       contributed=conclusion.applied in ("averaged", "local"))
-        return _SyncResult(conclusion, correction, sync_s, outcome.group, resynced)
+        return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced)
+
+    def _lockstep_average(self, round: int, pseudo_grad: torch.Tensor, weight: float):
+        """Blocking mode: everybody waits for the slowest peer. hivemind forms a group only among
+        steps whose scheduled start is still ahead, so a peer that is early keeps re-entering
+        matchmaking (a new start each time) until the slowest one arrives and the group is
+        whole (``min_group_size`` = swarm size), or ``allreduce_timeout`` runs out."""
+        give_up = time.time() + self.worker.allreduce_timeout
+        while True:
+            self.worker.backend.prepare(round=round, scheduled_time=time.time() + self.config.matchmaking_seconds,
+                                        gather=self.outer.round_report(round=round).encode(),
+                                        timeout=self.config.matchmaking_seconds + self.worker.matchmaking_grace)
+            averaged = pseudo_grad.clone()
+            outcome = self.worker.backend.average(averaged, weight=weight, timeout=self.worker.matchmaking_grace
+                                                  + self.config.matchmaking_seconds + self.worker.allreduce_timeout)
+            if outcome.ok or not outcome.no_group or time.time() >= give_up or self._alone():
+                return averaged, outcome
 
     def _resync(self, round: int, conclusion: RoundConclusion, averaged: torch.Tensor | None) -> bool:
         """Our anchor disagrees with the group's: take the state of a peer that agrees."""

@@ -78,12 +78,14 @@ class LocalSwarm:
         self.peers: list[LocalPeer] = []
 
     def start(self, name: str, *args: str, initial: list[str] | None = None, config: Path | None = None,
-              ui: bool = False, env: dict[str, str] | None = None) -> LocalPeer:
-        """Start one peer; with ``ui`` it draws its live view on our terminal, else it logs to a file."""
+              ui: bool = False, env: dict[str, str] | None = None, prefix: list[str] | None = None,
+              listen: str = "/ip4/127.0.0.1/tcp/0") -> LocalPeer:
+        """Start one peer; with ``ui`` it draws its live view on our terminal, else it logs to a file.
+        ``prefix`` runs it inside something (e.g. ``ip netns exec <host>``)."""
         workdir = self.root / name
         workdir.mkdir(parents=True, exist_ok=True)
         metrics, checkpoints = workdir / "metrics.jsonl", workdir / "checkpoints"
-        cmd = [*shoal_command(), "run", "--run-id", self.run_id, "--listen", "/ip4/127.0.0.1/tcp/0",
+        cmd = [*(prefix or []), *shoal_command(), "run", "--run-id", self.run_id, "--listen", listen,
                "--metrics-file", str(metrics), "--checkpoint-dir", str(checkpoints)]
         if config is not None:
             cmd += ["--config", str(config)]

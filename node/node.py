@@ -160,7 +160,7 @@ class Node:
             compute_s=stats.compute_s, wait_s=stats.wait_s, sync_s=stats.sync_s, wall_s=stats.wall_s,
             loss=stats.loss, eval_loss=self.last_eval, applied=stats.applied, group=stats.group,
             peers=self.swarm.peer_count, rounds_done=stats.rounds_done, diverged=stats.diverged,
-            bad_reports=stats.bad_reports, lr=inner_lr(self.config.inner, self.swarm.progress()),
+            bad_reports=stats.bad_reports, allreduce_s=stats.allreduce_s, lr=inner_lr(self.config.inner, self.swarm.progress()),
         ))
         self.status.eval_loss, self.status.group_size, self.status.sync_s = self.last_eval, stats.group_size, stats.sync_s
         self.status.rounds_done, self.status.finished_round = stats.rounds_done, stats.round

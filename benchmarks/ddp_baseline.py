@@ -1,0 +1,128 @@
+"""The baseline a user would otherwise run: synchronous data parallelism (torch DDP over gloo).
+
+Same model, data shards, inner optimizer, learning-rate schedule (as a function of wall-clock
+time) and throttles as the shoal peers; gradients all-reduced every step with DDP's fp16
+compression hook, over the same capped links. Launched by ``sync_modes.py``, one process per rank:
+
+    RANK=0 WORLD_SIZE=4 MASTER_ADDR=10.213.0.1 MASTER_PORT=29500 \
+        python benchmarks/ddp_baseline.py --config benchmarks/configs/bench.toml --budget 120 --out r0.jsonl
+
+``--no-sync`` is the ceiling: the same processes training alone, with no communication at all.
+
+Utilization: DDP overlaps its all-reduce with backward, so "compute" is the calibrated time of
+one step without communication (median of 5 ``no_sync`` steps) times the throttle, per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from node.config import load_config  # noqa: E402
+from node.data import BatchSampler, eval_batches, load_corpus, shard_bounds, split_corpus  # noqa: E402
+from node.model import build_model  # noqa: E402
+from node.trainer import inner_lr  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--budget", type=float, required=True, help="seconds of training")
+    parser.add_argument("--throttle", type=float, default=1.0)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--no-sync", action="store_true",
+                        help="the ceiling: train alone, no communication at all (same model, data, throttle)")
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    config = load_config(args.config)
+    torch.set_num_threads(max(1, config.train.torch_threads))
+    if not args.no_sync:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes)
+    lo, hi = shard_bounds(len(split.train), config.data.num_shards, rank % config.data.num_shards)
+    sampler = BatchSampler(split.train[lo:hi], config.model.seq_len, config.data.batch_size, seed=rank)
+    evals = eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches)
+    model = build_model(config.model, seed=config.train.seed)
+    if not args.no_sync:
+        model = DistributedDataParallel(model)
+        model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+    module = model.module if not args.no_sync else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.inner.lr, betas=(config.inner.beta1, config.inner.beta2),
+                                  weight_decay=config.inner.weight_decay)
+
+    def step(sync: bool) -> None:
+        x, y = sampler.next_batch()
+        context = model.no_sync() if not sync and not args.no_sync else torch.enable_grad()
+        with context:
+            _, loss = model(x, y)
+            loss.backward()
+        if sync:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.inner.grad_clip)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    calibration = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        step(sync=False)
+        calibration.append(time.perf_counter() - t0)
+    compute_per_step = statistics.median(calibration) * args.throttle
+
+    out = args.out.open("w")
+    if not args.no_sync:
+        dist.barrier()
+    started = time.time()
+    tokens = steps = 0
+    last_report = started
+    batch_tokens = config.data.batch_size * config.model.seq_len
+    stop = torch.zeros(1)
+    measured = 0.0  # actual step time, throttle included (the ceiling's compute: it never waits)
+    while True:
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = inner_lr(config.inner, (time.time() - started) / config.round.seconds)
+        step(sync=True)
+        if args.throttle > 1:
+            time.sleep((args.throttle - 1) * compute_per_step / args.throttle)
+        steps, tokens = steps + 1, tokens + batch_tokens
+        measured += time.perf_counter() - t0
+        now = time.time()
+        stop[0] = float(now - started >= args.budget)
+        if not args.no_sync:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops after the same step
+        if now - last_report >= config.round.seconds or stop[0] > 0:
+            eval_loss = None
+            if rank == 0:
+                model.eval()
+                with torch.no_grad():
+                    eval_loss = sum(float(module(x, y)[1]) for x, y in evals) / len(evals)
+                model.train()
+            record = {"event": "round", "time": time.time(), "elapsed": now - started, "steps": steps, "tokens": tokens,
+                      "compute_s": measured if args.no_sync else steps * compute_per_step, "wall_s": now - started, "eval_loss": eval_loss,
+                      "step_s": (now - started) / steps}
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            last_report = time.time()
+        if stop[0] > 0:
+            break
+    if not args.no_sync:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

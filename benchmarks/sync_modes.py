@@ -1,0 +1,264 @@
+"""Overlap vs blocking DiLoCo vs DDP on heterogeneous peers over capped links, side by side.
+
+    sudo .venv/bin/python benchmarks/sync_modes.py [--peers 4] [--throttles 1,1.5,2,3] [--mbit 10] [--budget 120]
+
+Each peer runs in its own network namespace (a bridge joins them; every link is capped with
+``tc ... tbf``); without root it falls back to loopback with no cap and says so. Four runs on
+the same config, data, throttles and wall-clock budget:
+
+- ``overlap``: shoal's default (wall-clock rounds, background all-reduce);
+- ``blocking``: H inner steps, then wait for the all-reduce, in lockstep (OpenDiLoCo);
+- ``ddp``: torch DDP over gloo, gradients all-reduced every step (fp16 hook);
+- ``ceiling``: the same processes, throttles and data training alone, no communication at all.
+
+Writes ``benchmarks/results/sync_modes.md`` (table), ``.json`` (raw) and ``.png`` (eval loss vs
+wall-clock; utilization per peer), the PNG if matplotlib is installed (``pip install -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import uuid
+from contextlib import nullcontext
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import netns  # noqa: E402
+
+from node.local_swarm import LocalSwarm, kill_process_group  # noqa: E402
+from node.metrics import read_metrics  # noqa: E402
+
+MODES = ("overlap", "blocking", "ddp", "ceiling")
+
+
+def write_toml(data: dict, path: Path) -> Path:
+    """A flat two-level TOML writer for our configs (tomllib only reads)."""
+    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for section, table in data.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{section}]"] + [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def mode_config(base: Path, mode: str, peers: int, root: Path) -> Path:
+    data = tomllib.loads(base.read_text())
+    data.setdefault("round", {})["sync_mode"] = "blocking" if mode == "blocking" else "overlap"
+    if mode == "blocking":  # lockstep: nobody averages without the slowest peer
+        data.setdefault("averaging", {})["min_group_size"] = peers
+    return write_toml(data, root / f"{mode}.toml")
+
+
+def run_shoal(mode: str, args, hosts, root: Path) -> tuple[dict[str, list[dict]], float, float]:
+    config = mode_config(args.config, mode, args.peers, root)
+    swarm = LocalSwarm(root / mode, run_id=f"bench-{mode}-{uuid.uuid4().hex[:6]}", cwd=REPO)
+    try:
+        peers = []
+        for i, throttle in enumerate(args.throttles):
+            host = hosts[i] if hosts else None
+            listen = f"/ip4/{host.address}/tcp/0" if host else "/ip4/127.0.0.1/tcp/0"
+            initial = None
+            if i > 0:
+                initial = [m for m in peers[0].maddrs if (host is None or hosts[0].address in m)][:1]
+            peer = swarm.start(f"peer-{i}", "--throttle", str(throttle), config=config, initial=initial,
+                               prefix=host.prefix() if host else None, listen=listen)
+            peer.wait_for_address(timeout=180)
+            peers.append(peer)
+        started = time.time()
+        time.sleep(args.budget)
+        ended = time.time()
+        swarm.interrupt_all()
+        for peer in peers:
+            peer.wait(timeout=120)
+        return {p.name: read_metrics(p.metrics_path) for p in peers}, started, ended
+    finally:
+        swarm.kill_all()
+
+
+def run_ddp(args, hosts, root: Path, *, no_sync: bool = False) -> tuple[dict[str, list[dict]], float, float]:
+    master = hosts[0].address if hosts else "127.0.0.1"
+    procs, outs = [], []
+    started = time.time()
+    try:
+        for rank, throttle in enumerate(args.throttles):
+            out = root / f"{'ceiling' if no_sync else 'ddp'}-{rank}.jsonl"
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.peers), "MASTER_ADDR": master,
+                   "MASTER_PORT": "29533", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": f"{netns.PREFIX}p{rank}" if hosts else "lo"}
+            cmd = [*(hosts[rank].prefix() if hosts else []), sys.executable, str(REPO / "benchmarks" / "ddp_baseline.py"),
+                   "--config", str(args.config), "--budget", str(args.budget), "--throttle", str(throttle), "--out", str(out)]
+            cmd += ["--no-sync"] if no_sync else []
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
+                                          stdout=open(out.with_suffix(".log"), "wb"), stderr=subprocess.STDOUT))
+            outs.append(out)
+        for proc in procs:
+            proc.wait(timeout=args.budget + 300)
+    finally:
+        for proc in procs:
+            kill_process_group(proc)
+    records = {f"peer-{r}": read_metrics(out) if out.exists() else [] for r, out in enumerate(outs)}
+    first = min((recs[0]["time"] - recs[0]["elapsed"] for recs in records.values() if recs), default=started)
+    return records, first, first + args.budget
+
+
+def summarize(mode: str, records: dict[str, list[dict]], started: float, ended: float, args, numel: int) -> dict:
+    """Per-peer utilization, swarm tokens/s, sync times, and the eval curve of the shared model."""
+    window = ended - started
+    per_peer, tokens_total, syncs, curve = {}, 0, [], []
+    for name, recs in sorted(records.items()):
+        rounds = [r for r in recs if r.get("event") == "round" and started <= r["time"] <= ended + 1]
+        if mode in ("ddp", "ceiling"):
+            last = rounds[-1] if rounds else {"tokens": 0, "compute_s": 0.0, "wall_s": 1.0}
+            per_peer[name] = {"utilization": last["compute_s"] / max(last["wall_s"], 1e-9), "tokens": last["tokens"]}
+            tokens_total += last["tokens"]
+            if name == "peer-0" and mode == "ddp":
+                curve = [(r["time"] - started, r["tokens"] * args.peers, r["eval_loss"]) for r in rounds]
+            continue
+        compute = sum(r["compute_s"] for r in rounds)
+        wall = sum(r["wall_s"] for r in rounds)
+        tokens = sum(r["tokens"] for r in rounds)
+        per_peer[name] = {"utilization": compute / wall if wall else 0.0, "tokens": tokens,
+                          "wait_s": sum(r["wait_s"] for r in rounds), "rounds": len(rounds)}
+        tokens_total += tokens
+        syncs += [r["allreduce_s"] for r in rounds if r["group_size"] == args.peers and r["applied"] == "averaged"]
+    if mode in ("overlap", "blocking"):
+        # Cumulative swarm tokens at each of peer-0's rounds, against the shared model's eval loss.
+        ends = sorted((r["time"], r["tokens"]) for recs in records.values() for r in recs
+                      if r.get("event") == "round" and started <= r["time"] <= ended + 1)
+        for r in (r for r in records["peer-0"] if r.get("event") == "round" and started <= r["time"] <= ended + 1):
+            done = sum(t for when, t in ends if when <= r["time"])
+            curve.append((r["time"] - started, done, r["eval_loss"]))
+    bound = 2 * (args.peers - 1) / args.peers * numel * 2 / (args.mbit * 1e6 / 8) if args.mbit else None
+    return {"per_peer": per_peer, "tokens_per_s": tokens_total / window, "sync_median_s": statistics.median(syncs) if syncs else None,
+            "allreduce_bound_s": bound, "curve": curve, "window_s": window}
+
+
+def eval_at(curve: list[tuple[float, float, float]], index: int, x: float) -> float | None:
+    points = [(p[index], p[2]) for p in curve if p[2] is not None]
+    if not points or x < points[0][0]:
+        return None
+    before = [p for p in points if p[0] <= x]
+    after = [p for p in points if p[0] >= x]
+    if not after:
+        return before[-1][1]
+    (x0, y0), (x1, y1) = before[-1], after[0]
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def report(results: dict, args, capped: bool, numel: int) -> str:
+    ceiling = results["ceiling"]["tokens_per_s"] if "ceiling" in results else None
+    synced = [m for m in ("overlap", "blocking", "ddp") if m in results and results[m]["curve"]]
+    equal_tokens = min((max(p[1] for p in results[m]["curve"]) for m in synced), default=0.0)
+    lines = [
+        f"# Sync modes: {args.peers} peers, throttles {', '.join(map(str, args.throttles))}, "
+        + (f"links capped at {args.mbit} Mbit/s (tc tbf, network namespaces)" if capped else "loopback, NO bandwidth cap (not root)"),
+        "", f"Command: `sudo .venv/bin/python benchmarks/sync_modes.py --peers {args.peers} --throttles "
+        f"{','.join(map(str, args.throttles))} --mbit {args.mbit} --budget {args.budget:g}`; model: {numel:,} parameters "
+        f"({args.config.name}); {args.budget:g} s of training per mode, all modes in one run.", "",
+        "| mode | utilization per peer | swarm tokens/s | vs ceiling | median all-reduce (s) | eval loss at equal wall-clock | at equal tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in (m for m in MODES if m in results):
+        r = results[mode]
+        utils = " / ".join(f"{p['utilization']:.0%}" for p in r["per_peer"].values())
+        final = r["curve"][-1][2] if r["curve"] else None
+        at_tokens = eval_at(r["curve"], 1, equal_tokens) if r["curve"] else None
+        sync = f"{r['sync_median_s']:.2f}" if r.get("sync_median_s") else "-"
+        share = f"{r['tokens_per_s'] / ceiling:.0%}" if ceiling else "-"
+        lines.append(f"| {mode} | {utils} | {r['tokens_per_s']:,.0f} | {share} | {sync} | "
+                     f"{'-' if final is None else f'{final:.4f}'} | {'-' if at_tokens is None else f'{at_tokens:.4f}'} |")
+    overlap = results.get("overlap", {})
+    bound, measured = overlap.get("allreduce_bound_s"), overlap.get("sync_median_s")
+    lines += ["", f"All-reduce bandwidth bound 2(N-1)/N·S/B with S = {numel * 2:,} bytes (fp16): "
+              + (f"{bound:.2f} s; overlap's median all-reduce is {measured:.2f} s ({measured / bound:.2f}x)."
+                 if capped and bound and measured else "n/a (no cap, or no overlap run)."),
+              f"Equal tokens: {equal_tokens:,.0f} swarm tokens (the fewest any synced mode processed).",
+              "Utilization = compute_s / wall_s per peer (DDP: calibrated step compute x steps / wall).", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode in (m for m in ("overlap", "blocking", "ddp") if m in results):
+        curve = [(t, e) for t, _, e in results[mode]["curve"] if e is not None]
+        if curve:
+            left.plot(*zip(*curve), marker="o", label=mode)
+    left.set_xlabel("wall-clock (s)")
+    left.set_ylabel("eval loss (shared model)")
+    left.legend()
+    left.grid(alpha=0.3)
+    width = 0.2
+    for i, mode in enumerate(m for m in MODES if m in results):
+        utils = [p["utilization"] for p in results[mode]["per_peer"].values()]
+        right.bar([j + i * width for j in range(len(utils))], utils, width, label=mode)
+    right.set_xlabel("peer (throttle increasing)")
+    right.set_ylabel("compute utilization")
+    right.set_ylim(0, 1.05)
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--throttles", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 1.5, 2.0, 3.0])
+    parser.add_argument("--mbit", type=float, default=10.0)
+    parser.add_argument("--budget", type=float, default=120.0)
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "bench.toml")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "sync_modes")
+    args = parser.parse_args()
+    assert len(args.throttles) == args.peers, "one throttle per peer"
+    capped = netns.available()
+    if not capped:
+        print("not root (or no ip/tc): running on loopback WITHOUT bandwidth caps", file=sys.stderr)
+    from node.config import load_config
+    from node.model import build_model, count_parameters
+
+    numel = count_parameters(build_model(load_config(args.config).model, seed=0))
+    root = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
+    os.environ.setdefault("SHOAL_CACHE_DIR", str(root / "cache"))
+    results = {}
+    previous = signal.getsignal(signal.SIGINT)
+    with netns.Network(args.peers, mbit=args.mbit) if capped else nullcontext() as net:
+        hosts = net.hosts if net else None
+        for mode in args.modes:
+            print(f"== {mode}", file=sys.stderr, flush=True)
+            if mode in ("ddp", "ceiling"):
+                records, started, ended = run_ddp(args, hosts, root, no_sync=mode == "ceiling")
+            else:
+                records, started, ended = run_shoal(mode, args, hosts, root)
+            results[mode] = summarize(mode, records, started, ended, args, numel)
+    signal.signal(signal.SIGINT, previous)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    text = report(results, args, capped, numel)
+    if plot(results, args.out.with_suffix(".png")):
+        text += f"\n![eval loss and utilization]({args.out.with_suffix('.png').name})\n"
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
