@@ -25,7 +25,6 @@ class AverageOutcome:
     sync_s: float = 0.0  # from the trigger to the averaged result
     allreduce_s: float = 0.0  # from the later of the trigger and the scheduled start to the result
     error: str | None = None
-    no_group: bool = False  # failed because no group formed (nothing was exchanged): safe to retry
 
 
 @dataclass(slots=True)

@@ -145,7 +145,7 @@ class HivemindBackend:
         if control is None:
             return AverageOutcome(ok=False, error="no averaging step was prepared")
         if control.done():
-            return AverageOutcome(ok=False, error=f"matchmaking ended early: {_reason(control)}", no_group=True)
+            return AverageOutcome(ok=False, error=f"matchmaking ended early: {_reason(control)}")
         # 1. Fill the buffer while the averager cannot be using it (the step waits for our trigger).
         with self._averager.get_tensors() as (buffer,):
             buffer.copy_(vector)
@@ -157,8 +157,7 @@ class HivemindBackend:
             gathered = control.result(timeout=timeout)
         except Exception as e:
             control.cancel()
-            no_group = not control.began_allreduce  # matchmaking never produced a group
-            return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error=_describe(e), no_group=no_group)
+            return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error=_describe(e))
         sync_s = time.perf_counter() - started
         allreduce_s = time.time() - max(started_wall, control.scheduled_time)
         if not gathered:

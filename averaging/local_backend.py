@@ -73,7 +73,7 @@ class LocalBackend:
         started = time.perf_counter()
         result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout)
         if result is None:
-            return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error="timed out", no_group=True)
+            return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error="timed out")
         mean, gathered = result
         vector.copy_(mean)
         return AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered,

@@ -11,8 +11,9 @@ unless it must:
   keeps training. ``try_merge`` at a later step boundary adds the result in one fused pass
   (``averaging.merge``). The loop only stalls if a sync is still in flight when the *next*
   round ends.
-- **blocking** (the OpenDiLoCo baseline): a fixed number of inner steps per round, then the
-  loop waits for the all-reduce.
+- **blocking** (the OpenDiLoCo baseline): a fixed number of inner steps per round (fewer if the
+  deadline comes first), then the loop waits, idle, for the all-reduce at the round's deadline:
+  every peer waits for the slowest, and for the network.
 
 Threads: ``after_step``/``begin_sync``/``try_merge`` run on the training thread; the sync job runs
 on the worker's thread and is the only code that changes the anchor; the two meet through the
@@ -159,11 +160,7 @@ class OuterLoop:
 
     def start(self) -> None:
         now = time.time()
-        if self.config.mode == "overlap":
-            first = max(1, self._schedule().round_at(now))
-        else:
-            first = self.outer.last_round + 1
-        self.window = _Window(first, started=now)
+        self.window = _Window(max(1, self._schedule().round_at(now)), started=now)
         self._maybe_prepare(now)
 
     def initial_sync(self, donors: list[str]) -> int | None:
@@ -178,10 +175,7 @@ class OuterLoop:
 
     def progress(self, now: float | None = None) -> float:
         """Global progress in rounds, for the inner learning-rate schedule."""
-        if self.config.mode == "overlap":
-            return self._schedule().progress(time.time() if now is None else now)
-        steps = self.window.steps if self.window else 0
-        return max(0.0, self.round - 1 + steps / self.config.inner_steps)
+        return self._schedule().progress(time.time() if now is None else now)
 
     def finish(self) -> list[RoundStats]:
         """Leaving: let a sync in flight land (bounded by the all-reduce timeout)."""
@@ -204,19 +198,18 @@ class OuterLoop:
         return finished
 
     def _maybe_prepare(self, now: float) -> None:
-        """Overlap mode: start matchmaking shortly before the deadline. Not earlier: a step
-        prepared long in advance sits in hivemind's matchmaking where late peers of the
-        previous round could find it."""
+        """Start matchmaking shortly before the deadline. Not earlier: a step prepared long in
+        advance sits in hivemind's matchmaking where late peers of the previous round could find it."""
         round = self.window.round
-        if self.config.mode != "overlap" or self._prepared_round >= round:
+        if self._prepared_round >= round:
             return
         if now >= self._schedule().round_end(round) - self.config.prepare_lead:
             self._prepared_round = round
             self.worker.submit(self._prepare, round)
 
     def _round_over(self) -> bool:
-        if self.config.mode == "blocking":
-            return self.window.steps >= self.config.inner_steps
+        if self.config.mode == "blocking" and self.window.steps >= self.config.inner_steps:
+            return True  # then wait, idle, for the all-reduce at the deadline: lockstep
         return not self._timer.fits_before(self._schedule().round_end(self.window.round), time.time())
 
     def begin_sync(self) -> list[RoundStats]:
@@ -224,17 +217,19 @@ class OuterLoop:
         finished = self.try_merge(wait=True)  # the previous sync must land before a new snapshot
         window, now = self.window, time.time()
         window.ended = now
+        if self._prepared_round < window.round:  # blocking mode can finish its steps early
+            self._prepared_round = window.round
+            deadline = self._schedule().round_end(window.round)
+            self.worker.submit(self._prepare, window.round, not_before=deadline - self.config.prepare_lead)
         event = self._snapshot_params()
         weight = float(window.tokens + self._carried_tokens)
-        if self.config.mode == "overlap":
-            next_round = max(window.round + 1, self._schedule().round_at(now))
-        else:
-            next_round = window.round + 1
+        next_round = max(window.round + 1, self._schedule().round_at(now))
         future = self.worker.submit(self._sync_round, window.round, weight, event)
         self._job = _Job(window, future, weight)
         self.window = _Window(next_round, started=now)
         if self.config.mode == "blocking":
             finished += self.try_merge(wait=True)
+            self.window.started = time.time()  # the wait belongs to the round that ended
         return finished
 
     def try_merge(self, wait: bool = False) -> list[RoundStats]:
@@ -299,7 +294,9 @@ class OuterLoop:
             params[name].data.copy_(view)
 
     # -- the worker thread's side ------------------------------------------------------------
-    def _prepare(self, round: int) -> None:
+    def _prepare(self, round: int, not_before: float = 0.0) -> None:
+        # Waiting here is free: in blocking mode the worker has nothing else to do until then.
+        time.sleep(max(0.0, not_before - time.time()))
         deadline = self._schedule().round_end(round)
         self.worker.backend.prepare(round=round, scheduled_time=deadline,
                                     gather=self.outer.round_report(round=round).encode(),
@@ -310,14 +307,11 @@ class OuterLoop:
         if event is not None:
             event.synchronize()
         pseudo_grad = pseudo_gradient(self.outer.anchor, self._host_params, out=self._pseudo_grad)
-        # 2. The all-reduce (our own pseudo-gradient stays as the fallback).
+        # 2. The all-reduce at the round's deadline (our own pseudo-gradient stays as the fallback).
         started = time.perf_counter()
-        if self.config.mode == "overlap":
-            averaged = pseudo_grad.clone()
-            outcome = self.worker.backend.average(averaged, weight=weight, timeout=self.worker.matchmaking_grace
-                                                  + self.worker.allreduce_timeout)
-        else:
-            averaged, outcome = self._lockstep_average(round, pseudo_grad, weight)
+        averaged = pseudo_grad.clone()
+        timeout = max(0.0, self._schedule().round_end(round) - time.time()) + self.worker.matchmaking_grace
+        outcome = self.worker.backend.average(averaged, weight=weight, timeout=timeout + self.worker.allreduce_timeout)
         sync_s = time.perf_counter() - started
         # 3. Outer step, consistency check, re-sync if our anchor diverged.
         old_anchor = self.outer.anchor.clone()
@@ -327,22 +321,6 @@ class OuterLoop:
         correction = merge_correction(self.outer.anchor, old_anchor, pseudo_grad, out=self._host_correction,
                                       contributed=conclusion.applied in ("averaged", "local"))
         return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced)
-
-    def _lockstep_average(self, round: int, pseudo_grad: torch.Tensor, weight: float):
-        """Blocking mode: everybody waits for the slowest peer. hivemind forms a group only among
-        steps whose scheduled start is still ahead, so a peer that is early keeps re-entering
-        matchmaking (a new start each time) until the slowest one arrives and the group is
-        whole (``min_group_size`` = swarm size), or ``allreduce_timeout`` runs out."""
-        give_up = time.time() + self.worker.allreduce_timeout
-        while True:
-            self.worker.backend.prepare(round=round, scheduled_time=time.time() + self.config.matchmaking_seconds,
-                                        gather=self.outer.round_report(round=round).encode(),
-                                        timeout=self.config.matchmaking_seconds + self.worker.matchmaking_grace)
-            averaged = pseudo_grad.clone()
-            outcome = self.worker.backend.average(averaged, weight=weight, timeout=self.worker.matchmaking_grace
-                                                  + self.config.matchmaking_seconds + self.worker.allreduce_timeout)
-            if outcome.ok or not outcome.no_group or time.time() >= give_up or self._alone():
-                return averaged, outcome
 
     def _resync(self, round: int, conclusion: RoundConclusion, averaged: torch.Tensor | None) -> bool:
         """Our anchor disagrees with the group's: take the state of a peer that agrees."""

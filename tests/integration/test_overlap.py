@@ -56,19 +56,21 @@ def test_throttled_peer_does_not_stall_the_fast_ones(swarm):
 
 
 @pytest.mark.timeout(300)
-def test_blocking_mode_runs_in_lockstep(swarm):
-    args = ["--max-rounds", "3", "--sync-mode", "blocking"]
+def test_blocking_mode_waits_for_the_all_reduce(swarm):
+    args = ["--max-rounds", "4", "--sync-mode", "blocking"]
     first = swarm.start("a", *args)
     second = swarm.start("b", *args, initial=first.wait_for_address()[:1])
     for peer in (first, second):
         assert peer.wait(timeout=240) == 0, peer.log()[-3000:]
     a, b = rounds_of(first), rounds_of(second)
-    inner_steps = 100  # examples/configs/tiny.toml [round] inner_steps
-    for rounds in (a, b):
-        assert all(r["inner_steps"] == inner_steps for r in rounds.values()), rounds
-    # Both averaged every round they shared, in the same rounds (lockstep).
-    shared = sorted(set(a) & set(b))
+    shared = sorted(set(a) & set(b))[1:]  # from the second round both took part in (the first may be partial)
     assert len(shared) >= 2, (sorted(a), sorted(b))
+    inner_steps = 100  # examples/configs/tiny.toml [round] inner_steps: both fit it in a 10 s round
     for r in shared:
-        assert a[r]["group_size"] == b[r]["group_size"] == 2 and a[r]["applied"] == "averaged", (a[r], b[r])
+        for rounds in (a, b):
+            record = rounds[r]
+            assert record["inner_steps"] == inner_steps, record
+            assert record["group_size"] == 2 and record["applied"] == "averaged", record
+            # The loop idles until the deadline, then waits for the all-reduce: no overlap.
+            assert record["wait_s"] > 0.2 * record["wall_s"] and record["wait_s"] >= record["sync_s"] * 0.9, record
     assert torch.allclose(anchor_of(first), anchor_of(second), atol=1e-3)
