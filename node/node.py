@@ -90,6 +90,7 @@ class Node:
         self.metrics = MetricsWriter(options.metrics_file, self.peer_id)
         self.status.peer_id = self.peer_id
         self.last_eval: float | None = None
+        self._eval_s = 0.0  # how long the last eval took
 
     # -- lifecycle -------------------------------------------------------------------------
     def announce(self) -> None:
@@ -153,12 +154,15 @@ class Node:
             self.metrics.write("error", round=stats.round, kind="averaging", message=stats.error)
         if stats.resynced:
             self.metrics.write("resync", round=stats.round, diverged=stats.diverged)
-        if stats.round % self.config.train.eval_every_rounds == 0:
+        evaluated = stats.round % self.config.train.eval_every_rounds == 0 and self._eval_fits()
+        if evaluated:
+            started = time.perf_counter()
             self.last_eval = self.trainer.evaluate_anchor(self.swarm.layout.views(self.swarm.outer.anchor), self.eval_set)
+            self._eval_s = time.perf_counter() - started
         self.metrics.write("round", **round_record_fields(
             round=stats.round, group_size=stats.group_size, inner_steps=stats.inner_steps, tokens=stats.tokens,
             compute_s=stats.compute_s, wait_s=stats.wait_s, sync_s=stats.sync_s, wall_s=stats.wall_s,
-            loss=stats.loss, eval_loss=self.last_eval, applied=stats.applied, group=stats.group,
+            loss=stats.loss, eval_loss=self.last_eval if evaluated else None, applied=stats.applied, group=stats.group,
             peers=self.swarm.peer_count, rounds_done=stats.rounds_done, diverged=stats.diverged,
             bad_reports=stats.bad_reports, allreduce_s=stats.allreduce_s, lr=inner_lr(self.config.inner, self.swarm.progress()),
         ))
@@ -168,6 +172,12 @@ class Node:
         self.view.round_done(self.status)
         if self.options.checkpoint_dir is not None and stats.round % self.config.train.checkpoint_every_rounds == 0:
             self.save_checkpoint()
+
+    def _eval_fits(self) -> bool:
+        """Eval runs on the training thread: skip it (the record's eval_loss is null) when it would
+        push this round's snapshot past its deadline, which would make a slow peer miss rounds."""
+        deadline = self.swarm.monitor.schedule.round_end(self.swarm.round)
+        return time.time() + 2 * self._eval_s <= deadline
 
     def _update_status(self, loss: float) -> None:
         window, schedule = self.swarm.loop.window, self.swarm.monitor.schedule

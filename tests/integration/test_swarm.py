@@ -46,7 +46,7 @@ def test_three_peers_train_one_model(swarm):
         assert set(range(min(rounds), ROUNDS + 1)) <= set(rounds), f"{name} skipped a round: {sorted(rounds)}"
 
     # Eval loss of the shared model went down over the run.
-    evals = [per_peer["a"][r]["eval_loss"] for r in sorted(per_peer["a"])]
+    evals = [per_peer["a"][r]["eval_loss"] for r in sorted(per_peer["a"]) if per_peer["a"][r]["eval_loss"] is not None]
     assert evals[-1] < evals[0], evals
 
     # The anchors agree. fp16 compression makes each peer add fp16(avg - local) to its own
