@@ -188,7 +188,7 @@ def report(results: dict, args, capped: bool, numel: int) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict, path: Path) -> bool:
+def plot(results: dict, path: Path, throttles: list[float]) -> bool:
     try:
         import matplotlib
 
@@ -209,7 +209,10 @@ def plot(results: dict, path: Path) -> bool:
     for i, mode in enumerate(m for m in MODES if m in results):
         utils = [p["utilization"] for p in results[mode]["per_peer"].values()]
         right.bar([j + i * width for j in range(len(utils))], utils, width, label=mode)
-    right.set_xlabel("peer (throttle increasing)")
+    modes = sum(1 for m in MODES if m in results)
+    right.set_xticks([j + width * (modes - 1) / 2 for j in range(len(throttles))],
+                     [f"peer {j} (x{t:g})" for j, t in enumerate(throttles)])
+    right.set_xlabel("peer (throttle)")
     right.set_ylabel("compute utilization")
     right.set_ylim(0, 1.05)
     right.legend()
@@ -253,7 +256,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     text = report(results, args, capped, numel)
-    if plot(results, args.out.with_suffix(".png")):
+    if plot(results, args.out.with_suffix(".png"), args.throttles):
         text += f"\n![eval loss and utilization]({args.out.with_suffix('.png').name})\n"
     args.out.with_suffix(".md").write_text(text)
     print(text)
