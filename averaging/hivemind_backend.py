@@ -123,12 +123,10 @@ class HivemindBackend:
         self.peer_id = str(dht.peer_id)
         self._request_timeout = request_timeout
         self._control: StepControl | None = None
-        self._round: int | None = None
 
     def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float) -> None:
         if self._control is not None and not self._control.done():
             self._control.cancel()
-        self._round = round
         # The round goes into the matchmaking key (hivemind's group bits), so a peer still
         # finishing round r-1 can never pull a peer of round r into its group (or wait for it).
         self._averager.set_group_bits(round_bits(round))

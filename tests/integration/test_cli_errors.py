@@ -6,6 +6,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from node.local_swarm import kill_process_group, session_members
 from tests.integration.swarm import REPO, shoal_command
@@ -94,12 +95,8 @@ def test_missing_config_file():
     assert_one_line_error(shoal("run", "--no-ui", "--config", "/nonexistent/run.toml"), 2, "/nonexistent/run.toml")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_requested_without_cuda_cleans_up(tmp_path):
-    pytest.importorskip("torch")
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
     result = shoal("run", "--no-ui", "--device", "cuda", "--listen", "/ip4/127.0.0.1/tcp/0")
     assert_one_line_error(result, 2, "--device cuda")
 
