@@ -123,10 +123,15 @@ class LoopConfig:
     download_timeout: float = 60.0
 
     def __post_init__(self):
-        if self.mode not in SYNC_MODES:
-            raise ValueError(f"sync mode {self.mode!r} must be one of {', '.join(SYNC_MODES)}")
-        if self.inner_steps < 1:
-            raise ValueError(f"round.inner_steps ({self.inner_steps}) must be >= 1")
+        validate_sync(self.mode, self.inner_steps)
+
+
+def validate_sync(mode: str, inner_steps: int) -> None:
+    """The checks ``[round]`` and ``LoopConfig`` share; messages name the config keys."""
+    if mode not in SYNC_MODES:
+        raise ValueError(f"round.sync_mode ({mode!r}) must be one of: {', '.join(SYNC_MODES)}")
+    if inner_steps < 1:
+        raise ValueError(f"round.inner_steps ({inner_steps}) must be >= 1")
 
 
 class OuterLoop:
@@ -237,10 +242,9 @@ class OuterLoop:
         job = self._job
         if job is None or (not wait and not job.future.done()):
             return []
-        stalled = time.perf_counter()
-        stall_s = 0.0 if job.future.done() else None
+        already_done, waited_from = job.future.done(), time.perf_counter()
         result: _SyncResult = job.future.result()
-        stall_s = time.perf_counter() - stalled if stall_s is None else stall_s
+        stall_s = 0.0 if already_done else time.perf_counter() - waited_from
         self._job = None
         self._merge(result.correction)
         # In blocking mode the round's own wait is part of the round; in overlap mode a stall

@@ -22,7 +22,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from averaging.flat import FlatLayout
 from averaging.hivemind_backend import HivemindBackend
 from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
 from averaging.sync import SyncWorker
-from node.config import AveragingConfig, RoundConfig
+from node.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.sockets import hivemind_sockets, remove_stale
 from node.swarm import PeerMonitor, join_run, start_dht
 from protocols.keys import averager_prefix
@@ -86,9 +85,7 @@ class DiLoCoSwarm:
         self.outer = OuterState(self.layout, anchor, self.outer_config, rel_tol=avg.rel_tol, abs_tol=avg.abs_tol)
         self.shared = {
             **shared,
-            **{f"outer.{k}": v for k, v in asdict(self.outer_config).items()},
-            **{f"round.{k}": v for k, v in asdict(self.rounds).items()},
-            "averaging.compression": avg.compression, "averaging.rel_tol": avg.rel_tol, "averaging.abs_tol": avg.abs_tol,
+            **sync_shared_fields(outer=self.outer_config, rounds=self.rounds, averaging=avg),
             "parameters": hashlib.sha256(json.dumps(self.layout.describe()).encode()).hexdigest()[:16],
         }
         # 2. The DHT and the run's schedule (forks hivemind's DHT process).

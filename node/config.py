@@ -20,7 +20,7 @@ from typing import Any
 
 from averaging.consistency import DEFAULT_ABS_TOL, DEFAULT_REL_TOL
 from averaging.diloco import OuterConfig
-from averaging.outer_loop import SYNC_MODES
+from averaging.outer_loop import validate_sync
 from node.data import DataConfig
 from node.model import ModelConfig
 from protocols.errors import ConfigError
@@ -69,10 +69,7 @@ class RoundConfig:
     def __post_init__(self):
         if not 1.0 <= self.seconds <= 86400:
             raise ValueError(f"round.seconds ({self.seconds}) must be in [1, 86400]; use --round-seconds 10 for a CPU test run")
-        if self.sync_mode not in SYNC_MODES:
-            raise ValueError(f"round.sync_mode ({self.sync_mode!r}) must be one of: {', '.join(SYNC_MODES)}")
-        if self.inner_steps < 1:
-            raise ValueError(f"round.inner_steps ({self.inner_steps}) must be >= 1")
+        validate_sync(self.sync_mode, self.inner_steps)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -147,24 +144,25 @@ class RunConfig:
         validate_run_id(self.run_id)
 
 
-# Sections whose every field must match across the peers of a run.
-SHARED_SECTIONS = ("model", "inner", "outer", "round")
-SHARED_FIELDS = (
-    ("data", "batch_size"), ("data", "num_shards"), ("train", "seed"),
-    # the consistency verdict must be the same on every member of a group
-    ("averaging", "compression"), ("averaging", "rel_tol"), ("averaging", "abs_tol"),
-)
+def sync_shared_fields(*, outer: OuterConfig, rounds: RoundConfig, averaging: AveragingConfig) -> dict[str, Any]:
+    """What the sync protocol itself needs every peer to agree on (any model, any loop)."""
+    return {
+        **{f"outer.{f.name}": getattr(outer, f.name) for f in dataclasses.fields(outer)},
+        **{f"round.{f.name}": getattr(rounds, f.name) for f in dataclasses.fields(rounds)},
+        # the consistency verdict must be the same on every member of a group
+        **{f"averaging.{name}": getattr(averaging, name) for name in ("compression", "rel_tol", "abs_tol")},
+    }
 
 
 def shared_fields(config: RunConfig) -> dict[str, Any]:
-    """The flat ``section.field -> value`` map peers compare before they train together."""
-    shared = {}
-    for section in SHARED_SECTIONS:
-        for f in dataclasses.fields(getattr(config, section)):
-            shared[f"{section}.{f.name}"] = getattr(getattr(config, section), f.name)
-    for section, name in SHARED_FIELDS:
-        shared[f"{section}.{name}"] = getattr(getattr(config, section), name)
-    return shared
+    """The flat ``section.field -> value`` map peers of a ``shoal run`` compare before they train together."""
+    return {
+        **{f"{section}.{f.name}": getattr(getattr(config, section), f.name)
+           for section in ("model", "inner") for f in dataclasses.fields(getattr(config, section))},
+        "data.batch_size": config.data.batch_size, "data.num_shards": config.data.num_shards,
+        "train.seed": config.train.seed,
+        **sync_shared_fields(outer=config.outer, rounds=config.round, averaging=config.averaging),
+    }
 
 
 def shared_hash(shared: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hivemind import DHT
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from protocols.errors import ConfigError, NetworkError
@@ -164,8 +165,6 @@ class PeerMonitor:
         found = self.dht.get(peers_key(self.run_id), latest=True)
         live: dict[str, dict] = {}
         if found is not None and isinstance(found.value, dict):
-            from hivemind.p2p import PeerID
-
             for subkey, item in found.value.items():
                 beat = _parse_heartbeat(getattr(item, "value", None))
                 if beat is None or not isinstance(subkey, bytes):

@@ -46,12 +46,11 @@ class Trainer:
         self.model = model.to(device)
         self.inner = inner
         self.device = device
-        self.params = dict(self.model.named_parameters())
         self._eval_model: torch.nn.Module | None = None
         use_bf16 = train.precision == "bf16" or (train.precision == "auto" and device.type == "cuda")
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
-        decay = [p for p in self.params.values() if p.dim() >= 2]
-        no_decay = [p for p in self.params.values() if p.dim() < 2]
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": inner.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=inner.lr, betas=(inner.beta1, inner.beta2), fused=device.type == "cuda",
