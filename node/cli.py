@@ -139,25 +139,21 @@ def run(
     stop = threading.Event()
     interrupts = Interrupts(stop)
     interrupts.install()
-    node = None
+    node, reason, error = None, "crash", None
     try:
         node = Node(run_config, options, stop)
         interrupts.install()  # hivemind's averager set SIGINT to ignored when it started
         node.train()
         reason = "interrupted" if stop.is_set() else "max_rounds"
     except ShoalError as e:
-        if node is not None:
-            node.close("error")
-        _fail(e)
+        reason, error = "error", e
     except ValueError as e:  # config checks that only fail once data or devices are known
+        reason, error = "error", ConfigError(str(e))
+    finally:  # anything else is a bug: it keeps its traceback, after leaving cleanly
         if node is not None:
-            node.close("error")
-        _fail(ConfigError(str(e)))
-    except BaseException:
-        if node is not None:
-            node.close("crash")
-        raise
-    node.close(reason)
+            node.close(reason)
+    if error is not None:
+        _fail(error)
     raise typer.Exit(EXIT_OK)
 
 
