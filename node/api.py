@@ -22,9 +22,11 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from hivemind.utils import get_dht_time
 
 from averaging.diloco import OuterConfig, OuterState
 from averaging.flat import FlatLayout
@@ -33,9 +35,11 @@ from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
 from averaging.sync import SyncWorker
 from node.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.sockets import hivemind_sockets, remove_stale
-from node.swarm import PeerMonitor, join_run, start_dht
+from node.swarm import MANIFEST_TTL, PeerMonitor, Reachability, join_run, start_dht
 from protocols.keys import averager_prefix
+from protocols.manifest import RunManifest
 from protocols.messages import MessageError
+from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +61,9 @@ class DiLoCoSwarm:
         listen: list[str] | tuple[str, ...] = (),
         announce: list[str] | tuple[str, ...] = (),
         bootstrap_timeout: float = 30.0,
+        identity: str | Path | None = None,
+        client_mode: bool = False,
+        use_relay: bool = False,
         shared: dict[str, Any] | None = None,
         device: torch.device | str | None = None,
         heartbeat: Callable[[], dict] | None = None,
@@ -70,13 +77,14 @@ class DiLoCoSwarm:
         self._closers: list[Callable[[], Any]] = []
         self._sockets_before = hivemind_sockets()
         self._heartbeat = heartbeat
+        self.reachability = Reachability(client_mode=client_mode, use_relay=use_relay)
         try:
-            self._build(listen, announce, bootstrap_timeout, shared or {}, device, on_peers_changed)
+            self._build(listen, announce, bootstrap_timeout, identity, shared or {}, device, on_peers_changed)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, listen, announce, bootstrap_timeout, shared, device, on_peers_changed) -> None:
+    def _build(self, listen, announce, bootstrap_timeout, identity, shared, device, on_peers_changed) -> None:
         # 1. The anchor: an fp32 CPU copy of the trainable parameters.
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.layout = FlatLayout.of(named)
@@ -86,30 +94,32 @@ class DiLoCoSwarm:
         self.shared = {
             **shared,
             **sync_shared_fields(outer=self.outer_config, rounds=self.rounds, averaging=avg),
-            "parameters": hashlib.sha256(json.dumps(self.layout.describe()).encode()).hexdigest()[:16],
+            "parameters": hashlib.sha256(json.dumps(
+                [[n, list(p.shape), str(p.dtype)] for n, p in named]).encode()).hexdigest()[:16],
         }
         # 2. The DHT and the run's schedule (forks hivemind's DHT process).
         self.dht = start_dht(initial_peers=self.initial_peers, listen=list(listen), announce=list(announce),
-                             timeout=bootstrap_timeout)
+                             timeout=bootstrap_timeout, identity=Path(identity) if identity else None,
+                             reachability=self.reachability)
         self._closers.append(self.dht.shutdown)
         self.peer_id = str(self.dht.peer_id)
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         period = min(5.0, max(1.0, self.rounds.seconds / 3))
-        self.schedule = join_run(self.dht, self.run_id, self.shared, self.rounds.seconds, record_ttl=max(600.0, 3 * period))
+        ours = RunManifest.create(self.run_id, self.shared, start_time=get_dht_time(), round_seconds=self.rounds.seconds)
+        self.manifest = join_run(self.dht, ours, record_ttl=MANIFEST_TTL)
         # 3. The averager (forks again; before our own threads, before CUDA if the caller allows).
         backend = HivemindBackend(
             self.dht, numel=self.layout.numel, prefix=averager_prefix(self.run_id),
             state_provider=self.outer.shared_state, compression=avg.compression,
             target_group_size=avg.target_group_size or None, min_group_size=avg.min_group_size,
             min_matchmaking_time=avg.matchmaking_seconds, request_timeout=avg.request_timeout,
-            allreduce_timeout=avg.allreduce_timeout,
+            allreduce_timeout=avg.allreduce_timeout, client_mode=self.reachability.client_mode,
         )
         self.worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
                                  matchmaking_grace=avg.matchmaking_seconds)
         self._closers.insert(0, self.worker.close)
         # 4. Who else is here, and the round engine.
-        self.monitor = PeerMonitor(self.dht, self.run_id, schedule=self.schedule, shared=self.shared, period=period,
-                                   status=self._status, on_change=on_peers_changed or (lambda joined, left: None))
+        self.monitor = PeerMonitor(self.dht, self.manifest, period=period, status=self._status, on_change=on_peers_changed or (lambda joined, left: None))
         self._closers.insert(0, self.monitor.stop)
         named_now = lambda: dict(self.model.named_parameters())  # noqa: E731 - follows .to(device)
         self.loop = OuterLoop(
@@ -141,6 +151,11 @@ class DiLoCoSwarm:
 
     def progress(self) -> float:
         return self.loop.progress()
+
+    @property
+    def schedule(self) -> RoundSchedule:
+        """The run's round schedule (converges on the earliest published start)."""
+        return self.monitor.schedule
 
     @property
     def peer_count(self) -> int:

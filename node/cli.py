@@ -68,14 +68,22 @@ class Interrupts:
 
     def __call__(self, signum, frame) -> None:
         if os.getpid() != self.pid:
-            # A forked hivemind child inherited this handler: let the signal do its default
-            # (hivemind ends a stuck child with SIGTERM, which must not be swallowed here).
+            # A forked hivemind child inherited this handler. Ctrl+C reaches the whole process
+            # group: the child ignores it and lets the parent shut it down in order. SIGTERM keeps
+            # its default (hivemind ends a stuck child with it; it must not be swallowed).
+            if signum == signal.SIGINT:
+                signal.signal(signum, signal.SIG_IGN)
+                return
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self.count += 1
         if self.count == 1:
             self.stop.set()
+            # Ctrl+C also reached p2pd (same process group), which exits at once: hivemind then
+            # logs errors about its closed socket and a slow DHT shutdown. Expected now, so muted.
+            for name in ("hivemind.p2p.p2p_daemon", "hivemind.dht.dht"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
             logger.warning("stopping after the current step; press Ctrl+C again to exit immediately")
             return
         _kill_children()
@@ -113,14 +121,20 @@ def run(
     sync_mode: str = typer.Option(None, "--sync-mode", envvar="SHOAL_SYNC_MODE", help="overlap (default: average in the background while training) | blocking (fixed inner steps, then wait: the OpenDiLoCo baseline)."),
     throttle: float = typer.Option(None, "--throttle", envvar="SHOAL_THROTTLE", help="Stretch each inner step to FACTOR x its compute time (a stand-in for a slower GPU)."),
     bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, help="Seconds to wait for an initial peer before giving up."),
+    identity: Path = typer.Option(None, "--identity", envvar="SHOAL_IDENTITY", help="Private key file that keeps this peer's id across restarts (created on first use)."),
+    client_mode: bool = typer.Option(False, "--client-mode", envvar="SHOAL_CLIENT_MODE", help="Behind NAT without port forwarding: outgoing connections only (trains and averages, serves no state)."),
+    use_relay: bool = typer.Option(False, "--use-relay", envvar="SHOAL_USE_RELAY", help="Behind NAT: become reachable through other peers' libp2p relays."),
 ) -> None:
     """Join (or start) a swarm and train."""
-    from protocols.addresses import parse_listen_multiaddr, parse_peer_multiaddr
+    from node.bootstrap import expand_initial_peers
+    from protocols.addresses import parse_listen_multiaddr
 
     ui = not no_ui and sys.stdout.isatty()
     _configure_logging(ui)
     try:
-        peers = [parse_peer_multiaddr(a) for a in initial_peer]
+        if client_mode and use_relay:
+            raise ConfigError("--client-mode and --use-relay exclude each other; pick one (see README: NAT)")
+        peers = expand_initial_peers(initial_peer, timeout=bootstrap_timeout)
         listen_addrs = [parse_listen_multiaddr(a, "--listen") for a in listen]
         announce_addrs = [parse_listen_multiaddr(a, "--announce") for a in announce]
         overrides = {"run_id": run_id, "train.device": device, "round.seconds": round_seconds,
@@ -135,7 +149,8 @@ def run(
 
     options = NodeOptions(initial_peers=peers, listen=listen_addrs, announce=announce_addrs, max_rounds=max_rounds,
                           checkpoint_dir=checkpoint_dir, metrics_file=metrics_file, ui=ui,
-                          bootstrap_timeout=bootstrap_timeout)
+                          bootstrap_timeout=bootstrap_timeout, identity=identity, client_mode=client_mode,
+                          use_relay=use_relay)
     stop = threading.Event()
     interrupts = Interrupts(stop)
     interrupts.install()
@@ -154,6 +169,46 @@ def run(
             node.close(reason)
     if error is not None:
         _fail(error)
+    raise typer.Exit(EXIT_OK)
+
+
+@app.command()
+def bootstrap(
+    listen: list[str] = typer.Option([], "--listen", envvar="SHOAL_LISTEN", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/31337."),
+    announce: list[str] = typer.Option([], "--announce", envvar="SHOAL_ANNOUNCE", help="Public multiaddr to announce, e.g. /ip4/203.0.113.5/tcp/31337 (repeatable)."),
+    identity: Path = typer.Option(None, "--identity", envvar="SHOAL_IDENTITY", help="Private key file: a stable peer id, so the published address stays valid (created on first use)."),
+    initial_peer: list[str] = typer.Option([], "--initial-peer", envvar="SHOAL_INITIAL_PEERS", help="Another entry point of the same swarm (repeatable; @FILE reads addresses from FILE)."),
+    address_file: Path = typer.Option(None, "--address-file", envvar="SHOAL_ADDRESS_FILE", help="Also write this peer's multiaddrs to FILE (one per line), e.g. for --initial-peer @FILE."),
+    bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, help="Seconds to wait for --initial-peer before giving up."),
+) -> None:
+    """Run a light DHT-only entry peer (no model, no GPU) for a swarm; runs until Ctrl+C."""
+    from node.bootstrap import BootstrapPeer, expand_initial_peers, write_address_file
+    from protocols.addresses import parse_listen_multiaddr
+
+    _configure_logging(ui=False)
+    try:
+        peers = expand_initial_peers(initial_peer, timeout=bootstrap_timeout)
+        listen_addrs = [parse_listen_multiaddr(a, "--listen") for a in listen] or ["/ip4/0.0.0.0/tcp/31337"]
+        announce_addrs = [parse_listen_multiaddr(a, "--announce") for a in announce]
+    except ShoalError as e:
+        _fail(e)
+    stop = threading.Event()
+    Interrupts(stop).install()
+    try:
+        peer = BootstrapPeer(listen=listen_addrs, announce=announce_addrs, identity=identity,
+                             initial_peers=peers, timeout=bootstrap_timeout)
+    except ShoalError as e:
+        _fail(e)
+    Interrupts(stop).install()  # hivemind's DHT start may have replaced our handler
+    try:
+        print(f"bootstrap peer {peer.peer_id} listening on {' '.join(peer.maddrs)}", flush=True)
+        print(f"to join: {peer.join_line()}", flush=True)
+        if address_file is not None:
+            write_address_file(address_file, peer.maddrs)
+            logger.info(f"wrote this peer's addresses to {address_file}")
+        peer.serve(stop)
+    finally:
+        peer.close()
     raise typer.Exit(EXIT_OK)
 
 

@@ -42,6 +42,10 @@ class NodeOptions:
     metrics_file: Path | None = None
     ui: bool = True
     bootstrap_timeout: float = 30.0
+    identity: Path | None = None
+    client_mode: bool = False
+    use_relay: bool = False
+    metrics_port: int | None = None
 
 
 class Node:
@@ -72,7 +76,8 @@ class Node:
         self.swarm = DiLoCoSwarm(
             model, run_id=config.run_id, outer=config.outer, averaging=config.averaging, rounds=config.round,
             initial_peers=options.initial_peers, listen=options.listen, announce=options.announce,
-            bootstrap_timeout=options.bootstrap_timeout, shared=self.shared, device=self.device,
+            bootstrap_timeout=options.bootstrap_timeout, identity=options.identity, client_mode=options.client_mode,
+            use_relay=options.use_relay, shared=self.shared, device=self.device,
             heartbeat=self._heartbeat, on_peers_changed=self._peers_changed,
         )
         self.peer_id = self.swarm.peer_id
@@ -96,13 +101,18 @@ class Node:
     def announce(self) -> None:
         maddrs = self.swarm.maddrs
         extra = "" if self.config.run_id == "shoal-tiny" else f"--run-id {self.config.run_id}"
-        print(f"peer {self.peer_id} listening on {' '.join(maddrs)}", flush=True)
-        print(f"to join: {format_join_command(maddrs, extra)}", flush=True)
+        reachability = self.swarm.reachability
+        if reachability.client_mode:
+            print(f"peer {self.peer_id} in {reachability.describe(maddrs)}", flush=True)
+        else:
+            print(f"peer {self.peer_id} listening on {' '.join(maddrs)}", flush=True)
+            print(f"to join: {format_join_command(maddrs, extra)}", flush=True)
+            logger.info(f"reachability: {reachability.describe(maddrs)}")
         parameters = count_parameters(self.trainer.model)
         self.metrics.write("start", run_id=self.config.run_id, maddrs=maddrs, device=str(self.device),
                            parameters=parameters, shard=self.shard, config_hash=shared_hash(self.shared),
                            schedule_start=self.swarm.schedule.start_time, sync_mode=self.config.round.sync_mode,
-                           throttle=self.config.train.throttle)
+                           throttle=self.config.train.throttle, mode=reachability.mode)
         logger.info(f"peer {self.peer_id}: {parameters:,} parameters on {self.device}, shard "
                     f"{self.shard}/{self.config.data.num_shards}, {self.config.round.sync_mode} sync, "
                     f"rounds of {self.config.round.seconds:g}s")

@@ -6,31 +6,78 @@ talks to its process through a pipe that is not safe to write from several threa
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
 from hivemind import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from protocols import manifest
 from protocols.errors import ConfigError, NetworkError
 from protocols.keys import peers_key, run_key
+from protocols.manifest import RunManifest
+from protocols.messages import MessageError
 from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
 
-RUN_RECORD_VERSION = 1
+MANIFEST_TTL = 600.0  # a run nobody serves any more is forgotten after this
+
+@dataclass(frozen=True, slots=True)
+class Reachability:
+    """How this peer can be reached (``--client-mode``, ``--use-relay``), told to the user at start."""
+
+    client_mode: bool = False
+    use_relay: bool = False
+
+    @property
+    def mode(self) -> str:
+        return "client" if self.client_mode else "relay" if self.use_relay else "full"
+
+    def describe(self, maddrs: list[str]) -> str:
+        if self.client_mode:
+            return ("client mode (--client-mode): outgoing connections only; this peer trains and averages "
+                    "but nobody can connect to it, so it serves no state to newcomers")
+        if self.use_relay:
+            return ("relay mode (--use-relay): reachable through other peers' libp2p relays, for a NAT or "
+                    "firewall without port forwarding")
+        if maddrs and all(_is_private(m) for m in maddrs):
+            return ("full peer, but only on private addresses: peers outside this network cannot reach it; "
+                    "forward the port and pass --announce /ip4/<public ip>/tcp/<port>, or use --use-relay "
+                    "or --client-mode")
+        return "full peer: others connect to it directly"
 
 
-def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str], timeout: float) -> DHT:
+def _is_private(maddr: str) -> bool:
+    parts = maddr.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return False
+    try:
+        address = ipaddress.ip_address(parts[2])
+    except ValueError:
+        return False
+    return address.is_private or address.is_loopback or address.is_link_local
+
+
+def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str], timeout: float,
+              identity: Path | None = None, reachability: Reachability = Reachability()) -> DHT:
     """Start our DHT node; an unreachable bootstrap peer is a one-line error after ``timeout`` s."""
+    if reachability.client_mode and not initial_peers:
+        raise ConfigError("--client-mode needs --initial-peer: a peer nobody can connect to cannot start a swarm")
+    identity_path = prepare_identity(identity) if identity is not None else None
     dht = DHT(
         initial_peers=initial_peers or None,
         host_maddrs=listen or ["/ip4/0.0.0.0/tcp/0"],
         announce_maddrs=announce or None,
+        identity_path=identity_path,
+        client_mode=reachability.client_mode,
+        use_relay=True,  # hivemind's default: we may dial peers that are reachable only via relays
+        use_auto_relay=reachability.use_relay,
         start=False,
     )
     try:
@@ -39,6 +86,12 @@ def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str
     except BaseException as e:
         _stop(dht)
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        if identity_path is not None and "already taken" in reason:
+            raise ConfigError(f"another peer is already running with the identity in {identity_path}; stop it or "
+                              "pass a different --identity") from None
+        if identity_path is not None and ("unmarshal" in reason or "proto" in reason.lower()):
+            raise ConfigError(f"identity file {identity_path} is not a libp2p private key; delete it to create a "
+                              "new one (this peer's id will change)") from None
         if initial_peers:
             raise NetworkError(
                 f"could not reach any initial peer ({', '.join(initial_peers)}) within {timeout:.0f}s ({reason[:160]}); "
@@ -46,6 +99,21 @@ def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str
             ) from None
         raise NetworkError(f"could not start the DHT on {', '.join(listen) or 'the default address'}: {reason[:200]}; "
                            "check --listen (is the port free?)") from None
+
+
+def prepare_identity(path: Path) -> str:
+    """The identity file for ``--identity``: hivemind creates it on first use; we make its folder
+    and refuse a path that cannot hold a key (a folder, an empty file) with a fix."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"--identity {path} is a directory; pass a file path, e.g. {path / 'identity.key'}")
+    if path.exists() and path.stat().st_size == 0:
+        raise ConfigError(f"identity file {path} is empty; delete it to create a new one (this peer's id will change)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the folder for --identity {path}: {e.strerror}") from None
+    return str(path)
 
 
 def _stop(dht: DHT) -> None:
@@ -58,61 +126,39 @@ def _stop(dht: DHT) -> None:
         dht.terminate()
 
 
-@dataclass(frozen=True, slots=True)
-class RunRecord:
-    start_time: float
-    round_seconds: float
-    shared: dict[str, Any]
-
-
-def _parse_run_record(value: Any) -> RunRecord | None:
-    if not isinstance(value, dict) or value.get("v") != RUN_RECORD_VERSION:
-        return None
-    start, seconds, shared = value.get("start_time"), value.get("round_seconds"), value.get("shared")
-    if not isinstance(start, (int, float)) or not isinstance(seconds, (int, float)) or not isinstance(shared, dict):
-        return None
-    return RunRecord(float(start), float(seconds), shared)
-
-
-def read_run_records(dht: DHT, run_id: str) -> list[RunRecord]:
+def read_manifests(dht: DHT, run_id: str) -> tuple[list[RunManifest], int]:
+    """The valid manifests published for ``run_id`` and the number of malformed ones (ignored)."""
     found = dht.get(run_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):
-        return []
-    records = (_parse_run_record(item.value) for item in found.value.values() if hasattr(item, "value"))
-    return [r for r in records if r is not None]
+        return [], 0
+    manifests, malformed = [], 0
+    for item in found.value.values():
+        try:
+            manifests.append(manifest.decode(getattr(item, "value", None)))
+        except MessageError as e:
+            malformed += 1
+            logger.debug(f"ignored a malformed manifest: {e}")
+    return manifests, malformed
 
 
-def describe_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
-    """The first shared field that differs, as ``field=theirs (this peer: ours)``."""
-    for key in sorted(set(ours) | set(theirs)):
-        if ours.get(key) != theirs.get(key):
-            return f"{key}={theirs.get(key, '<missing>')!r} (this peer: {ours.get(key, '<missing>')!r})"
-    return None
+def join_run(dht: DHT, ours: RunManifest, *, record_ttl: float) -> RunManifest:
+    """Adopt the run's schedule (earliest published start) or start the run; refuse a run whose
+    manifest differs from ours (``ConfigError`` naming the field) before averaging anything."""
+    theirs, _ = read_manifests(dht, ours.run_id)
+    for other in theirs:
+        manifest.check_compatible(ours, other)
+    start_time = min((m.start_time for m in theirs), default=get_dht_time())
+    joined = ours.with_start(start_time)
+    publish_manifest(dht, joined, ttl=record_ttl)
+    return joined
 
 
-def join_run(dht: DHT, run_id: str, shared: dict[str, Any], round_seconds: float, *,
-             record_ttl: float) -> RoundSchedule:
-    """Adopt the run's schedule (earliest published start) or start it; refuse a different config."""
-    records = read_run_records(dht, run_id)
-    for record in records:
-        mismatch = describe_mismatch(shared, record.shared)
-        if mismatch is not None:
-            raise ConfigError(
-                f"run '{run_id}' is training with {mismatch}; use the run's config or pick another --run-id"
-            )
-    start_time = min((r.start_time for r in records), default=get_dht_time())
-    schedule = RoundSchedule(start_time=start_time, round_seconds=round_seconds)
-    publish_run_record(dht, run_id, schedule, shared, ttl=record_ttl)
-    return schedule
+def publish_manifest(dht: DHT, ours: RunManifest, *, ttl: float) -> None:
+    dht.store(run_key(ours.run_id), subkey=dht.peer_id.to_bytes(), value=ours.encode(),
+              expiration_time=get_dht_time() + ttl)
 
 
-def publish_run_record(dht: DHT, run_id: str, schedule: RoundSchedule, shared: dict[str, Any], *, ttl: float) -> None:
-    value = {"v": RUN_RECORD_VERSION, "start_time": schedule.start_time,
-             "round_seconds": schedule.round_seconds, "shared": shared}
-    dht.store(run_key(run_id), subkey=dht.peer_id.to_bytes(), value=value, expiration_time=get_dht_time() + ttl)
-
-
-def _parse_heartbeat(value: Any) -> dict | None:
+def _parse_heartbeat(value: object) -> dict | None:
     if not isinstance(value, dict) or not isinstance(value.get("round"), int):
         return None
     return value
@@ -121,14 +167,17 @@ def _parse_heartbeat(value: Any) -> dict | None:
 class PeerMonitor:
     """Publishes our heartbeat and watches who else is alive (records expire on their own)."""
 
-    def __init__(self, dht: DHT, run_id: str, *, schedule: RoundSchedule, shared: dict[str, Any],
-                 period: float, status: Callable[[], dict], on_change: Callable[[set[str], set[str]], None]):
-        self.dht, self.run_id, self.shared, self.period = dht, run_id, shared, period
-        self.schedule = schedule
+    def __init__(self, dht: DHT, ours: RunManifest, *, period: float, status: Callable[[], dict],
+                 on_change: Callable[[set[str], set[str]], None]):
+        self.dht, self.manifest, self.run_id, self.period = dht, ours, ours.run_id, period
         self._status, self._on_change = status, on_change
         self.peers: dict[str, dict] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shoal-monitor", daemon=True)
+
+    @property
+    def schedule(self) -> RoundSchedule:
+        return RoundSchedule(self.manifest.start_time, self.manifest.round_seconds)
 
     @property
     def peer_count(self) -> int:
@@ -155,13 +204,14 @@ class PeerMonitor:
         me = self.dht.peer_id
         self.dht.store(peers_key(self.run_id), subkey=me.to_bytes(), value=self._status(),
                        expiration_time=get_dht_time() + ttl)
-        publish_run_record(self.dht, self.run_id, self.schedule, self.shared, ttl=max(ttl, 600))
+        publish_manifest(self.dht, self.manifest, ttl=max(ttl, MANIFEST_TTL))
         # A peer that started the run at the same moment as us may have published an earlier
         # start: everybody converges on the earliest one.
-        earliest = min((r.start_time for r in read_run_records(self.dht, self.run_id)
-                        if r.shared == self.shared), default=self.schedule.start_time)
-        if earliest < self.schedule.start_time:
-            self.schedule = RoundSchedule(earliest, self.schedule.round_seconds)
+        manifests, _ = read_manifests(self.dht, self.run_id)
+        earliest = min((m.start_time for m in manifests if m.config_hash == self.manifest.config_hash),
+                       default=self.manifest.start_time)
+        if earliest < self.manifest.start_time:
+            self.manifest = self.manifest.with_start(earliest)
         found = self.dht.get(peers_key(self.run_id), latest=True)
         live: dict[str, dict] = {}
         if found is not None and isinstance(found.value, dict):

@@ -1,0 +1,133 @@
+"""The run manifest: what a run is, published in the DHT by its peers, checked by every joiner.
+
+A manifest names the run, the wire protocol version, the round schedule, and every field the
+peers of a run must agree on (model architecture, parameter shapes and dtypes, optimizer
+hyperparameters, round length...), with a hash of those fields. A joiner whose own fields hash
+differently is refused before it averages anything, with one line naming the first differing
+field: averaging tensors of a different model or schedule would silently corrupt the run.
+
+Everything here is pure (no DHT): ``node.swarm`` stores and fetches the encoded dicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from protocols.errors import ConfigError
+from protocols.keys import validate_run_id
+from protocols.messages import MessageError
+
+# Bump when peers of two versions can no longer average together (message schemas, state layout).
+PROTOCOL_VERSION = 1
+MANIFEST_VERSION = 2  # the encoding of this record itself
+
+MAX_FIELDS = 256
+MAX_KEY_CHARS = 64
+MAX_VALUE_CHARS = 256
+MAX_ROUND_SECONDS = 7 * 24 * 3600.0
+
+Scalar = bool | int | float | str | None
+
+
+def fields_hash(fields: dict[str, Any]) -> str:
+    """A stable hash of the agreed fields (canonical JSON: sorted keys, no whitespace)."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class RunManifest:
+    run_id: str
+    protocol: int
+    start_time: float  # unix (DHT) time of round 1's start; peers converge on the earliest
+    round_seconds: float
+    fields: dict[str, Any]  # flat ``section.field -> value``; values are JSON scalars or short lists
+    config_hash: str
+
+    @classmethod
+    def create(cls, run_id: str, fields: dict[str, Any], *, start_time: float, round_seconds: float) -> RunManifest:
+        fields = _checked_fields(fields, error=ConfigError)
+        return cls(validate_run_id(run_id), PROTOCOL_VERSION, float(start_time), float(round_seconds), fields,
+                   fields_hash(fields))
+
+    def encode(self) -> dict:
+        return {"v": MANIFEST_VERSION, "run_id": self.run_id, "protocol": self.protocol,
+                "start_time": self.start_time, "round_seconds": self.round_seconds,
+                "fields": self.fields, "hash": self.config_hash}
+
+    def with_start(self, start_time: float) -> RunManifest:
+        return RunManifest(self.run_id, self.protocol, start_time, self.round_seconds, self.fields, self.config_hash)
+
+
+def decode(value: Any) -> RunManifest:
+    """Validate a manifest read from the DHT; ``MessageError`` names what is wrong."""
+    if not isinstance(value, dict):
+        raise MessageError("manifest is not a map")
+    if value.get("v") != MANIFEST_VERSION:
+        raise MessageError(f"unknown manifest encoding {value.get('v')!r}")
+    run_id, protocol, hash_ = value.get("run_id"), value.get("protocol"), value.get("hash")
+    start, seconds = value.get("start_time"), value.get("round_seconds")
+    if not isinstance(run_id, str) or not isinstance(hash_, str) or len(hash_) != 32:
+        raise MessageError("manifest lacks a run id or hash")
+    if not isinstance(protocol, int) or isinstance(protocol, bool) or not 0 < protocol < 2**31:
+        raise MessageError("manifest has a bad protocol version")
+    for name, number in (("start_time", start), ("round_seconds", seconds)):
+        if not isinstance(number, (int, float)) or isinstance(number, bool) or not math.isfinite(number):
+            raise MessageError(f"manifest has a bad {name}")
+    if not 0 < seconds <= MAX_ROUND_SECONDS or start < 0:
+        raise MessageError("manifest has an out-of-range schedule")
+    fields = _checked_fields(value.get("fields"), error=MessageError)
+    if fields_hash(fields) != hash_:
+        raise MessageError("manifest hash does not match its fields")
+    try:
+        validate_run_id(run_id)
+    except ConfigError:
+        raise MessageError("manifest has an invalid run id") from None
+    return RunManifest(run_id, protocol, float(start), float(seconds), fields, hash_)
+
+
+def first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """The first differing field, as ``field=theirs (this peer: ours)``, or None."""
+    for key in sorted(set(ours) | set(theirs)):
+        if ours.get(key) != theirs.get(key):
+            return f"{key}={theirs.get(key, '<missing>')!r} (this peer: {ours.get(key, '<missing>')!r})"
+    return None
+
+
+def check_compatible(ours: RunManifest, theirs: RunManifest) -> None:
+    """Raise ``ConfigError`` (one line: the field and the fix) if we must not join ``theirs``."""
+    if theirs.run_id != ours.run_id:
+        raise ConfigError(f"the swarm's manifest is for run '{theirs.run_id}', not '{ours.run_id}'; pass --run-id "
+                          f"{theirs.run_id} to join it")
+    if theirs.protocol != ours.protocol:
+        newer = "upgrade shoal on this machine" if theirs.protocol > ours.protocol else "the run's peers use an older shoal"
+        raise ConfigError(f"run '{ours.run_id}' speaks shoal protocol {theirs.protocol}, this peer speaks "
+                          f"{ours.protocol}; {newer} (pip install -U shoal) or pick another --run-id")
+    if theirs.config_hash != ours.config_hash:
+        difference = first_difference(ours.fields, theirs.fields) or "the config hash"
+        raise ConfigError(f"run '{ours.run_id}' is training with {difference}; use the run's config "
+                          "or pick another --run-id")
+
+
+def _checked_fields(fields: Any, *, error: type[Exception]) -> dict[str, Any]:
+    if not isinstance(fields, dict) or len(fields) > MAX_FIELDS:
+        raise error(f"manifest fields must be a map of at most {MAX_FIELDS} entries")
+    for key, item in fields.items():
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS:
+            raise error(f"manifest field name {str(key)[:MAX_KEY_CHARS]!r} is invalid")
+        values = item if isinstance(item, list) else [item]
+        if len(values) > MAX_FIELDS or not all(_scalar_ok(v) for v in values):
+            raise error(f"manifest field {key} has an unsupported value")
+    return dict(fields)
+
+
+def _scalar_ok(value: Any) -> bool:
+    if value is None or isinstance(value, bool | int):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, str) and len(value) <= MAX_VALUE_CHARS
