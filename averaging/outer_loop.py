@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from averaging.backend import DownloadedState
 from averaging.diloco import OuterState, RoundConclusion
 from averaging.flat import FlatLayout
 from averaging.merge import apply_correction_, merge_correction
@@ -168,13 +169,24 @@ class OuterLoop:
         self.window = _Window(max(1, self._schedule().round_at(now)), started=now)
         self._maybe_prepare(now)
 
-    def initial_sync(self, donors: list[str]) -> int | None:
-        """Adopt the shared state of a running swarm (blocking: before training starts)."""
+    def initial_sync(self, donors: list[str], *, newer_than: int = -1) -> int | None:
+        """Adopt the shared state of a running swarm (blocking: before training starts), unless
+        it is not newer than ``newer_than`` (a peer resumed from a checkpoint keeps its own)."""
         state = self.worker.submit(self.worker.backend.download_state, donors,
                                    timeout=self.config.download_timeout).result()
         if state is None:
             return None
+        offered = state.metadata.get("round") if isinstance(state.metadata, dict) else None
+        if isinstance(offered, int) and offered <= newer_than:
+            logger.info(f"the swarm's state (round {offered}) is not newer than ours (round {newer_than}): kept ours")
+            return None
         adopted = self.outer.adopt(state)  # MessageError if invalid: the caller reports it
+        self.load_anchor_into_params()
+        return adopted
+
+    def resume(self, state: DownloadedState) -> int:
+        """Start from a saved shared state (a checkpoint): validated like a download."""
+        adopted = self.outer.adopt(state)
         self.load_anchor_into_params()
         return adopted
 

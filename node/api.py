@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
+from averaging.backend import DownloadedState
 from averaging.diloco import OuterConfig, OuterState
 from averaging.flat import FlatLayout
 from averaging.hivemind_backend import HivemindBackend
@@ -78,6 +79,7 @@ class DiLoCoSwarm:
         self._sockets_before = hivemind_sockets()
         self._heartbeat = heartbeat
         self.reachability = Reachability(client_mode=client_mode, use_relay=use_relay)
+        self._resumed_round = -1
         try:
             self._build(listen, announce, bootstrap_timeout, identity, shared or {}, device, on_peers_changed)
         except BaseException:
@@ -133,6 +135,13 @@ class DiLoCoSwarm:
         )
 
     # -- the training loop's calls -------------------------------------------------------------
+    def resume(self, state: DownloadedState) -> int:
+        """Start from a saved shared state (e.g. ``node.resume.state_from_checkpoint``) instead of
+        the model's weights; call before ``start``. Returns the state's round. ``start`` still
+        catches up from the swarm if it has moved on since."""
+        self._resumed_round = self.loop.resume(state)
+        return self._resumed_round
+
     def start(self) -> dict | None:
         """Catch up with a running swarm (download its state), then begin the first round.
         Returns what was downloaded (``source``, ``round``, ``seconds``), if anything."""
@@ -187,12 +196,13 @@ class DiLoCoSwarm:
             return None
         started = time.perf_counter()
         try:
-            adopted = self.loop.initial_sync(donors)
+            adopted = self.loop.initial_sync(donors, newer_than=self._resumed_round)
         except MessageError as e:
             logger.warning(f"refused the swarm's state: {e}; starting from the initial weights")
             return None
         if adopted is None:
-            logger.warning("could not download the swarm's state; starting from the initial weights")
+            if self._resumed_round < 0:
+                logger.warning("could not download the swarm's state; starting from the initial weights")
             return None
         seconds = time.perf_counter() - started
         logger.info(f"joined at round {adopted}: downloaded the shared state in {seconds:.1f}s")

@@ -23,9 +23,12 @@ from node.config import RunConfig, shared_fields, shared_hash
 from node.data import BatchSampler, eval_batches, load_corpus, shard_bounds, shard_for_peer, split_corpus
 from node.metrics import MetricsWriter, round_record_fields
 from node.model import build_model, count_parameters
+from node.resume import MOMENTUM_PREFIX, find_resume_point, outer_meta, state_from_checkpoint
 from node.trainer import Trainer, inner_lr, resolve_device
 from node.ui import LiveView, NodeStatus, PlainView
 from protocols.addresses import format_join_command
+from protocols.errors import CheckpointError
+from protocols.messages import MessageError
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,28 @@ class Node:
         self.status.peer_id = self.peer_id
         self.last_eval: float | None = None
         self._eval_s = 0.0  # how long the last eval took
+
+        # 5. Resume from the newest valid checkpoint, if any (the swarm may still be newer: start()).
+        if options.checkpoint_dir is not None:
+            self._resume(options.checkpoint_dir)
+
+    def _resume(self, checkpoint_dir: Path) -> None:
+        def broken(error: CheckpointError) -> None:
+            logger.error(f"{error}; trying the next older one")
+            self.metrics.write("error", kind="checkpoint", message=str(error))
+
+        checkpoint = find_resume_point(checkpoint_dir, on_invalid=broken)
+        if checkpoint is None:
+            return
+        state = state_from_checkpoint(checkpoint, self.swarm.layout, run_id=self.config.run_id,
+                                      config_hash=shared_hash(self.shared))
+        try:
+            resumed = self.swarm.resume(state)
+        except MessageError as e:
+            raise CheckpointError(f"checkpoint {checkpoint.path} holds an invalid state ({e}); delete it or use "
+                                  "an older checkpoint") from None
+        logger.info(f"resumed from {checkpoint.path} (round {resumed})")
+        self.metrics.write("resume", path=str(checkpoint.path), round=resumed)
 
     # -- lifecycle -------------------------------------------------------------------------
     def announce(self) -> None:
@@ -199,14 +224,16 @@ class Node:
 
     # -- helpers ---------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        outer, layout = self.swarm.outer, self.swarm.layout
-        params = dict(layout.views(outer.anchor))
-        outer_state = {f"momentum.{k}": v for k, v in layout.views(outer.momentum).items()}
-        path = save_checkpoint(self.options.checkpoint_dir, round=outer.last_round, params=params,
+        layout = self.swarm.layout
+        metadata, (anchor, momentum) = self.swarm.outer.shared_state()  # one consistent copy
+        params = dict(layout.views(anchor))
+        outer_state = {f"{MOMENTUM_PREFIX}{k}": v for k, v in layout.views(momentum).items()}
+        path = save_checkpoint(self.options.checkpoint_dir, round=metadata["round"], params=params,
                                outer_state=outer_state,
                                meta={"run_id": self.config.run_id, "peer": self.peer_id,
-                                     "rounds_done": outer.rounds_done, "config_hash": shared_hash(self.shared)})
-        self.metrics.write("checkpoint", round=outer.last_round, path=str(path))
+                                     "rounds_done": metadata["rounds_done"], "config_hash": shared_hash(self.shared),
+                                     "outer": outer_meta(metadata)})
+        self.metrics.write("checkpoint", round=metadata["round"], path=str(path))
         return path
 
     def _heartbeat(self) -> dict:
