@@ -9,10 +9,14 @@ all-reduce can never leak into the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+# progress(done_bytes, total_bytes) of a state download; called in the thread that downloads.
+Progress = Callable[[int, int], None]
 
 
 @dataclass(slots=True)
@@ -29,11 +33,12 @@ class AverageOutcome:
 
 @dataclass(slots=True)
 class DownloadedState:
-    """State fetched from another peer, not yet validated."""
+    """State fetched from other peers, not yet validated."""
 
-    peer: str
+    peer: str  # the donors, comma-joined (for log lines)
     metadata: Any
     tensors: list[torch.Tensor]
+    donors: tuple[str, ...] = ()  # every peer that served part of this state
 
 
 class AveragingBackend(Protocol):
@@ -45,7 +50,10 @@ class AveragingBackend(Protocol):
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float) -> AverageOutcome:
         """Average ``vector`` (flat fp32 CPU) in place with the prepared group, weighted by ``weight``."""
 
-    def download_state(self, peers: list[str], *, timeout: float) -> DownloadedState | None:
-        """Fetch the shared state from the first of ``peers`` that answers."""
+    def download_state(self, peers: list[str], *, timeout: float,
+                       progress: Progress | None = None) -> DownloadedState | None:
+        """Fetch the shared state from ``peers`` (the hivemind backend spreads it over all of them);
+        None if no consistent state could be had. ``progress(done_bytes, total_bytes)`` is called
+        in the calling thread, never backwards, ending at total_bytes on success."""
 
     def shutdown(self) -> None: ...

@@ -9,40 +9,71 @@ Hazards this module owns (see shared/HIVEMIND_NOTES.md):
   else touches it (the loop never sees this buffer).
 - A "successful" step can leave parts un-averaged; the gather carries anchor fingerprints so the
   next round can detect that (``averaging.consistency``).
+- A state download runs one host thread per donor (``averaging.download``), each blocked on an
+  MPFuture while the averager process receives its slice; donors serve slices from their averager
+  process, which asks the host's state-fetcher thread for a full copy of the state per request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+import typing
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from hivemind import DHT, DecentralizedAverager
 from hivemind.averaging.control import StepControl
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression, deserialize_tensor_stream
-from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
 
-from averaging.backend import AverageOutcome, DownloadedState
+from averaging.backend import AverageOutcome, DownloadedState, Progress
+from averaging.download import (
+    BYTES_PER_VALUE,
+    decode_slice_request,
+    default_slice_count,
+    download_slices,
+    encode_slice_request,
+    flat_slice,
+    slice_bounds,
+    slice_deadline_s,
+)
 
 logger = logging.getLogger(__name__)
 
 COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {"fp16": Float16Compression, "none": NoCompression}
 
 StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
+FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
 
 
 class ShoalAverager(DecentralizedAverager):
-    """hivemind's averager plus two things it lacks: a pluggable state provider and downloads
-    from *chosen* peers (hivemind always picks by priority; a diverged peer must pick peers that
-    agree with the group)."""
+    """hivemind's averager plus what it lacks: a pluggable state provider, and a state download
+    cut into slices that several donors serve at once (``averaging.download``)."""
+
+    # Hazard: hivemind caches the RPC table per class but finds the cache through the MRO, so a
+    # plain DecentralizedAverager set up earlier in this process would lend us a table without
+    # rpc_download_state_slice. Our own empty slots make hivemind build ours.
+    _rpc_handlers = None
+    _stub_type = None
 
     def __init__(self, *args, state_provider: StateProvider, **kwargs):
         self._state_provider = state_provider
+        # Several download threads send commands at once; a pipe has no lock for concurrent writers.
+        self._command_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def get_current_state(self):
@@ -50,36 +81,92 @@ class ShoalAverager(DecentralizedAverager):
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
 
-    def download_state_from(self, peers: list[str], timeout: float) -> tuple[str, Any, list[torch.Tensor]] | None:
+    # -- donor side -------------------------------------------------------------------------
+    # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by
+    # the hint's ``_name``, which collections.abc.AsyncIterator[...] does not have.
+    async def rpc_download_state_slice(
+        self, request: averaging_pb2.JoinRequest, _context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """Stream slice i of n of our flat fp32 state, exactly (no compression), metadata first.
+        The request's ``gather`` field carries ``encode_slice_request(i, n)``. Runs in the averager
+        process, one task per request; a refusal raises, and hivemind relays the message."""
+        if not self.allow_state_sharing:
+            return  # like rpc_download_state: an empty answer sends the joiner elsewhere
+        index, count = decode_slice_request(request.gather)
+        # The host process copies the whole state per request (the provider has no notion of slices).
+        metadata, tensors, _ = await self._get_current_state_from_host_process()
+        start, stop = slice_bounds(sum(t.numel() for t in tensors), index, count)
+        serialized = serialize_torch_tensor(flat_slice(tensors, start, stop), runtime_pb2.CompressionType.NONE)
+        for part in split_for_streaming(serialized):
+            yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+            metadata = b""  # only in the first message
+
+    # -- joiner side ------------------------------------------------------------------------
+    def fetch_slice(self, peer: str, index: int, count: int, *, expected_numel: int, stall_timeout: float,
+                    deadline_s: float) -> tuple[Any, torch.Tensor]:
+        """Slice ``index`` of ``count`` of ``peer``'s state as (metadata, flat tensor); raises on
+        any failure. Blocks the calling host thread; the network part runs in the averager process."""
         future = MPFuture()
-        self._outer_pipe.send(("_download_state_from", [], dict(peers=peers, timeout=timeout, future=future)))
-        return future.result(timeout=timeout * max(1, len(peers)) + 5)
-
-    async def _download_state_from(self, peers: list[str], timeout: float, future: MPFuture):
-        # Runs in the averager process.
+        command = dict(peer=peer, index=index, count=count, expected_numel=expected_numel,
+                       stall_timeout=stall_timeout, deadline_s=deadline_s, future=future)
+        with self._command_lock:
+            self._outer_pipe.send(("_fetch_slice", [], command))
         try:
-            for peer in peers:
-                try:
-                    stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-                    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-                    metadata: list[Any] = []
-
-                    async def parts(stream=stream, metadata=metadata) -> AsyncIterator[list]:
-                        async for message in aiter_with_timeout(stream, timeout=timeout):
-                            if message.metadata:
-                                metadata.append(self.serializer.loads(message.metadata))
-                            yield [message.tensor_part]
-
-                    tensors = await deserialize_tensor_stream(parts())
-                    if metadata:
-                        future.set_result((peer, metadata[0], tensors))
-                        return
-                    logger.info(f"peer {peer} did not share its state")
-                except Exception as e:  # a bad donor is skipped, the next one is tried
-                    logger.warning(f"state download from {peer} failed: {e!r}")
+            return future.result(timeout=deadline_s + FETCH_GRACE_S)
         finally:
             if not future.done():
-                future.set_result(None)
+                future.cancel()
+
+    async def _fetch_slice(self, peer: str, index: int, count: int, expected_numel: int, stall_timeout: float,
+                           deadline_s: float, future: MPFuture) -> None:
+        # Runs in the averager process, one task per slice; bounded by deadline_s so no task lingers.
+        try:
+            result = await asyncio.wait_for(
+                self._receive_slice(peer, index, count, expected_numel, stall_timeout), timeout=deadline_s)
+        except Exception as e:
+            if isinstance(e, TimeoutError) and not str(e):
+                e = TimeoutError(f"no complete slice within {deadline_s:.1f}s")
+            # A plain RuntimeError: whatever the network raised may not pickle back to the host.
+            if not future.done():
+                future.set_exception(RuntimeError(_describe(e)))
+        else:
+            if not future.done():
+                future.set_result(result)
+
+    async def _receive_slice(self, peer: str, index: int, count: int, expected_numel: int,
+                             stall_timeout: float) -> tuple[Any, torch.Tensor]:
+        """Receive one slice, refusing early what could not be right: more bytes or parts than the
+        slice needs (a hostile donor cannot make us buffer more), compression, another dtype or size."""
+        max_bytes = expected_numel * BYTES_PER_VALUE
+        max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
+        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+        stream = await stub.rpc_download_state_slice(
+            averaging_pb2.JoinRequest(gather=encode_slice_request(index, count)))
+        metadata, parts, received = None, [], 0
+        try:
+            async for message in aiter_with_timeout(stream, timeout=stall_timeout):
+                if message.metadata and metadata is None:
+                    metadata = self.serializer.loads(message.metadata)
+                received += len(message.tensor_part.buffer)
+                if received > max_bytes or len(parts) >= max_parts:
+                    raise ValueError(f"sent more than the {max_bytes} bytes of slice {index}/{count}")
+                if parts and message.tensor_part.dtype:
+                    raise ValueError("sent more than one tensor")
+                parts.append(message.tensor_part)
+        except TimeoutError:
+            raise TimeoutError(f"silent for {stall_timeout:.1f}s") from None
+        finally:
+            await stream.aclose()
+        if metadata is None or not parts:
+            raise ValueError("did not share its state")
+        head = parts[0]
+        if head.compression != runtime_pb2.CompressionType.NONE or head.dtype != "float32":
+            raise ValueError(f"slice is {runtime_pb2.CompressionType.Name(head.compression)} {head.dtype!r:.20},"
+                             " expected uncompressed float32")
+        if list(head.size) != [expected_numel] or received != max_bytes:
+            raise ValueError(f"slice of size {list(head.size)[:4]} in {received} bytes,"
+                             f" expected [{expected_numel}]")
+        return metadata, deserialize_torch_tensor(combine_from_streaming(parts))
 
 
 class HivemindBackend:
@@ -99,6 +186,7 @@ class HivemindBackend:
         request_timeout: float = 1.5,
         allreduce_timeout: float = 60.0,
         client_mode: bool = False,
+        state_lengths: Sequence[int] | None = None,
     ):
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (HIVEMIND_NOTES).
         assert request_timeout < min_matchmaking_time
@@ -121,6 +209,8 @@ class HivemindBackend:
             shutdown_timeout=3,
         )
         self.peer_id = str(dht.peer_id)
+        # What state_provider returns: by default anchor and momentum (OuterState.shared_state).
+        self._state_lengths = list(state_lengths) if state_lengths is not None else [numel, numel]
         self._request_timeout = request_timeout
         self._control: StepControl | None = None
 
@@ -167,12 +257,35 @@ class HivemindBackend:
         return AverageOutcome(ok=True, group=tuple(sorted(gathered_by_peer)), gathered=gathered_by_peer, sync_s=sync_s,
                               allreduce_s=allreduce_s)
 
-    def download_state(self, peers: list[str], *, timeout: float) -> DownloadedState | None:
-        result = self._averager.download_state_from([p for p in peers if p != self.peer_id], timeout)
+    def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
+                       slices: int | None = None) -> DownloadedState | None:
+        """Fetch the shared state from all of ``peers`` at once, in ``slices`` slices (default: two
+        per donor); None if it cannot be completed from slices of one round.
+
+        ``timeout`` is how long a donor may stay silent; a slice also has a deadline that grows with
+        its size (``slice_deadline_s``). Threads: this runs in the caller's thread (the sync
+        worker's), which also calls ``progress(done_bytes, total_bytes)``; each slice is fetched by a
+        pool thread that waits on the averager process, where the network transfer runs."""
+        donors = [peer for peer in dict.fromkeys(peers) if peer != self.peer_id]
+        total = sum(self._state_lengths)
+        if not donors or total == 0:
+            return None
+        count = slices if slices is not None else default_slice_count(len(donors), total)
+        deadline_s = slice_deadline_s(timeout, BYTES_PER_VALUE * -(-total // count))
+
+        def fetch(donor: str, index: int, count: int) -> tuple[Any, torch.Tensor]:
+            start, stop = slice_bounds(total, index, count)
+            return self._averager.fetch_slice(donor, index, count, expected_numel=stop - start,
+                                              stall_timeout=timeout, deadline_s=deadline_s)
+
+        # The scheduler's own timeout is a backstop behind fetch_slice's (which cancels its future).
+        result = download_slices(donors, lengths=self._state_lengths, count=count, fetch=fetch, progress=progress,
+                                 slice_timeout=deadline_s + 2 * FETCH_GRACE_S)
         if result is None:
             return None
-        peer, metadata, tensors = result
-        return DownloadedState(peer=peer, metadata=metadata, tensors=tensors)
+        served = tuple(sorted(result.served))
+        return DownloadedState(peer=",".join(served), metadata=result.metadata, tensors=result.tensors,
+                               donors=served)
 
     def shutdown(self) -> None:
         if self._control is not None and not self._control.done():

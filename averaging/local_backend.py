@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from averaging.backend import AverageOutcome, DownloadedState
+from averaging.backend import AverageOutcome, DownloadedState, Progress
 
 
 class LocalHub:
@@ -79,11 +79,16 @@ class LocalBackend:
         return AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered,
                               sync_s=time.perf_counter() - started)
 
-    def download_state(self, peers: list[str], *, timeout: float) -> DownloadedState | None:
+    def download_state(self, peers: list[str], *, timeout: float,
+                       progress: Progress | None = None) -> DownloadedState | None:
+        # Whole state from the first known peer: slicing is the hivemind backend's (tested on its own).
         for peer in peers:
             if peer != self.peer_id and peer in self.hub.state_providers:
                 metadata, tensors = self.hub.state_providers[peer]()
-                return DownloadedState(peer=peer, metadata=metadata, tensors=tensors)
+                if progress is not None:
+                    total_bytes = sum(t.numel() * t.element_size() for t in tensors)
+                    progress(total_bytes, total_bytes)
+                return DownloadedState(peer=peer, metadata=metadata, tensors=tensors, donors=(peer,))
         return None
 
     def shutdown(self) -> None:

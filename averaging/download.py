@@ -1,0 +1,343 @@
+"""A joiner's state download, spread over several donors in slices.
+
+Why: one donor serving the whole state is a choke point (hivemind issue #169) and a single point
+of failure halfway through a large download. The shared state (all tensors concatenated into one
+flat fp32 vector) is cut into ``count`` contiguous slices. Each donor serves at most one slice at a
+time, so k healthy donors share the load; a donor that fails, stalls or sends something invalid is
+dropped and its slice goes to another; slices are assembled only when all come from one state round.
+
+This module is pure: no hivemind, no processes. The network fetch of one slice is a callable the
+caller supplies (``HivemindBackend`` routes it through its averager process); unit tests use fakes.
+The wire encoding of a slice request and the donor-side cutting live here too, so both ends of the
+RPC share one definition of "slice i of n".
+
+Threads: ``download_slices`` runs in the caller's thread and calls ``progress`` there; ``fetch``
+runs in a pool with one thread per donor. All bookkeeping (``_Book``) stays in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from averaging.backend import Progress
+from protocols.messages import MAX_ROUND, MessageError, bounded_int
+
+logger = logging.getLogger(__name__)
+
+MAX_SLICES = 1024  # a request for more is refused: it only multiplies the donor's work per byte
+MAX_SLICE_REQUEST_BYTES = 64  # {"slice": i, "of": n} packs into ~20 bytes
+BYTES_PER_VALUE = 4  # fp32
+
+MIN_DONOR_BYTES_PER_S = 128 * 1024  # a donor slower than 1 Mbit/s over a whole slice is dropped
+
+# fetch(donor, index, count) -> (metadata, flat fp32 slice); raises on any failure.
+Fetch = Callable[[str, int, int], tuple[Any, torch.Tensor]]
+
+
+# -- what "slice i of n" means, on both ends -------------------------------------------------------
+def check_slice_index(index: int, count: int) -> None:
+    """Raise MessageError unless 0 <= index < count <= MAX_SLICES."""
+    for name, value in (("slice", index), ("of", count)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise MessageError(f"{name}: expected an int, got {value!r:.40}")
+    if not 0 <= index < count <= MAX_SLICES:
+        raise MessageError(f"slice {index} of {count}: need 0 <= slice < of <= {MAX_SLICES}")
+
+
+def encode_slice_request(index: int, count: int) -> bytes:
+    check_slice_index(index, count)
+    return msgpack.packb({"slice": index, "of": count})
+
+
+def decode_slice_request(blob: bytes) -> tuple[int, int]:
+    """``(index, count)`` from a peer's request, or MessageError: the donor refuses anything else."""
+    if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_SLICE_REQUEST_BYTES:
+        raise MessageError(f"slice request of {len(blob) if isinstance(blob, bytes) else '?'} bytes")
+    try:
+        request = msgpack.unpackb(blob, max_map_len=2, max_str_len=8, max_array_len=0, max_bin_len=0)
+    except Exception as e:  # msgpack raises several types for malformed input
+        raise MessageError(f"slice request is not msgpack: {type(e).__name__}") from None
+    if not isinstance(request, dict) or set(request) != {"slice", "of"}:
+        raise MessageError("slice request must be {slice: int, of: int}")
+    index, count = request["slice"], request["of"]
+    check_slice_index(index, count)
+    return index, count
+
+
+def slice_bounds(total: int, index: int, count: int) -> tuple[int, int]:
+    """``[start, stop)`` of slice ``index`` of ``count`` over ``total`` values; sizes differ by at most 1."""
+    assert 0 <= index < count and total >= 0
+    return total * index // count, total * (index + 1) // count
+
+
+def flat_slice(tensors: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
+    """Values ``[start, stop)`` of the concatenation of ``tensors`` (flattened), without building the
+    concatenation: a donor serving slice i of n copies 1/n of its state, not all of it.
+
+    Refuses non-fp32 tensors rather than casting: the joiner expects exact fp32 values."""
+    if any(t.dtype != torch.float32 for t in tensors):
+        raise ValueError(f"state tensors must be float32, got {sorted({str(t.dtype) for t in tensors})}")
+    pieces, offset = [], 0
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        low, high = max(start - offset, 0), min(stop - offset, flat.numel())
+        if low < high:
+            pieces.append(flat[low:high])
+        offset += flat.numel()
+    if not 0 <= start <= stop <= offset:
+        raise ValueError(f"slice [{start}, {stop}) outside a state of {offset} values")
+    if not pieces:
+        return torch.empty(0, dtype=torch.float32)
+    return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
+
+
+# -- checks and choices on the joiner's side ------------------------------------------------------
+def slice_problem(metadata: Any, tensor: Any, expected_numel: int) -> str | None:
+    """Why a received slice must not be used, or None. Everything from a donor is untrusted."""
+    if not isinstance(metadata, dict):
+        return "no state metadata"
+    try:
+        bounded_int(metadata, "round", 0, MAX_ROUND)
+    except MessageError as e:
+        return f"bad round ({e})"
+    if not isinstance(tensor, torch.Tensor):
+        return f"slice is a {type(tensor).__name__}, not a tensor"
+    if tensor.dtype != torch.float32:
+        return f"slice of dtype {tensor.dtype}, expected float32"
+    if tensor.dim() != 1 or tensor.numel() != expected_numel:
+        return f"slice of shape {tuple(tensor.shape)}, expected ({expected_numel},)"
+    if not torch.isfinite(tensor).all():
+        return "non-finite values"
+    return None
+
+
+def choose_round(rounds: Iterable[int]) -> int | None:
+    """The round most donors serve; ties go to the highest (the newest state). None if no votes."""
+    votes = Counter(rounds)
+    if not votes:
+        return None
+    return max(votes, key=lambda round: (votes[round], round))
+
+
+def default_slice_count(donors: int, total: int) -> int:
+    """Two slices per donor: a dropped donor's work is redone by the others in halves, while each
+    request costs its donor a copy of its whole state (the provider cannot copy just a slice)."""
+    return max(1, min(2 * donors, MAX_SLICES, total))
+
+
+def slice_deadline_s(stall_timeout: float, slice_bytes: int) -> float:
+    """How long one slice may take: ``stall_timeout`` to start plus the slice at the slowest rate we
+    accept. Without it, a donor trickling one message per ``stall_timeout`` could hold a slice forever."""
+    return stall_timeout + slice_bytes / MIN_DONOR_BYTES_PER_S
+
+
+def default_max_fetches(count: int, donors: int) -> int:
+    """Enough for a full pass, a full refetch after the swarm moved on a round, and one failure per
+    donor; bounded so donors that keep changing rounds cannot keep us looping."""
+    return 3 * count + 2 * donors
+
+
+@dataclass(frozen=True, slots=True)
+class Assembled:
+    """A complete state, every slice from the same round. Not yet validated beyond the slices."""
+
+    metadata: dict  # metadata of the donor of slice 0 (all slices share its round)
+    tensors: list[torch.Tensor]  # the flat vector split at ``lengths``; views of one buffer
+    served: dict[str, int]  # donor -> slices of this state it served
+
+
+class _Book:
+    """Who fetches what, and which round each slice's region of the buffer holds.
+
+    Owned by the thread running ``download_slices``; fetch threads never touch it. Pending slices
+    are derived, not queued: a slice is pending when it is not in flight and its region does not
+    hold the target round. So a failed fetch, a discarded stale slice and a change of target
+    round all put slices back to work without extra code paths."""
+
+    def __init__(self, donors: list[str], lengths: Sequence[int], count: int):
+        self.lengths = list(lengths)
+        self.total = sum(self.lengths)
+        self.count = count
+        self.bounds = [slice_bounds(self.total, i, count) for i in range(count)]
+        self.buffer = torch.empty(self.total, dtype=torch.float32)
+        self.held: list[int | None] = [None] * count  # round of the data in each slice's region
+        self.held_by: list[str | None] = [None] * count
+        self.metadata: list[dict | None] = [None] * count
+        self.live = list(donors)  # donors not dropped, in the caller's order
+        self.donor_round: dict[str, int] = {}  # round of the last valid slice each donor sent
+        self.busy: dict[str, int] = {}  # donor -> slice in flight (at most one each)
+        self.issued: Counter[str] = Counter()
+
+    def target(self) -> int | None:
+        """The round to assemble: the live donors' vote; if none has voted yet, the held slices'."""
+        votes = [self.donor_round[d] for d in self.live if d in self.donor_round]
+        return choose_round(votes or [r for r in self.held if r is not None])
+
+    def pending(self, target: int | None) -> list[int]:
+        in_flight = set(self.busy.values())
+        stale = [i for i, r in enumerate(self.held) if r is None or r != target]
+        return [i for i in stale if i not in in_flight]
+
+    def assign(self, limit: int) -> list[tuple[str, int]]:
+        """Pair idle donors with pending slices. A donor known to serve another round than the
+        target is left idle: its slices would be discarded. Least-used donors go first."""
+        target = self.target()
+        idle = [d for d in self.live if d not in self.busy and self.donor_round.get(d, target) == target]
+        idle.sort(key=lambda d: self.issued[d])  # stable: ties keep the caller's order
+        pairs = list(zip(idle, self.pending(target)))[: max(limit, 0)]
+        for donor, index in pairs:
+            self.busy[donor] = index
+            self.issued[donor] += 1
+        return pairs
+
+    def accept(self, donor: str, index: int, metadata: Any, tensor: Any) -> str | None:
+        """Take a fetched slice; returns why it was refused (the donor is then dropped), or None."""
+        assert self.busy.get(donor) == index
+        del self.busy[donor]
+        start, stop = self.bounds[index]
+        problem = slice_problem(metadata, tensor, stop - start)
+        if problem is not None:
+            self.drop(donor)
+            return problem
+        round = metadata["round"]
+        self.donor_round[donor] = round
+        if round == self.target():  # else: stale or ahead of the vote, its region stays pending
+            self.buffer[start:stop].copy_(tensor)
+            self.held[index], self.held_by[index], self.metadata[index] = round, donor, metadata
+        return None
+
+    def fail(self, donor: str, index: int) -> None:
+        assert self.busy.get(donor) == index
+        del self.busy[donor]
+        self.drop(donor)
+
+    def drop(self, donor: str) -> None:
+        if donor in self.live:
+            self.live.remove(donor)
+
+    def complete(self) -> bool:
+        return None not in self.held and len(set(self.held)) == 1
+
+    def done_bytes(self) -> int:
+        target = self.target()
+        values = sum(stop - start for (start, stop), r in zip(self.bounds, self.held) if r == target)
+        return BYTES_PER_VALUE * values
+
+    def assembled(self) -> Assembled:
+        assert self.complete()
+        metadata = self.metadata[0]
+        assert metadata is not None
+        return Assembled(metadata=metadata, tensors=list(self.buffer.split(self.lengths)),
+                         served=dict(Counter(d for d in self.held_by if d is not None)))
+
+
+def download_slices(
+    donors: Sequence[str],
+    *,
+    lengths: Sequence[int],
+    count: int,
+    fetch: Fetch,
+    progress: Progress | None = None,
+    slice_timeout: float | None = None,
+    max_fetches: int | None = None,
+) -> Assembled | None:
+    """Fetch the state (tensors of ``lengths`` fp32 values, concatenated) as ``count`` slices from
+    ``donors``, at most one fetch in flight per donor; None if it cannot be completed.
+
+    A fetch that raises, returns an invalid slice, or runs past ``slice_timeout`` seconds drops its
+    donor and its slice goes to another. ``progress(done_bytes, total_bytes)`` is called at the
+    start and whenever the bytes held for the target round grow; it never goes backwards (after a
+    change of round it pauses until the refetched slices overtake it) and ends at total_bytes.
+    """
+    donors = list(dict.fromkeys(donors))  # a donor listed twice must not get two slices at once
+    total = sum(lengths)
+    if any(length < 0 for length in lengths) or not 1 <= count <= min(MAX_SLICES, max(total, 1)):
+        raise ValueError(f"cannot cut {total} values into {count} slices (1..{MAX_SLICES}, at most one per value)")
+    if not donors:
+        return None
+    book = _Book(donors, lengths, count)
+    budget = default_max_fetches(count, len(donors)) if max_fetches is None else max_fetches
+    total_bytes, reported = BYTES_PER_VALUE * total, 0
+    _report(progress, 0, total_bytes)
+    # One thread per donor is enough: a donor has at most one fetch in flight, and a fetch that
+    # outlives slice_timeout has its donor dropped, so its thread is never needed again.
+    pool = ThreadPoolExecutor(max_workers=len(donors), thread_name_prefix="shoal-slice")
+    in_flight: dict[Future, tuple[str, int, float]] = {}
+    issued = 0
+    try:
+        while not book.complete():
+            # 1. Give every idle donor that serves the target round a pending slice.
+            for donor, index in book.assign(limit=budget - issued):
+                in_flight[pool.submit(fetch, donor, index, count)] = (donor, index, time.monotonic())
+                issued += 1
+            if not in_flight:
+                logger.warning(f"state download gave up: {len(book.live)} of {len(donors)} donors left, "
+                               f"{issued} of {budget} fetches used, target round {book.target()}")
+                return None
+            # 2. Wait for the first fetch to end, or for the oldest one to run out of time.
+            wait_s = None
+            if slice_timeout is not None:
+                wait_s = max(0.0, min(started for _, _, started in in_flight.values()) + slice_timeout
+                             - time.monotonic())
+            finished, _ = wait(in_flight, timeout=wait_s, return_when=FIRST_COMPLETED)
+            for future in finished:
+                donor, index, _ = in_flight.pop(future)
+                _settle(book, future, donor, index)
+                # 3. Report progress after each slice, never backwards.
+                done = book.done_bytes()
+                if done > reported:
+                    reported = done
+                    _report(progress, reported, total_bytes)
+            # 4. Abandon fetches past their time (their threads finish on their own; results ignored).
+            if slice_timeout is not None:
+                now = time.monotonic()
+                for future, (donor, index, started) in list(in_flight.items()):
+                    if now - started >= slice_timeout:
+                        del in_flight[future]
+                        book.fail(donor, index)
+                        logger.warning(f"slice {index}/{count} from {donor}: timed out after {slice_timeout:.1f}s;"
+                                       " donor dropped")
+        if reported < total_bytes:
+            _report(progress, total_bytes, total_bytes)
+        result = book.assembled()
+        logger.info(f"state of round {result.metadata['round']} assembled from {count} slices: {result.served}")
+        return result
+    finally:
+        # Hazard: never wait here for a fetch we abandoned; it may still be hanging (interpreter exit
+        # will wait for its thread, so a fetch must be bounded by its own timeout, as HivemindBackend's is).
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(book: _Book, future: Future, donor: str, index: int) -> None:
+    """Record how one finished fetch went (in the scheduler's thread)."""
+    error = future.exception()
+    if error is None:
+        try:
+            metadata, tensor = future.result()
+        except (TypeError, ValueError):  # fetch returned something that is not a pair
+            metadata, tensor = None, None
+        problem = book.accept(donor, index, metadata, tensor)
+    else:
+        book.fail(donor, index)
+        problem = f"{type(error).__name__}: {error}"
+    if problem is not None:
+        logger.warning(f"slice {index}/{book.count} from {donor}: {problem}; donor dropped")
+
+
+def _report(progress: Progress | None, done: int, total: int) -> None:
+    # Hazard: progress is the caller's code (a progress bar); its failure must not fail the download.
+    if progress is None:
+        return
+    try:
+        progress(done, total)
+    except Exception as e:  # noqa: BLE001 - logged and ignored on purpose
+        logger.warning(f"state download progress callback failed: {e!r}")

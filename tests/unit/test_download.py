@@ -1,0 +1,321 @@
+"""The sliced state download (averaging.download) against fake donors: no network, no processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import msgpack
+import pytest
+import torch
+
+from averaging.download import (
+    MAX_SLICES,
+    choose_round,
+    decode_slice_request,
+    default_slice_count,
+    download_slices,
+    encode_slice_request,
+    flat_slice,
+    slice_bounds,
+)
+from protocols.messages import MessageError
+
+LENGTHS = [600, 600]  # anchor and momentum
+TOTAL = sum(LENGTHS)
+
+Serve = Callable[[int, int, int], tuple]  # (index, count, nth call to this donor) -> (metadata, slice)
+
+
+def state_of(round: int) -> torch.Tensor:
+    """The flat state every donor at ``round`` holds (distinct per round)."""
+    return torch.randn(TOTAL, generator=torch.Generator().manual_seed(round))
+
+
+def healthy(round: int = 5) -> Serve:
+    def serve(index: int, count: int, nth: int) -> tuple:
+        start, stop = slice_bounds(TOTAL, index, count)
+        return {"round": round, "v": 1}, state_of(round)[start:stop].clone()
+    return serve
+
+
+def advancing(first: int, then: int, after: int = 1) -> Serve:
+    """A donor whose state moves from round ``first`` to ``then`` after ``after`` calls."""
+    def serve(index: int, count: int, nth: int) -> tuple:
+        return healthy(first if nth < after else then)(index, count, nth)
+    return serve
+
+
+def failing(after: int = 0) -> Serve:
+    """A donor that dies after serving ``after`` slices."""
+    def serve(index: int, count: int, nth: int) -> tuple:
+        if nth >= after:
+            raise ConnectionError("connection refused")
+        return healthy()(index, count, nth)
+    return serve
+
+
+def corrupt(mutate: Callable[[dict, torch.Tensor], tuple]) -> Serve:
+    def serve(index: int, count: int, nth: int) -> tuple:
+        return mutate(*healthy()(index, count, nth))
+    return serve
+
+
+def hanging(release: threading.Event) -> Serve:
+    def serve(index: int, count: int, nth: int) -> tuple:
+        release.wait(10)
+        return healthy()(index, count, nth)
+    return serve
+
+
+class FakeSwarm:
+    """Routes fetches to fake donors, recording calls and how many ran at once."""
+
+    def __init__(self, donors: dict[str, Serve], delay: float = 0.0, slow: dict[str, float] | None = None):
+        self.donors, self.delay, self.slow = donors, delay, slow or {}
+        self.calls: Counter[str] = Counter()
+        self.active: Counter[str] = Counter()
+        self.peak_per_donor: Counter[str] = Counter()
+        self.peak_total = 0
+        self._lock = threading.Lock()
+
+    def fetch(self, donor: str, index: int, count: int) -> tuple:
+        with self._lock:
+            nth = self.calls[donor]
+            self.calls[donor] += 1
+            self.active[donor] += 1
+            self.peak_per_donor[donor] = max(self.peak_per_donor[donor], self.active[donor])
+            self.peak_total = max(self.peak_total, sum(self.active.values()))
+        try:
+            time.sleep(self.slow.get(donor, self.delay))
+            return self.donors[donor](index, count, nth)
+        finally:
+            with self._lock:
+                self.active[donor] -= 1
+
+    def download(self, count: int, **kwargs):
+        return download_slices(list(self.donors), lengths=LENGTHS, count=count, fetch=self.fetch, **kwargs)
+
+
+def assert_state(result, round: int) -> None:
+    assert result is not None
+    assert result.metadata["round"] == round
+    assert [t.shape for t in result.tensors] == [(n,) for n in LENGTHS]
+    assert torch.equal(torch.cat(result.tensors), state_of(round))
+
+
+# -- slices on the wire and on the donor ------------------------------------------------------
+@pytest.mark.parametrize("count", [1, 3, 7, 1024])
+def test_slices_tile_the_state_with_sizes_one_apart(count):
+    bounds = [slice_bounds(TOTAL, i, count) for i in range(count)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == TOTAL
+    assert all(stop == next_start for (_, stop), (next_start, _) in zip(bounds, bounds[1:]))
+    sizes = {stop - start for start, stop in bounds}
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_flat_slice_reads_across_tensor_boundaries_without_the_whole_concatenation():
+    tensors = [torch.arange(5.0), torch.arange(5.0, 12.0).reshape(7, 1), torch.arange(12.0, 20.0)]
+    flat = torch.arange(20.0)
+    for start, stop in [(0, 20), (3, 6), (5, 12), (4, 13), (12, 20), (7, 7)]:
+        assert torch.equal(flat_slice(tensors, start, stop), flat[start:stop]), (start, stop)
+    with pytest.raises(ValueError, match="outside"):
+        flat_slice(tensors, 10, 21)
+
+
+def test_flat_slice_refuses_other_dtypes_rather_than_casting():
+    with pytest.raises(ValueError, match="float32"):
+        flat_slice([torch.zeros(4), torch.zeros(4, dtype=torch.float64)], 0, 8)
+
+
+def test_slice_request_round_trips():
+    assert decode_slice_request(encode_slice_request(3, 8)) == (3, 8)
+    assert decode_slice_request(encode_slice_request(MAX_SLICES - 1, MAX_SLICES)) == (MAX_SLICES - 1, MAX_SLICES)
+
+
+@pytest.mark.parametrize("blob", [
+    msgpack.packb({"slice": 8, "of": 8}),
+    msgpack.packb({"slice": -1, "of": 8}),
+    msgpack.packb({"slice": 0, "of": MAX_SLICES + 1}),
+    msgpack.packb({"slice": 0, "of": 0}),
+    msgpack.packb({"slice": True, "of": 8}),
+    msgpack.packb({"slice": 1.0, "of": 8}),
+    msgpack.packb({"slice": 1, "of": 8, "x": 0}),
+    msgpack.packb({"slice": 1}),
+    msgpack.packb([1, 8]),
+    msgpack.packb({"slice": 1, "of": 8}) + b"\x00",
+    b"\xc1",
+    b"",
+    b"\x80" * 100,
+])
+def test_a_donor_refuses_malformed_slice_requests(blob):
+    with pytest.raises(MessageError):
+        decode_slice_request(blob)
+
+
+def test_choose_round_takes_the_majority_and_breaks_ties_upwards():
+    assert choose_round([4, 5, 5]) == 5
+    assert choose_round([6, 5, 5]) == 5
+    assert choose_round([4, 5]) == 5
+    assert choose_round([7]) == 7
+    assert choose_round([]) is None
+
+
+def test_default_slice_count():
+    assert default_slice_count(3, TOTAL) == 6
+    assert default_slice_count(1000, TOTAL) == MAX_SLICES
+    assert default_slice_count(3, 4) == 4  # never an empty slice
+
+
+# -- the scheduler ----------------------------------------------------------------------------
+def test_three_healthy_donors_share_the_load_one_slice_each_at_a_time():
+    swarm = FakeSwarm({name: healthy() for name in "abc"}, delay=0.02)
+    result = swarm.download(count=12)
+    assert_state(result, 5)
+    assert set(swarm.peak_per_donor.values()) == {1}  # never two fetches in flight at one donor
+    assert swarm.peak_total == 3  # but all three donors at once
+    assert sum(swarm.calls.values()) == 12
+    assert all(3 <= result.served[name] <= 5 for name in "abc"), result.served
+
+
+def test_progress_is_monotone_and_ends_at_the_total():
+    reports: list[tuple[int, int]] = []
+    swarm = FakeSwarm({name: healthy() for name in "abc"})
+    assert_state(swarm.download(count=8, progress=lambda done, total: reports.append((done, total))), 5)
+    done = [d for d, _ in reports]
+    assert {t for _, t in reports} == {4 * TOTAL}
+    assert done == sorted(done) and done[0] == 0 and done[-1] == 4 * TOTAL
+    assert len(reports) == 1 + 8  # the start, then each slice
+
+
+def test_a_failing_progress_callback_does_not_fail_the_download():
+    def broken(done: int, total: int) -> None:
+        raise RuntimeError("terminal went away")
+    assert_state(FakeSwarm({"a": healthy(), "b": healthy()}).download(count=4, progress=broken), 5)
+
+
+def test_a_failed_donor_is_dropped_and_its_slice_goes_to_another():
+    swarm = FakeSwarm({"dead": failing(), "a": healthy(), "b": healthy()})
+    result = swarm.download(count=6)
+    assert_state(result, 5)
+    assert swarm.calls["dead"] == 1 and "dead" not in result.served
+
+
+def test_a_donor_dying_halfway_keeps_the_slices_it_served():
+    swarm = FakeSwarm({"dies": failing(after=2), "a": healthy()}, delay=0.01)
+    result = swarm.download(count=8)
+    assert_state(result, 5)
+    assert swarm.calls["dies"] == 3
+    assert result.served.get("dies") == 2 and result.served["a"] == 6
+
+
+def test_no_donor_left_means_no_state():
+    swarm = FakeSwarm({"x": failing(), "y": failing(after=1)})
+    assert swarm.download(count=4) is None
+    assert swarm.calls == {"x": 1, "y": 2}
+
+
+def test_no_donors_means_no_state():
+    assert download_slices([], lengths=LENGTHS, count=4, fetch=lambda *a: pytest.fail("fetched")) is None
+
+
+def test_a_stalled_donor_times_out_without_holding_the_download():
+    release = threading.Event()
+    try:
+        swarm = FakeSwarm({"stuck": hanging(release), "a": healthy(), "b": healthy()})
+        started = time.monotonic()
+        result = swarm.download(count=6, slice_timeout=0.3)
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+    assert_state(result, 5)
+    assert "stuck" not in result.served and swarm.calls["stuck"] == 1
+    assert elapsed < 2.0
+
+
+def _wrong_length(metadata, tensor, delta):
+    return metadata, torch.cat([tensor, torch.zeros(delta)]) if delta > 0 else tensor[:delta]
+
+
+def _with_nan(metadata, tensor):
+    tensor[len(tensor) // 2] = float("nan")
+    return metadata, tensor
+
+
+def _with_inf(metadata, tensor):
+    tensor[0] = float("inf")
+    return metadata, tensor
+
+
+@pytest.mark.parametrize("mutate", [
+    pytest.param(lambda m, t: _wrong_length(m, t, -1), id="short"),
+    pytest.param(lambda m, t: _wrong_length(m, t, 1), id="oversized"),
+    pytest.param(lambda m, t: _wrong_length(m, t, 10 * TOTAL), id="much-oversized"),
+    pytest.param(_with_nan, id="nan"),
+    pytest.param(_with_inf, id="inf"),
+    pytest.param(lambda m, t: (m, t.double()), id="float64"),
+    pytest.param(lambda m, t: (m, t.reshape(1, -1)), id="2d"),
+    pytest.param(lambda m, t: ({"v": 1}, t), id="no-round"),
+    pytest.param(lambda m, t: ({"round": True}, t), id="bool-round"),
+    pytest.param(lambda m, t: ({"round": -1}, t), id="negative-round"),
+    pytest.param(lambda m, t: ([5], t), id="metadata-not-a-dict"),
+    pytest.param(lambda m, t: (m, t.numpy()), id="not-a-tensor"),
+    pytest.param(lambda m, t: (m, t, t), id="not-a-pair"),
+])
+def test_an_invalid_slice_drops_its_donor(mutate):
+    swarm = FakeSwarm({"bad": corrupt(mutate), "good": healthy()})
+    result = swarm.download(count=4)
+    assert_state(result, 5)
+    assert swarm.calls["bad"] == 1 and "bad" not in result.served
+
+
+def test_slices_come_from_the_round_most_donors_serve():
+    # "behind" answers last, when the others' round is known.
+    swarm = FakeSwarm({"behind": healthy(4), "a": healthy(5), "b": healthy(5)}, delay=0.01, slow={"behind": 0.1})
+    result = swarm.download(count=12)
+    assert_state(result, 5)
+    assert "behind" not in result.served
+    assert swarm.calls["behind"] == 1  # once its round is known, it is not asked again
+
+
+def test_a_tie_between_rounds_goes_to_the_newer_state():
+    swarm = FakeSwarm({"old": healthy(4), "new": healthy(5)}, delay=0.01)
+    assert_state(swarm.download(count=4), 5)
+
+
+def test_a_donor_running_ahead_of_the_majority_is_outvoted():
+    swarm = FakeSwarm({"ahead": advancing(5, 6), "a": healthy(5), "b": healthy(5)}, delay=0.01,
+                      slow={"ahead": 0.03})
+    result = swarm.download(count=30)
+    assert_state(result, 5)
+    assert swarm.calls["ahead"] == 2  # its round-6 slice was discarded and it was left idle
+
+
+def test_when_the_swarm_moves_on_a_round_everything_is_refetched_at_the_new_round():
+    reports: list[int] = []
+    swarm = FakeSwarm({name: advancing(5, 6) for name in "abc"}, delay=0.01)
+    result = swarm.download(count=6, progress=lambda done, total: reports.append(done))
+    assert_state(result, 6)
+    assert sum(swarm.calls.values()) > 6  # the round-5 slices were fetched again
+    assert reports == sorted(reports) and reports[-1] == 4 * TOTAL
+
+
+def test_donors_that_keep_disagreeing_exhaust_the_fetch_budget():
+    swarm = FakeSwarm({"a": healthy(5), "b": healthy(5)})
+    assert swarm.download(count=4, max_fetches=3) is None
+    assert sum(swarm.calls.values()) == 3
+
+
+def test_a_donor_listed_twice_still_gets_one_fetch_at_a_time():
+    swarm = FakeSwarm({"a": healthy(), "b": healthy()}, delay=0.01)
+    result = download_slices(["a", "a", "b"], lengths=LENGTHS, count=6, fetch=swarm.fetch)
+    assert_state(result, 5)
+    assert swarm.peak_per_donor == {"a": 1, "b": 1}
+
+
+@pytest.mark.parametrize(("lengths", "count"), [(LENGTHS, 0), ([3, 2], 6), ([5000], MAX_SLICES + 1)])
+def test_an_impossible_slice_count_is_a_caller_error(lengths, count):
+    with pytest.raises(ValueError, match="slices"):
+        download_slices(["a"], lengths=lengths, count=count, fetch=lambda *a: pytest.fail("fetched"))
