@@ -1,0 +1,133 @@
+"""A public swarm's worst day: a peer is killed with SIGKILL in the middle of an all-reduce and a
+newcomer arrives two rounds later. The survivors' rounds keep completing within a bound, the
+newcomer catches up and contributes, and nobody gets a NaN or a diverged anchor."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import pytest
+import torch
+
+from node.checkpoint import load_latest_valid
+from node.local_swarm import kill_process_group
+from node.metrics import read_metrics
+from tests.integration.swarm import TINY
+
+pytestmark = pytest.mark.integration
+
+ROUND_S = 8.0
+ALLREDUCE_TIMEOUT_S = 10.0
+# A survivor's round record lands at most this long after the round's deadline: the all-reduce
+# (bounded by its timeout), plus a re-sync download if the crash left the group's anchors apart.
+LATE_BOUND_S = 2 * ALLREDUCE_TIMEOUT_S + ROUND_S
+
+
+def rounds_of(peer) -> dict[int, dict]:
+    if not peer.metrics_path.exists():  # still starting
+        return {}
+    return {r["round"]: r for r in read_metrics(peer.metrics_path) if r["event"] == "round"}
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+@pytest.fixture
+def config(tmp_path):
+    text = TINY.read_text().replace("allreduce_timeout = 30.0", f"allreduce_timeout = {ALLREDUCE_TIMEOUT_S}")
+    assert text != TINY.read_text()
+    path = tmp_path / "churn.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.timeout(420)
+def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
+    common = ("--round-seconds", str(ROUND_S), "--max-rounds", "{last}")
+    first = swarm.start("a", *[a.format(last=99) for a in common], config=config)
+    address = first.wait_for_address()[:1]
+    peers = [first] + [swarm.start(n, *[a.format(last=99) for a in common], initial=address, config=config)
+                       for n in ("b", "c", "victim")]
+    a, b, c, victim = peers
+
+    # 1. Wait for a round in which all four averaged together.
+    def all_four() -> int | None:
+        shared = [r for r, rec in rounds_of(a).items() if rec["group_size"] == 4]
+        return max(shared) if shared else None
+
+    wait_until(lambda: all_four() is not None, 150, "the four peers never formed a group of 4")
+    start = next(r for r in read_metrics(a.metrics_path) if r["event"] == "start")["schedule_start"]
+    crash_round = all_four() + 2
+    last_round = crash_round + 6
+
+    # 2. SIGKILL the victim (and its hivemind processes and p2pd) just after the crash round's
+    # all-reduce began: the group was formed before the deadline, the exchange starts at it.
+    deadline = start + crash_round * ROUND_S
+    time.sleep(max(0.0, deadline + 0.05 - time.time()))
+    kill_process_group(victim.proc)
+    killed_at = time.time()
+
+    # 3. A newcomer two rounds later; it must stop at the same round as the survivors.
+    time.sleep(max(0.0, deadline + 2 * ROUND_S - time.time()))
+    joiner_started = time.time()
+    joiner = swarm.start("joiner", "--round-seconds", str(ROUND_S), "--max-rounds", str(last_round),
+                         initial=address, config=config)
+    wait_until(lambda: all(last_round in rounds_of(p) for p in (a, b, c, joiner)), (last_round - crash_round + 4) * ROUND_S,
+               "the swarm did not reach the last round")
+    for peer in (a, b, c):  # started with a far-off --max-rounds: Ctrl+C them now, at the same round
+        peer.interrupt()
+    for peer in (a, b, c, joiner):
+        assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
+
+    survivors = {p.name: rounds_of(p) for p in (a, b, c)}
+    victim_id = next(r for r in read_metrics(victim.metrics_path) if r["event"] == "start")["peer"]
+
+    # The victim was in the crash round's group: it died after matchmaking, mid-exchange.
+    assert victim_id in survivors["a"][crash_round]["group"], survivors["a"][crash_round]
+
+    # Survivors: every round completed, none later than the bound, no NaN anywhere.
+    worst = 0.0
+    for name, rounds in survivors.items():
+        for r in range(crash_round - 1, last_round + 1):
+            record = rounds[r]
+            late = record["time"] - (start + r * ROUND_S)
+            worst = max(worst, late)
+            assert late <= LATE_BOUND_S, (name, r, late, record)
+            assert record["loss"] is not None and math.isfinite(record["loss"]), (name, r, record)
+    print(f"crash at round {crash_round} (+{killed_at - deadline:.2f}s): survivors' latest round record "
+          f"{worst:.1f}s after its deadline (bound {LATE_BOUND_S:.0f}s); crash-round records: "
+          + ", ".join(f"{n}: {rs[crash_round]['applied']} group {rs[crash_round]['group_size']} "
+                      f"{rs[crash_round]['time'] - deadline:.1f}s" for n, rs in survivors.items()))
+
+    # The newcomer downloaded the state, then contributed to a group with everybody.
+    joined = rounds_of(joiner)
+    contributed = [r for r in sorted(joined) if joined[r]["applied"] == "averaged" and joined[r]["group_size"] >= 2]
+    assert contributed, joined
+    first_contribution = joined[contributed[0]]
+    print(f"joiner: first contribution in round {contributed[0]}, "
+          f"{first_contribution['time'] - joiner_started:.1f}s after its start")
+    download = [r for r in read_metrics(joiner.metrics_path) if r["event"] == "state_download"]
+    assert download, "the newcomer did not download the swarm's state"
+    for r in contributed:
+        assert joined[r]["diverged"] == [], (r, joined[r])
+        assert survivors["a"][r]["diverged"] == [], (r, survivors["a"][r])
+
+    # Final anchors: everybody (joiner included) holds the same model, finite.
+    anchors = {}
+    for peer in (a, b, c, joiner):
+        checkpoint = load_latest_valid(peer.checkpoint_dir)
+        assert checkpoint is not None and checkpoint.round == last_round, peer.name
+        anchors[peer.name] = torch.cat([t.flatten() for t in checkpoint.params.values()])
+        assert torch.isfinite(anchors[peer.name]).all(), peer.name
+    scale = anchors["a"].square().mean().sqrt()
+    for x, y in itertools.combinations(anchors, 2):
+        rms = (anchors[x] - anchors[y]).square().mean().sqrt()
+        assert rms <= 1e-3 * scale, (x, y, float(rms), float(scale))

@@ -1,0 +1,124 @@
+"""A public swarm's entry point and its regulars: `shoal bootstrap`, peers that know only its
+address, a mismatched joiner refused, Ctrl+C, and a restart that resumes from its checkpoint
+(after the newest one was truncated) with the same peer id, then catches up with the swarm."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from node.checkpoint import list_checkpoints, load_latest_valid
+from node.local_swarm import kill_process_group, session_members, shoal_command
+from node.metrics import read_metrics
+from tests.integration.swarm import REPO, TINY
+
+pytestmark = pytest.mark.integration
+
+ROUND_S = 6.0
+
+
+def records(peer, event: str) -> list[dict]:
+    if not peer.metrics_path.exists():
+        return []
+    return [r for r in read_metrics(peer.metrics_path) if r["event"] == event]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+@pytest.fixture
+def bootstrap(tmp_path):
+    address_file = tmp_path / "bootstrap.maddr"
+    log = open(tmp_path / "bootstrap.log", "wb")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen([*shoal_command(), "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity",
+                             str(tmp_path / "bootstrap.key"), "--address-file", str(address_file)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log.close()
+    try:
+        yield proc, address_file
+    finally:
+        if proc.poll() is None:  # a clean stop first: it must leave no p2pd behind
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                assert proc.wait(timeout=30) == 0
+                assert not session_members(proc.pid), "the bootstrap peer left processes behind"
+            finally:
+                kill_process_group(proc)
+
+
+@pytest.mark.timeout(400)
+def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path):
+    bootstrap_proc, address_file = bootstrap
+    config = tmp_path / "every-round.toml"
+    config.write_text(TINY.read_text().replace("checkpoint_every_rounds = 5", "checkpoint_every_rounds = 1"))
+    peer_args = ("--round-seconds", str(ROUND_S), "--identity", str(tmp_path / "a.key"))
+    initial = [f"@{address_file}"]  # both peers know only the bootstrap peer, through its address file
+
+    a = swarm.start("a", *peer_args, initial=initial, config=config)
+    b = swarm.start("b", "--round-seconds", str(ROUND_S), initial=initial, config=config)
+
+    # A joiner with another round length is refused before it averages anything.
+    wait_until(lambda: records(a, "start"), 90, "peer a did not start")
+    refused = subprocess.run([*shoal_command(), "run", "--no-ui", "--run-id", swarm.run_id, "--round-seconds", "7",
+                              "--initial-peer", f"@{address_file}", "--listen", "/ip4/127.0.0.1/tcp/0"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    line = refused.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "round.seconds=6.0 (this peer: 7.0)" in line, line
+
+    # a and b found each other through the bootstrap peer and average together.
+    def averaged_together(peer) -> list[int]:
+        return [r["round"] for r in records(peer, "round") if r["applied"] == "averaged" and r["group_size"] == 2]
+
+    wait_until(lambda: len(averaged_together(a)) >= 2, 120, "a and b never averaged together")
+
+    # Ctrl+C (to a's whole process group, as a terminal does): exit 0, checkpoint, nothing left.
+    os.killpg(a.proc.pid, signal.SIGINT)
+    assert a.wait(timeout=60) == 0, a.log()[-3000:]
+    assert not a.leftovers()
+    saved = list_checkpoints(a.checkpoint_dir)
+    assert len(saved) >= 2, saved
+    first_id = records(a, "start")[0]["peer"]
+
+    # Truncate the newest checkpoint (a torn copy, a full disk): the restart names it and uses the next.
+    model_file = saved[0] / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
+    fallback = load_latest_valid(a.checkpoint_dir)
+    assert fallback is not None and fallback.path == saved[1]
+
+    # Let the swarm move on for two rounds, then restart a with the same identity and checkpoints.
+    left_at = max(averaged_together(b))
+    wait_until(lambda: any(r["round"] >= left_at + 2 for r in records(b, "round")), 60, "b stopped training")
+    restarted_at = time.time()
+    a2 = swarm.start("a", *peer_args, initial=initial, config=config)
+    wait_until(lambda: any(r["time"] > restarted_at for r in averaged_records(a2)), 120,
+               "the restarted peer never averaged with b")
+    log = a2.log()
+    assert str(model_file) in log and "truncated" in log, log[-3000:]
+    assert f"resumed from {saved[1]}" in log, log[-3000:]
+    starts = records(a2, "start")
+    assert starts[-1]["peer"] == first_id, "--identity did not keep the peer id"
+    resume = [r for r in records(a2, "resume") if r["time"] > restarted_at]
+    assert resume and resume[-1]["path"] == str(saved[1])
+    # The swarm had moved on: the restarted peer caught up from b, like a newcomer.
+    assert [r for r in records(a2, "state_download") if r["time"] > restarted_at], a2.log()[-3000:]
+
+    swarm.interrupt_all()
+    for peer in (a2, b):
+        assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
+    assert bootstrap_proc.poll() is None, "the bootstrap peer died"
+
+
+def averaged_records(peer) -> list[dict]:
+    return [r for r in records(peer, "round") if r["applied"] == "averaged" and r["group_size"] == 2]
