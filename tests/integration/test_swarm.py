@@ -1,5 +1,5 @@
 """Three real `shoal run` processes on loopback train the tiny model together (real DHT, real
-butterfly all-reduce with fp16 compression)."""
+butterfly all-reduce with fp16 compression); one of them in client mode, as behind a NAT."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ def rounds_of(peer) -> dict[int, dict]:
 def test_three_peers_train_one_model(swarm):
     first = swarm.start("a", "--max-rounds", str(ROUNDS))
     address = first.wait_for_address()
-    others = [swarm.start(name, "--max-rounds", str(ROUNDS), initial=address[:1]) for name in ("b", "c")]
+    # c is behind a NAT as far as it knows: client mode, outgoing connections only.
+    others = [swarm.start("b", "--max-rounds", str(ROUNDS), initial=address[:1]),
+              swarm.start("c", "--max-rounds", str(ROUNDS), "--client-mode", initial=address[:1])]
     peers = [first, *others]
     for peer in peers:
         assert peer.wait(timeout=300) == 0, peer.log()[-3000:]
@@ -44,6 +46,9 @@ def test_three_peers_train_one_model(swarm):
             assert rounds[r]["applied"] == "averaged", (name, r, rounds[r])
             assert rounds[r]["diverged"] == [], (name, r, rounds[r])
         assert set(range(min(rounds), ROUNDS + 1)) <= set(rounds), f"{name} skipped a round: {sorted(rounds)}"
+
+    start_c = next(r for r in read_metrics(others[1].metrics_path) if r["event"] == "start")
+    assert start_c["mode"] == "client" and "client mode (--client-mode)" in others[1].log()
 
     # Eval loss of the shared model went down over the run.
     evals = [per_peer["a"][r]["eval_loss"] for r in sorted(per_peer["a"]) if per_peer["a"][r]["eval_loss"] is not None]
