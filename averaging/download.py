@@ -8,8 +8,8 @@ dropped and its slice goes to another; slices are assembled only when all come f
 
 This module is pure: no hivemind, no processes. The network fetch of one slice is a callable the
 caller supplies (``HivemindBackend`` routes it through its averager process); unit tests use fakes.
-The wire encoding of a slice request and the donor-side cutting live here too, so both ends of the
-RPC share one definition of "slice i of n".
+The donor-side cutting lives here too, so both ends share one definition of "slice i of n"; the
+request's wire encoding is in ``protocols.state_slices``.
 
 Threads: ``download_slices`` runs in the caller's thread and calls ``progress`` there; ``fetch``
 runs in a pool with one thread per donor. All bookkeeping (``_Book``) stays in the caller's thread.
@@ -25,16 +25,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import torch
 
 from averaging.backend import Progress
 from protocols.messages import MAX_ROUND, MessageError, bounded_int
+from protocols.state_slices import MAX_SLICES
 
 logger = logging.getLogger(__name__)
 
-MAX_SLICES = 1024  # a request for more is refused: it only multiplies the donor's work per byte
-MAX_SLICE_REQUEST_BYTES = 64  # {"slice": i, "of": n} packs into ~20 bytes
 BYTES_PER_VALUE = 4  # fp32
 
 MIN_DONOR_BYTES_PER_S = 128 * 1024  # a donor slower than 1 Mbit/s over a whole slice is dropped
@@ -44,35 +42,6 @@ Fetch = Callable[[str, int, int], tuple[Any, torch.Tensor]]
 
 
 # -- what "slice i of n" means, on both ends -------------------------------------------------------
-def check_slice_index(index: int, count: int) -> None:
-    """Raise MessageError unless 0 <= index < count <= MAX_SLICES."""
-    for name, value in (("slice", index), ("of", count)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise MessageError(f"{name}: expected an int, got {value!r:.40}")
-    if not 0 <= index < count <= MAX_SLICES:
-        raise MessageError(f"slice {index} of {count}: need 0 <= slice < of <= {MAX_SLICES}")
-
-
-def encode_slice_request(index: int, count: int) -> bytes:
-    check_slice_index(index, count)
-    return msgpack.packb({"slice": index, "of": count})
-
-
-def decode_slice_request(blob: bytes) -> tuple[int, int]:
-    """``(index, count)`` from a peer's request, or MessageError: the donor refuses anything else."""
-    if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_SLICE_REQUEST_BYTES:
-        raise MessageError(f"slice request of {len(blob) if isinstance(blob, bytes) else '?'} bytes")
-    try:
-        request = msgpack.unpackb(blob, max_map_len=2, max_str_len=8, max_array_len=0, max_bin_len=0)
-    except Exception as e:  # msgpack raises several types for malformed input
-        raise MessageError(f"slice request is not msgpack: {type(e).__name__}") from None
-    if not isinstance(request, dict) or set(request) != {"slice", "of"}:
-        raise MessageError("slice request must be {slice: int, of: int}")
-    index, count = request["slice"], request["of"]
-    check_slice_index(index, count)
-    return index, count
-
-
 def slice_bounds(total: int, index: int, count: int) -> tuple[int, int]:
     """``[start, stop)`` of slice ``index`` of ``count`` over ``total`` values; sizes differ by at most 1."""
     assert 0 <= index < count and total >= 0

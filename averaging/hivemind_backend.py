@@ -43,14 +43,13 @@ from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_st
 from averaging.backend import AverageOutcome, DownloadedState, Progress
 from averaging.download import (
     BYTES_PER_VALUE,
-    decode_slice_request,
     default_slice_count,
     download_slices,
-    encode_slice_request,
     flat_slice,
     slice_bounds,
     slice_deadline_s,
 )
+from protocols.state_slices import decode_slice_request, encode_slice_request
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from averaging.backend import DownloadedState
+from averaging.backend import DownloadedState, Progress
 from averaging.diloco import OuterState, RoundConclusion
 from averaging.flat import FlatLayout
 from averaging.merge import apply_correction_, merge_correction
@@ -153,6 +153,7 @@ class OuterLoop:
         self._carried_tokens = 0  # tokens of work folded from rounds that did not make it
         self._prepared_round = 0
         self.window: _Window | None = None
+        self.last_download: DownloadedState | None = None  # the state adopted by initial_sync
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -169,11 +170,12 @@ class OuterLoop:
         self.window = _Window(max(1, self._schedule().round_at(now)), started=now)
         self._maybe_prepare(now)
 
-    def initial_sync(self, donors: list[str], *, newer_than: int = -1) -> int | None:
+    def initial_sync(self, donors: list[str], *, newer_than: int = -1, progress: Progress | None = None) -> int | None:
         """Adopt the shared state of a running swarm (blocking: before training starts), unless
-        it is not newer than ``newer_than`` (a peer resumed from a checkpoint keeps its own)."""
+        it is not newer than ``newer_than`` (a peer resumed from a checkpoint keeps its own).
+        ``progress(done_bytes, total_bytes)`` is called on the worker thread."""
         state = self.worker.submit(self.worker.backend.download_state, donors,
-                                   timeout=self.config.download_timeout).result()
+                                   timeout=self.config.download_timeout, progress=progress).result()
         if state is None:
             return None
         offered = state.metadata.get("round") if isinstance(state.metadata, dict) else None
@@ -182,6 +184,7 @@ class OuterLoop:
             return None
         adopted = self.outer.adopt(state)  # MessageError if invalid: the caller reports it
         self.load_anchor_into_params()
+        self.last_download = state
         return adopted
 
     def resume(self, state: DownloadedState) -> int:

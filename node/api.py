@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
-from averaging.backend import DownloadedState
+from averaging.backend import DownloadedState, Progress
 from averaging.diloco import OuterConfig, OuterState
 from averaging.flat import FlatLayout
 from averaging.hivemind_backend import HivemindBackend
@@ -142,10 +142,11 @@ class DiLoCoSwarm:
         self._resumed_round = self.loop.resume(state)
         return self._resumed_round
 
-    def start(self) -> dict | None:
+    def start(self, progress: Progress | None = None) -> dict | None:
         """Catch up with a running swarm (download its state), then begin the first round.
-        Returns what was downloaded (``source``, ``round``, ``seconds``), if anything."""
-        joined = self._initial_sync()
+        Returns what was downloaded (``donors``, ``round``, ``seconds``), if anything;
+        ``progress(done_bytes, total_bytes)`` follows the download (from another thread)."""
+        joined = self._initial_sync(progress)
         self.monitor.start()
         self.loop.start()
         return joined
@@ -184,7 +185,7 @@ class DiLoCoSwarm:
         remove_stale(hivemind_sockets() - self._sockets_before)  # after every hivemind process ended
 
     # -- internals -------------------------------------------------------------------------------
-    def _initial_sync(self) -> dict | None:
+    def _initial_sync(self, progress: Progress | None) -> dict | None:
         """Joining a run in progress: start from the swarm's current anchor, not from the init.
         Runs before the monitor thread starts, so this thread is still the DHT's only user."""
         if not self.initial_peers:
@@ -196,7 +197,7 @@ class DiLoCoSwarm:
             return None
         started = time.perf_counter()
         try:
-            adopted = self.loop.initial_sync(donors, newer_than=self._resumed_round)
+            adopted = self.loop.initial_sync(donors, newer_than=self._resumed_round, progress=progress)
         except MessageError as e:
             logger.warning(f"refused the swarm's state: {e}; starting from the initial weights")
             return None
@@ -205,8 +206,12 @@ class DiLoCoSwarm:
                 logger.warning("could not download the swarm's state; starting from the initial weights")
             return None
         seconds = time.perf_counter() - started
-        logger.info(f"joined at round {adopted}: downloaded the shared state in {seconds:.1f}s")
-        return {"round": adopted, "seconds": seconds}
+        state = self.loop.last_download
+        donors = list(state.donors or (state.peer,))
+        size = sum(t.numel() * t.element_size() for t in state.tensors)
+        logger.info(f"joined at round {adopted}: downloaded the shared state ({size / 2**20:.1f} MiB) from "
+                    f"{len(donors)} peer(s) in {seconds:.1f}s")
+        return {"round": adopted, "seconds": seconds, "donors": donors, "bytes": size}
 
     def _status(self) -> dict:
         status = {"round": int(self.loop.round)}

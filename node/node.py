@@ -21,11 +21,12 @@ from node.api import DiLoCoSwarm
 from node.checkpoint import save_checkpoint
 from node.config import RunConfig, shared_fields, shared_hash
 from node.data import BatchSampler, eval_batches, load_corpus, shard_bounds, shard_for_peer, split_corpus
+from node.download_view import DownloadView
 from node.metrics import MetricsWriter, round_record_fields
 from node.model import build_model, count_parameters
 from node.resume import MOMENTUM_PREFIX, find_resume_point, outer_meta, state_from_checkpoint
 from node.trainer import Trainer, inner_lr, resolve_device
-from node.ui import LiveView, NodeStatus, PlainView
+from node.ui import CONSOLE, LiveView, NodeStatus, PlainView
 from protocols.addresses import format_join_command
 from protocols.errors import CheckpointError
 from protocols.messages import MessageError
@@ -144,9 +145,14 @@ class Node:
 
     def train(self) -> int:
         self.announce()
-        joined = self.swarm.start()
+        download = DownloadView(ui=self.options.ui, console=CONSOLE)
+        try:
+            joined = self.swarm.start(progress=download)
+        finally:
+            download.close()
         if joined is not None:
-            self.metrics.write("state_download", adopted_round=joined["round"], seconds=joined["seconds"])
+            self.metrics.write("state_download", adopted_round=joined["round"], seconds=joined["seconds"],
+                               donors=joined["donors"], bytes=joined["bytes"])
         self.view.start()
         batch_tokens = self.config.data.batch_size * self.config.model.seq_len
         throttle, max_rounds = self.config.train.throttle, self.options.max_rounds

@@ -12,16 +12,14 @@ import pytest
 import torch
 
 from averaging.download import (
-    MAX_SLICES,
     choose_round,
-    decode_slice_request,
     default_slice_count,
     download_slices,
-    encode_slice_request,
     flat_slice,
     slice_bounds,
 )
 from protocols.messages import MessageError
+from protocols.state_slices import MAX_SLICES, decode_slice_request, encode_slice_request
 
 LENGTHS = [600, 600]  # anchor and momentum
 TOTAL = sum(LENGTHS)

@@ -1,0 +1,43 @@
+"""A state-slice request: "send me slice i of n of your shared state" (joiner → donor).
+
+Why its own wire format: the donor must refuse anything but two small ints before it does any
+work (copying its state), so the request is tiny, strictly bounded msgpack.
+"""
+
+from __future__ import annotations
+
+import msgpack
+
+from protocols.messages import MessageError
+
+MAX_SLICES = 1024  # a request for more is refused: it only multiplies the donor's work per byte
+MAX_SLICE_REQUEST_BYTES = 64  # {"slice": i, "of": n} packs into ~20 bytes
+
+
+def check_slice_index(index: int, count: int) -> None:
+    """Raise MessageError unless 0 <= index < count <= MAX_SLICES."""
+    for name, value in (("slice", index), ("of", count)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise MessageError(f"{name}: expected an int, got {value!r:.40}")
+    if not 0 <= index < count <= MAX_SLICES:
+        raise MessageError(f"slice {index} of {count}: need 0 <= slice < of <= {MAX_SLICES}")
+
+
+def encode_slice_request(index: int, count: int) -> bytes:
+    check_slice_index(index, count)
+    return msgpack.packb({"slice": index, "of": count})
+
+
+def decode_slice_request(blob: bytes) -> tuple[int, int]:
+    """``(index, count)`` from a peer's request, or MessageError: the donor refuses anything else."""
+    if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_SLICE_REQUEST_BYTES:
+        raise MessageError(f"slice request of {len(blob) if isinstance(blob, bytes) else '?'} bytes")
+    try:
+        request = msgpack.unpackb(blob, max_map_len=2, max_str_len=8, max_array_len=0, max_bin_len=0)
+    except Exception as e:  # msgpack raises several types for malformed input
+        raise MessageError(f"slice request is not msgpack: {type(e).__name__}") from None
+    if not isinstance(request, dict) or set(request) != {"slice", "of"}:
+        raise MessageError("slice request must be {slice: int, of: int}")
+    index, count = request["slice"], request["of"]
+    check_slice_index(index, count)
+    return index, count
