@@ -107,6 +107,13 @@ def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
           + ", ".join(f"{n}: {rs[crash_round]['applied']} group {rs[crash_round]['group_size']} "
                       f"{rs[crash_round]['time'] - deadline:.1f}s" for n, rs in survivors.items()))
 
+    # The victim's heartbeat expired on its own: every survivor saw it leave, within 3 periods
+    # of the heartbeat (min(5, round/3) s) after the kill, plus one period to notice.
+    period = min(5.0, max(1.0, ROUND_S / 3))
+    for peer in (a, b, c):
+        left = [r for r in read_metrics(peer.metrics_path) if r["event"] == "peer_leave" and r["other"] == victim_id]
+        assert left and left[0]["time"] - killed_at <= 4 * period + 2, (peer.name, left)
+
     # The newcomer downloaded the state, then contributed to a group with everybody.
     joined = rounds_of(joiner)
     contributed = [r for r in sorted(joined) if joined[r]["applied"] == "averaged" and joined[r]["group_size"] >= 2]
