@@ -17,6 +17,7 @@ and its result is merged into the model at a later ``step`` (overlap mode), or r
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -34,15 +35,19 @@ from averaging.flat import FlatLayout
 from averaging.hivemind_backend import HivemindBackend
 from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
 from averaging.sync import SyncWorker
+from averaging.traffic import BYTES_PER_VALUE, Traffic, allreduce_payload
 from node.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.sockets import hivemind_sockets, remove_stale
 from node.swarm import MANIFEST_TTL, PeerMonitor, Reachability, join_run, start_dht
 from protocols.keys import averager_prefix
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
+from protocols.progress import ProgressRecord, shoal_version
 from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
+
+_RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(ProgressRecord)) - {"peer_id", "time"}
 
 __all__ = ["DiLoCoSwarm", "RoundStats"]
 
@@ -67,7 +72,7 @@ class DiLoCoSwarm:
         use_relay: bool = False,
         shared: dict[str, Any] | None = None,
         device: torch.device | str | None = None,
-        heartbeat: Callable[[], dict] | None = None,
+        heartbeat: Callable[[], dict[str, Any]] | None = None,
         on_peers_changed: Callable[[set[str], set[str]], None] | None = None,
     ):
         self.model, self.run_id = model, run_id
@@ -80,6 +85,9 @@ class DiLoCoSwarm:
         self._heartbeat = heartbeat
         self.reachability = Reachability(client_mode=client_mode, use_relay=use_relay)
         self._resumed_round = -1
+        self.traffic = Traffic()
+        self.tokens_contributed = 0
+        self.last_stats: RoundStats | None = None
         try:
             self._build(listen, announce, bootstrap_timeout, identity, shared or {}, device, on_peers_changed)
         except BaseException:
@@ -123,6 +131,7 @@ class DiLoCoSwarm:
         # 4. Who else is here, and the round engine.
         self.monitor = PeerMonitor(self.dht, self.manifest, period=period, status=self._status, on_change=on_peers_changed or (lambda joined, left: None))
         self._closers.insert(0, self.monitor.stop)
+        self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
         named_now = lambda: dict(self.model.named_parameters())  # noqa: E731 - follows .to(device)
         self.loop = OuterLoop(
             outer=self.outer, worker=self.worker, layout=self.layout, params=named_now,
@@ -131,7 +140,7 @@ class DiLoCoSwarm:
                               matchmaking_seconds=avg.matchmaking_seconds, download_timeout=avg.allreduce_timeout,
                               prepare_lead=avg.matchmaking_seconds + avg.request_timeout),
             peer_id=self.peer_id, alone=lambda: self.monitor.peer_count <= 1,
-            device=torch.device(device) if device is not None else next(self.model.parameters()).device,
+            device=self.device,
         )
 
     # -- the training loop's calls -------------------------------------------------------------
@@ -153,7 +162,7 @@ class DiLoCoSwarm:
 
     def step(self, *, tokens: int, seconds: float, loss: float | None = None) -> list[RoundStats]:
         """Call after each inner optimizer step; returns the rounds that finished."""
-        return self.loop.after_step(tokens=tokens, seconds=seconds, loss=loss)
+        return self._account(self.loop.after_step(tokens=tokens, seconds=seconds, loss=loss))
 
     @property
     def round(self) -> int:
@@ -173,7 +182,7 @@ class DiLoCoSwarm:
 
     def finish(self) -> list[RoundStats]:
         """Let a sync in flight land before leaving."""
-        return self.loop.finish()
+        return self._account(self.loop.finish())
 
     def close(self) -> None:
         closers, self._closers = self._closers, []
@@ -191,8 +200,9 @@ class DiLoCoSwarm:
         if not self.initial_peers:
             return None
         self.monitor.tick()
-        donors = sorted((p for p in self.monitor.peers if p != self.peer_id),
-                        key=lambda p: -self.monitor.peers[p].get("round", 0))
+        # Client-mode peers accept no connections: they cannot serve their state.
+        donors = sorted((p for p, record in self.monitor.peers.items() if p != self.peer_id and record.mode != "client"),
+                        key=lambda p: -self.monitor.peers[p].round)
         if not donors:
             return None
         started = time.perf_counter()
@@ -209,12 +219,36 @@ class DiLoCoSwarm:
         state = self.loop.last_download
         donors = list(state.donors or (state.peer,))
         size = sum(t.numel() * t.element_size() for t in state.tensors)
+        self.traffic.add(received=size)
         logger.info(f"joined at round {adopted}: downloaded the shared state ({size / 2**20:.1f} MiB) from "
                     f"{len(donors)} peer(s) in {seconds:.1f}s")
         return {"round": adopted, "seconds": seconds, "donors": donors, "bytes": size}
 
-    def _status(self) -> dict:
-        status = {"round": int(self.loop.round)}
+    def _account(self, finished: list[RoundStats]) -> list[RoundStats]:
+        """Tokens contributed and bytes moved, for the progress record and the dashboard."""
+        for stats in finished:
+            self.last_stats = stats
+            if stats.applied != "folded":
+                self.tokens_contributed += stats.tokens
+            if stats.applied == "averaged":
+                payload = allreduce_payload(self.layout.numel, stats.group_size, client_mode=self.reachability.client_mode,
+                                            bytes_per_value=BYTES_PER_VALUE.get(self.averaging.compression, 4))
+                self.traffic.add(sent=payload, received=payload)
+            if stats.resynced:
+                self.traffic.add(received=2 * self.layout.numel * 4)  # anchor + momentum, fp32
+        return finished
+
+    def _status(self) -> ProgressRecord:
+        """Our progress record (monitor thread): the library's own figures, then the caller's."""
+        stats = self.last_stats
+        record = ProgressRecord(
+            peer_id=self.peer_id, round=int(self.loop.round), tokens_per_s=0.0, loss=None, eval_loss=None,
+            device=str(self.device), mode=self.reachability.mode, version=shoal_version(),
+            utilization=min(1.0, stats.compute_s / stats.wall_s) if stats and stats.wall_s > 0 else 0.0,
+            bytes_sent=self.traffic.sent, bytes_received=self.traffic.received, tokens=self.tokens_contributed,
+            time=get_dht_time(), phase="averaging" if self.loop.syncing else "training",
+        )
         if self._heartbeat is not None:
-            status.update(self._heartbeat())
-        return status
+            extras = self._heartbeat()
+            record = dataclasses.replace(record, **{k: v for k, v in extras.items() if k in _RECORD_FIELDS})
+        return record

@@ -9,6 +9,7 @@ swarm (``node.api.DiLoCoSwarm``, the same API library users get); ``Node.close``
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from node.download_view import DownloadView
 from node.metrics import MetricsWriter, round_record_fields
 from node.model import build_model, count_parameters
 from node.resume import MOMENTUM_PREFIX, find_resume_point, outer_meta, state_from_checkpoint
-from node.trainer import Trainer, inner_lr, resolve_device
+from node.trainer import Trainer, device_label, inner_lr, resolve_device
 from node.ui import CONSOLE, LiveView, NodeStatus, PlainView
 from protocols.addresses import format_join_command
 from protocols.errors import CheckpointError
@@ -98,6 +99,8 @@ class Node:
         # 4. Metrics and the view.
         self.metrics = MetricsWriter(options.metrics_file, self.peer_id)
         self.status.peer_id = self.peer_id
+        self.device_label = device_label(self.device)
+        self.status.device = self.device_label
         self.last_eval: float | None = None
         self._eval_s = 0.0  # how long the last eval took
 
@@ -221,7 +224,12 @@ class Node:
         return time.time() + 2 * self._eval_s <= deadline
 
     def _update_status(self, loss: float) -> None:
-        window, schedule = self.swarm.loop.window, self.swarm.monitor.schedule
+        window, schedule, swarm = self.swarm.loop.window, self.swarm.monitor.schedule, self.swarm
+        stats = swarm.last_stats
+        if stats is not None and stats.wall_s > 0:
+            self.status.utilization = min(1.0, stats.compute_s / stats.wall_s)
+        self.status.bytes_sent, self.status.bytes_received = swarm.traffic.sent, swarm.traffic.received
+        self.status.peer_records = tuple(swarm.monitor.peers.values())  # the monitor swaps the dict whole
         self.status.round, self.status.loss, self.status.peers = window.round, loss, self.swarm.peer_count
         self.status.tokens_per_s = window.tokens / max(window.compute_s, 1e-9)
         self.status.phase = "training" if not self.swarm.loop.syncing else "training + averaging"
@@ -243,8 +251,11 @@ class Node:
         return path
 
     def _heartbeat(self) -> dict:
+        """Our figures for the progress record (monitor thread; reads a status the loop replaces)."""
         s = self.status
-        return {"loss": s.loss, "tokens_per_s": float(s.tokens_per_s), "device": str(self.device)}
+        finite = lambda v: v if v is not None and math.isfinite(v) and v >= 0 else None  # noqa: E731
+        return {"loss": finite(s.loss), "eval_loss": finite(s.eval_loss), "tokens_per_s": float(s.tokens_per_s),
+                "device": self.device_label, "phase": s.phase[:64]}
 
     def _peers_changed(self, joined: set[str], left: set[str]) -> None:
         if self.metrics is None:

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hivemind import DHT
-from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from protocols import manifest
+from protocols import manifest, progress
 from protocols.errors import ConfigError, NetworkError
 from protocols.keys import peers_key, run_key
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
+from protocols.progress import ProgressRecord
 from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
@@ -158,22 +158,23 @@ def publish_manifest(dht: DHT, ours: RunManifest, *, ttl: float) -> None:
               expiration_time=get_dht_time() + ttl)
 
 
-def _parse_heartbeat(value: object) -> dict | None:
-    if not isinstance(value, dict) or not isinstance(value.get("round"), int):
-        return None
-    return value
-
-
 class PeerMonitor:
-    """Publishes our heartbeat and watches who else is alive (records expire on their own)."""
+    """Publishes our progress record (each period: heartbeat and progress in one) and watches who
+    else is alive: records expire on their own, so a peer that crashed drops out by itself."""
 
-    def __init__(self, dht: DHT, ours: RunManifest, *, period: float, status: Callable[[], dict],
+    def __init__(self, dht: DHT, ours: RunManifest, *, period: float, status: Callable[[], ProgressRecord],
                  on_change: Callable[[set[str], set[str]], None]):
         self.dht, self.manifest, self.run_id, self.period = dht, ours, ours.run_id, period
         self._status, self._on_change = status, on_change
-        self.peers: dict[str, dict] = {}
+        self.peers: dict[str, ProgressRecord] = {}
+        self.malformed = 0  # records ignored at the last read (validation failed)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shoal-monitor", daemon=True)
+
+    @property
+    def ttl(self) -> float:
+        """How long a record outlives its publisher: three missed heartbeats."""
+        return 3 * self.period
 
     @property
     def schedule(self) -> RoundSchedule:
@@ -200,11 +201,11 @@ class PeerMonitor:
             self._stop.wait(self.period)
 
     def tick(self) -> None:
-        ttl = 3 * self.period
-        me = self.dht.peer_id
-        self.dht.store(peers_key(self.run_id), subkey=me.to_bytes(), value=self._status(),
-                       expiration_time=get_dht_time() + ttl)
-        publish_manifest(self.dht, self.manifest, ttl=max(ttl, MANIFEST_TTL))
+        me = str(self.dht.peer_id)
+        mine = self._status()
+        self.dht.store(peers_key(self.run_id), subkey=self.dht.peer_id.to_bytes(), value=progress.encode(mine),
+                       expiration_time=get_dht_time() + self.ttl)
+        publish_manifest(self.dht, self.manifest, ttl=max(self.ttl, MANIFEST_TTL))
         # A peer that started the run at the same moment as us may have published an earlier
         # start: everybody converges on the earliest one.
         manifests, _ = read_manifests(self.dht, self.run_id)
@@ -213,19 +214,9 @@ class PeerMonitor:
         if earliest < self.manifest.start_time:
             self.manifest = self.manifest.with_start(earliest)
         found = self.dht.get(peers_key(self.run_id), latest=True)
-        live: dict[str, dict] = {}
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                beat = _parse_heartbeat(getattr(item, "value", None))
-                if beat is None or not isinstance(subkey, bytes):
-                    continue
-                try:
-                    live[str(PeerID(subkey))] = beat
-                except Exception:  # noqa: BLE001 - a malformed key is ignored
-                    continue
-        live.setdefault(str(me), self._status())
+        live, self.malformed = progress.read_records(found.value if found is not None else None, get_dht_time())
+        live[me] = mine
         joined, left = set(live) - set(self.peers), set(self.peers) - set(live)
         self.peers = live
         if joined or left:
             self._on_change(joined, left)
-

@@ -29,6 +29,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def device_label(device: torch.device) -> str:
+    """What the dashboard and the swarm see: ``cuda:0 (NVIDIA GeForce RTX 4090)`` or ``cpu``."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"[:64]
+    return str(device)
+
+
 def inner_lr(config: InnerConfig, progress_rounds: float) -> float:
     """Linear warmup then cosine decay to ``min_lr_ratio * lr``, as a function of global progress."""
     if progress_rounds < config.warmup_rounds:
