@@ -212,6 +212,17 @@ def bootstrap(
     raise typer.Exit(EXIT_OK)
 
 
+# -- Commands that look at a swarm or a node from outside (issue 5). Their modules import hivemind,
+# prometheus_client and matplotlib only when the command runs, so `shoal run --help` stays light.
+from node.exporter import health  # noqa: E402
+from node.plot import plot  # noqa: E402
+from node.swarm_status import status  # noqa: E402
+
+app.command("status")(status)
+app.command("plot")(plot)
+app.command("health")(health)
+
+
 def main() -> None:
     app()
 

@@ -1,16 +1,21 @@
 """What the person at the terminal sees: a live status panel (rich) or plain log lines.
 
 The view only reads a ``NodeStatus`` snapshot that the loop replaces at step boundaries; rich's
-own refresh thread draws it, so a busy GPU never waits on the terminal.
+own refresh thread draws it, so a busy GPU never waits on the terminal. Everything the render
+thread reads is replaced whole (the snapshot, history tuples), never mutated in place, so the
+two threads need no lock.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rich.cells import cell_len, set_cell_size
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
@@ -18,10 +23,17 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from protocols.progress import ProgressRecord, SwarmSummary
+
 logger = logging.getLogger(__name__)
 
 # One console for the live panel and the log handler, so log lines scroll above the panel.
 CONSOLE = Console()
+
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+HISTORY = 24  # rounds kept for the sparklines
+MAX_PEER_ROWS = 8
+RATE_WINDOW_S = 2.0  # bandwidth is measured over at least this long
 
 
 @dataclass(slots=True)
@@ -31,7 +43,7 @@ class NodeStatus:
     peers: int = 1
     round: int = 0
     max_rounds: int | None = None
-    phase: str = "starting"  # starting | training | averaging | resyncing | leaving
+    phase: str = "starting"  # starting | joining | training | averaging | resyncing | leaving
     round_start: float = 0.0
     round_end: float = 0.0
     loss: float | None = None
@@ -42,10 +54,72 @@ class NodeStatus:
     last_sync: str = "-"  # averaged | local (why) | ...
     rounds_done: int = 0
     finished_round: int = 0  # the last round whose sync landed
+    utilization: float | None = None  # share of wall time spent computing, 0..1
+    device: str = ""
+    download_fraction: float | None = None  # phase "joining": share of the swarm state downloaded
+    bytes_sent: int = 0  # cumulative, for the bandwidth figure
+    bytes_received: int = 0
+    peer_records: Sequence[ProgressRecord] = ()  # the swarm's progress records (replace, never mutate)
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def sparkline(values: Sequence[float], width: int = HISTORY) -> str:
+    """The last ``width`` values as unicode bars scaled between their min and max."""
+    finite = [v for v in values if v is not None and math.isfinite(v)][-width:]
+    if not finite:
+        return ""
+    low, high = min(finite), max(finite)
+    if high - low < 1e-12:
+        return SPARK_CHARS[len(SPARK_CHARS) // 2] * len(finite)
+    top = len(SPARK_CHARS) - 1
+    return "".join(SPARK_CHARS[round((v - low) / (high - low) * top)] for v in finite)
+
+
+def human_bytes(rate: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if rate < 1000 or unit == "GB":
+            return f"{rate:.0f} {unit}" if unit == "B" else f"{rate:.1f} {unit}"
+        rate /= 1000
+    raise AssertionError("unreachable")
+
+
+def short_id(peer_id: str) -> str:
+    """Peer ids share their first characters (12D3KooW...); the tail tells them apart."""
+    return "…" + peer_id[-6:] if len(peer_id) > 6 else peer_id
+
+
+def sync_state(status: NodeStatus) -> str:
+    """averaging (in flight) / merged (the last round's average landed) / missed / alone."""
+    if "averaging" in status.phase:
+        return "averaging"
+    if status.finished_round == 0:
+        return "-"
+    if status.last_sync == "averaged":
+        return "merged"
+    if status.peers <= 1:
+        return "alone (own update)"
+    return "missed (own update)"
+
+
+class _RateMeter:
+    """Bytes/s from cumulative counters, resampled at most every ``RATE_WINDOW_S`` (called per step)."""
+
+    def __init__(self) -> None:
+        self.rates: tuple[float, float] | None = None
+        self._last: tuple[float, int, int] | None = None
+
+    def sample(self, sent: int, received: int, now: float) -> None:
+        if self._last is None:
+            self._last = (now, sent, received)
+            return
+        then, sent0, received0 = self._last
+        if now - then < RATE_WINDOW_S:
+            return
+        self.rates = (max(sent - sent0, 0) / (now - then), max(received - received0, 0) / (now - then))
+        self._last = (now, sent, received)
 
 
 class LiveView:
@@ -54,7 +128,10 @@ class LiveView:
     def __init__(self, console: Console | None = None):
         self.status = NodeStatus()
         self.console = console or CONSOLE
-        self._live = Live(get_renderable=self._render, console=self.console, refresh_per_second=4,
+        self.loss_history: tuple[float, ...] = ()
+        self.eval_history: tuple[float, ...] = ()
+        self._rates = _RateMeter()
+        self._live = Live(get_renderable=self.render, console=self.console, refresh_per_second=4,
                           transient=False, redirect_stdout=True, redirect_stderr=True)
 
     def start(self) -> None:
@@ -64,27 +141,115 @@ class LiveView:
         self._live.stop()
 
     def update(self, status: NodeStatus) -> None:
+        """Called by the training loop every step: swap the snapshot, nothing else of note."""
         self.status = dataclasses.replace(status)
+        self._rates.sample(status.bytes_sent, status.bytes_received, time.monotonic())
 
     def round_done(self, status: NodeStatus) -> None:
         self.update(status)
+        if status.loss is not None:
+            self.loss_history = (*self.loss_history[-(HISTORY - 1):], status.loss)
+        if status.eval_loss is not None:
+            self.eval_history = (*self.eval_history[-(HISTORY - 1):], status.eval_loss)
 
-    def _render(self):
-        s = self.status
+    # -- drawing (rich's refresh thread) ---------------------------------------------------------
+    def render(self) -> Panel:
+        s, now = self.status, time.time()
+        records = list(s.peer_records)
+        summary = SwarmSummary.of(records, me=s.peer_id)
         grid = Table.grid(padding=(0, 2))
-        grid.add_column(style="bold cyan", justify="right")
+        grid.add_column(style="bold cyan", justify="right", no_wrap=True)
         grid.add_column()
-        rounds = f"{s.round}" + (f" / {s.max_rounds}" if s.max_rounds else "")
-        grid.add_row("peers", Text(f"{s.peers} in swarm", style="bold green"))
-        grid.add_row("round", f"{rounds}   ({s.phase})")
-        span = max(s.round_end - s.round_start, 1e-9)
-        done = min(max(time.time() - s.round_start, 0.0), span)
-        grid.add_row("", ProgressBar(total=span, completed=done, width=40))
-        grid.add_row("loss", f"{_fmt(s.loss)}   eval {_fmt(s.eval_loss)}")
-        grid.add_row("tokens/s", f"{s.tokens_per_s:,.0f}")
-        grid.add_row("last sync", f"{s.last_sync}   group {s.group_size}   {s.sync_s:.2f}s")
-        title = f"shoal · run {s.run_id} · peer …{s.peer_id[-8:]}"
-        return Panel(Group(grid), title=title, expand=False)
+
+        # swarm
+        others = [r for r in records if r.peer_id != s.peer_id]
+        if s.peers <= 1 and not others:
+            grid.add_row("swarm", Text("alone: waiting for other peers to join", style="bold yellow"))
+        else:
+            online = max(s.peers, summary.peers)
+            total = summary.tokens_per_s if records else s.tokens_per_s
+            line = Text(f"{online} peers online", style="bold green")
+            line.append(f"   {total:,.0f} tokens/s total")
+            if summary.share is not None:
+                line.append(f"   this peer {summary.share:.0%}")
+            grid.add_row("swarm", line)
+
+        # round (or joining)
+        if s.phase == "joining":
+            fraction = s.download_fraction
+            label = "joining: downloading state" + (f" {fraction:.0%}" if fraction is not None else "")
+            grid.add_row("state", Text(label, style="bold yellow"))
+            if fraction is not None:
+                grid.add_row("", ProgressBar(total=1.0, completed=min(max(fraction, 0.0), 1.0), width=40))
+        else:
+            rounds = f"{s.round}" + (f" / {s.max_rounds}" if s.max_rounds else "")
+            grid.add_row("round", f"{rounds}   ({s.phase})   sync: {sync_state(s)}")
+            span = max(s.round_end - s.round_start, 1e-9)
+            done = min(max(now - s.round_start, 0.0), span)
+            left = max(s.round_end - now, 0.0) if s.round_end else 0.0
+            bar = Table.grid(padding=(0, 1))
+            bar.add_row(ProgressBar(total=span, completed=done, width=40), f"{left:.0f}s to deadline")
+            grid.add_row("", bar)
+
+        # training
+        loss = Text(f"{_fmt(s.loss)} ")
+        loss.append(sparkline(self.loss_history), style="magenta")
+        loss.append(f"   eval {_fmt(s.eval_loss)} ")
+        loss.append(sparkline(self.eval_history), style="green")
+        grid.add_row("loss", loss)
+        util = f"   utilization {s.utilization:.0%}" if s.utilization is not None else ""
+        grid.add_row("tokens/s", f"{s.tokens_per_s:,.0f}{util}")
+
+        # network
+        rates = self._rates.rates
+        bandwidth = f"   ↑ {human_bytes(rates[0])}/s ↓ {human_bytes(rates[1])}/s" if rates else ""
+        grid.add_row("network", f"group {s.group_size}   sync {s.sync_s:.2f}s   last {s.last_sync}{bandwidth}")
+
+        parts: list = [grid]
+        if others:
+            parts.append(peer_table(records, me=s.peer_id, now=now, limit=MAX_PEER_ROWS))
+        title = f"shoal · run {s.run_id} · peer {short_id(s.peer_id)}" + (f" · {s.device}" if s.device else "")
+        return Panel(Group(*parts), title=title, expand=False)
+
+
+def _cell(value: str, width: int, right: bool) -> str:
+    """``value`` in ``width`` terminal cells: numbers right-aligned (never cut), text cut with "…"."""
+    if right:
+        return " " * max(width - cell_len(value), 0) + value
+    if cell_len(value) > width:
+        value = set_cell_size(value, width - 1) + "…"
+    return set_cell_size(value, width)
+
+
+PEER_COLUMNS = (  # header, width in cells, right-aligned; 85 cells in all, fits a 100-column panel
+    ("peer", 14, False), ("device", 16, False), ("tokens/s", 9, True), ("round", 6, True), ("loss", 6, True),
+    ("util", 4, True), ("phase", 14, False), ("last seen", 9, True),
+)
+
+
+def peer_table(records: Sequence[ProgressRecord], *, me: str = "", now: float, limit: int | None = None) -> Text:
+    """Peers by throughput, as fixed-width lines.
+
+    Not a rich ``Table``: measuring its columns cost ~3 ms per row per frame (benchmarks/ui_overhead.py),
+    taken from the training thread 4 times a second. Peer-supplied strings are appended as plain
+    text, so rich markup in a device name is shown, not interpreted.
+    """
+    def cells(values: Sequence[str]) -> str:
+        return " ".join(_cell(value, width, right) for value, (_, width, right) in zip(values, PEER_COLUMNS))
+
+    table = Text(cells([name for name, _, _ in PEER_COLUMNS]) + "\n", style="bold", no_wrap=True, overflow="crop")
+    ordered = sorted(records, key=lambda r: (-r.tokens_per_s, r.peer_id))
+    shown = ordered if limit is None else ordered[:limit]
+    for r in shown:
+        you = r.peer_id == me
+        row = cells([short_id(r.peer_id) + (" (you)" if you else ""), r.device, f"{r.tokens_per_s:,.0f}",
+                     str(r.round), _fmt(r.loss, ".3f"), f"{r.utilization:.0%}", r.phase,
+                     f"{max(now - r.time, 0.0):.0f}s ago"])
+        table.append(row + "\n", style="bold" if you else "")
+    if len(ordered) > len(shown):
+        table.append(f"… and {len(ordered) - len(shown)} more\n", style="dim")
+    table.rstrip()
+    return table
 
 
 class PlainView:
@@ -104,8 +269,9 @@ class PlainView:
 
     def round_done(self, status: NodeStatus) -> None:
         self.status = status
+        util = f" utilization={status.utilization:.0%}" if status.utilization is not None else ""
         logger.info(
             f"round {status.finished_round}: peers={status.peers} loss={_fmt(status.loss)} eval_loss={_fmt(status.eval_loss)} "
-            f"tokens/s={status.tokens_per_s:,.0f} sync={status.last_sync} group={status.group_size} "
+            f"tokens/s={status.tokens_per_s:,.0f}{util} sync={status.last_sync} group={status.group_size} "
             f"sync_s={status.sync_s:.2f}"
         )

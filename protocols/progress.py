@@ -1,0 +1,211 @@
+"""The progress record every peer publishes to the DHT (its heartbeat), and how others read it.
+
+Each live peer stores one ``ProgressRecord`` under ``protocols.keys.peers_key(run_id)`` with its
+peer id bytes as the subkey and a short expiration, so the records of a peer that vanished
+drop out by themselves. ``shoal status``, the live view and the metrics exporter read them.
+
+A record comes from another machine, possibly a broken or hostile one: ``decode`` checks every
+field (types, bounds, finiteness, string lengths, printable text — a device name is drawn on
+other people's terminals) and raises ``MessageError``; ``read_records`` turns a whole DHT answer
+into valid records and a count of the malformed ones, and never raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from hivemind.p2p import PeerID
+
+from protocols.addresses import _peer_id_problem
+from protocols.messages import MAX_ROUND, MessageError, bounded_int
+
+PROGRESS_VERSION = 1
+MODES = ("full", "client", "relay")
+MAX_TEXT = 64  # characters in device / version / phase
+MAX_COUNT = 2**62  # bytes and tokens: far beyond any real run, well inside msgpack's int64
+MAX_RATE = 1e12  # tokens/s: a million times a large GPU
+MAX_LOSS = 1e6
+MAX_TIME = 2.0**40  # unix seconds, ~36 800 years
+MAX_SUBKEY_BYTES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressRecord:
+    """One peer's view of itself, as published to the DHT."""
+
+    peer_id: str  # base58; not encoded: it is the DHT subkey
+    round: int  # the round the peer is training in
+    tokens_per_s: float
+    loss: float | None  # recent mean inner training loss
+    eval_loss: float | None  # held-out loss of the shared model, if evaluated
+    device: str  # e.g. "cuda:0 (RTX 4090)", "cpu"
+    utilization: float  # share of wall time spent computing, 0..1
+    bytes_sent: int  # cumulative, this process
+    bytes_received: int
+    mode: str  # full | client | relay
+    version: str  # shoal version
+    tokens: int  # tokens this peer has contributed to the run
+    time: float  # DHT time at which the record was published
+    phase: str  # training | averaging | joining | leaving | ...
+
+
+def encode(record: ProgressRecord) -> dict[str, Any]:
+    """The msgpack-able value to store; ``peer_id`` is the subkey, so it is left out.
+
+    ``round`` keeps its name and type: older readers of the heartbeat only look at it.
+    """
+    return {
+        "v": PROGRESS_VERSION,
+        "round": record.round,
+        "tokens_per_s": record.tokens_per_s,
+        "loss": record.loss,
+        "eval_loss": record.eval_loss,
+        "device": record.device,
+        "utilization": record.utilization,
+        "bytes_sent": record.bytes_sent,
+        "bytes_received": record.bytes_received,
+        "mode": record.mode,
+        "version": record.version,
+        "tokens": record.tokens,
+        "time": record.time,
+        "phase": record.phase,
+    }
+
+
+def _number(obj: dict, key: str, low: float, high: float, *, optional: bool = False) -> float | None:
+    value = obj.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MessageError(f"{key}: expected a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or not low <= value <= high:
+        raise MessageError(f"{key}: expected a finite number in [{low:g}, {high:g}], got {value!r:.40}")
+    return value
+
+
+def _text(obj: dict, key: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str):
+        raise MessageError(f"{key}: expected a string, got {type(value).__name__}")
+    if len(value) > MAX_TEXT:
+        raise MessageError(f"{key}: longer than {MAX_TEXT} characters")
+    if not value.isprintable():  # no escape sequences or newlines on somebody else's terminal
+        raise MessageError(f"{key}: contains control characters")
+    return value
+
+
+def decode(peer_id: str, value: Any) -> ProgressRecord:
+    """Validate a received record; ``MessageError`` says what is wrong. Unknown keys are ignored
+    (a newer peer may add fields without changing the version)."""
+    if not isinstance(value, dict):
+        raise MessageError("progress record is not a map")
+    if value.get("v") != PROGRESS_VERSION:
+        raise MessageError(f"progress record version {value.get('v')!r:.20}, expected {PROGRESS_VERSION}")
+    mode = _text(value, "mode")
+    if mode not in MODES:
+        raise MessageError(f"mode: expected one of {MODES}, got {mode!r}")
+    return ProgressRecord(
+        peer_id=peer_id,
+        round=bounded_int(value, "round", 0, MAX_ROUND),
+        tokens_per_s=_number(value, "tokens_per_s", 0.0, MAX_RATE),
+        loss=_number(value, "loss", 0.0, MAX_LOSS, optional=True),
+        eval_loss=_number(value, "eval_loss", 0.0, MAX_LOSS, optional=True),
+        device=_text(value, "device"),
+        utilization=_number(value, "utilization", 0.0, 1.0),
+        bytes_sent=bounded_int(value, "bytes_sent", 0, MAX_COUNT),
+        bytes_received=bounded_int(value, "bytes_received", 0, MAX_COUNT),
+        mode=mode,
+        version=_text(value, "version"),
+        tokens=bounded_int(value, "tokens", 0, MAX_COUNT),
+        time=_number(value, "time", 0.0, MAX_TIME),
+        phase=_text(value, "phase"),
+    )
+
+
+def peer_id_from_subkey(subkey: Any) -> str:
+    """The base58 peer id a DHT subkey names, or ``MessageError`` if it is not a libp2p peer id."""
+    if not isinstance(subkey, bytes) or not 0 < len(subkey) <= MAX_SUBKEY_BYTES:
+        raise MessageError("subkey is not a peer id")
+    peer_id = PeerID(subkey).to_base58()
+    if (problem := _peer_id_problem(peer_id)) is not None:
+        raise MessageError(f"subkey: {problem}")
+    return peer_id
+
+
+def read_records(found: Any, now: float) -> tuple[dict[str, ProgressRecord], int]:
+    """Valid, unexpired records by peer id, and how many entries were malformed.
+
+    ``found`` is the ``.value`` of ``dht.get(peers_key(run_id), latest=True)``: a map from subkey
+    bytes to ``ValueWithExpiration``. Expired entries are skipped silently (a peer that left);
+    anything malformed is counted, never raised. Pure: no DHT, no clock.
+    """
+    if found is None:
+        return {}, 0
+    if not isinstance(found, Mapping):
+        return {}, 1  # somebody stored a plain value under the subkeyed key
+    records: dict[str, ProgressRecord] = {}
+    malformed = 0
+    for subkey, item in found.items():
+        expiration = getattr(item, "expiration_time", None)
+        if isinstance(expiration, bool) or not isinstance(expiration, (int, float)) or not hasattr(item, "value"):
+            malformed += 1
+            continue
+        if expiration < now:
+            continue
+        try:
+            peer_id = peer_id_from_subkey(subkey)
+            records[peer_id] = decode(peer_id, item.value)
+        except MessageError:
+            malformed += 1
+    return records, malformed
+
+
+@dataclass(frozen=True, slots=True)
+class SwarmSummary:
+    """What a set of progress records says about the swarm as a whole."""
+
+    peers: int
+    tokens_per_s: float  # sum over peers
+    round: int | None  # the round most peers are in (ties: the latest); None without records
+    max_round: int | None
+    tokens: int  # contributed so far, all peers
+    loss: float | None  # mean of the peers' reported training losses
+    eval_loss: float | None
+    share: float | None  # this peer's fraction of tokens_per_s (None: unknown or nothing measured)
+
+    @classmethod
+    def of(cls, records: Iterable[ProgressRecord], me: str | None = None) -> SwarmSummary:
+        records = list(records)
+        total = sum(r.tokens_per_s for r in records)
+        rounds = Counter(r.round for r in records)
+        common = max(rounds.items(), key=lambda item: (item[1], item[0]))[0] if rounds else None
+        mine = [r.tokens_per_s for r in records if r.peer_id == me]
+        return cls(
+            peers=len(records),
+            tokens_per_s=total,
+            round=common,
+            max_round=max(rounds) if rounds else None,
+            tokens=sum(r.tokens for r in records),
+            loss=_mean(r.loss for r in records),
+            eval_loss=_mean(r.eval_loss for r in records),
+            share=mine[0] / total if mine and total > 0 else None,
+        )
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def shoal_version() -> str:
+    """The installed shoal version, for the record's ``version`` field."""
+    try:
+        return metadata.version("shoal")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"

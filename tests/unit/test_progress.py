@@ -1,0 +1,201 @@
+"""Progress records: round trip, every malformed variant refused, DHT answers read safely."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import base58
+import msgpack
+import pytest
+from hivemind.p2p import PeerID
+from hivemind.utils import ValueWithExpiration
+
+from protocols.messages import MAX_ROUND, MessageError
+from protocols.progress import (
+    MAX_TEXT,
+    PROGRESS_VERSION,
+    ProgressRecord,
+    SwarmSummary,
+    decode,
+    encode,
+    peer_id_from_subkey,
+    read_records,
+)
+
+ED25519_ID = "12D3KooWNSgyp7Jk9sKE6bQqBHmCKDCX6ayX3cFHpLdcFWUy56Sd"
+RSA_ID = "QmTXBvkP4c7dTFVHy1zWMn2p2GvS6hUgSjtFQyJSTJwmv6"
+NOW = 1_700_000_000.0
+
+
+def record(peer_id: str = ED25519_ID, **changes) -> ProgressRecord:
+    base = ProgressRecord(
+        peer_id=peer_id, round=12, tokens_per_s=5120.5, loss=3.25, eval_loss=3.5, device="cuda:0 (RTX 4090)",
+        utilization=0.93, bytes_sent=10_000_000, bytes_received=9_000_000, mode="full", version="0.1.0",
+        tokens=1_234_567, time=NOW - 1.0, phase="training",
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def encoded(**changes) -> dict:
+    value = encode(record())
+    value.update(changes)
+    return value
+
+
+def subkey(peer_id: str) -> bytes:
+    return PeerID.from_base58(peer_id).to_bytes()
+
+
+def test_round_trip_through_msgpack():
+    original = record()
+    value = encode(original)
+    assert "peer_id" not in value and value["v"] == PROGRESS_VERSION
+    assert len(msgpack.packb(value)) < 300  # small: every peer stores one every few seconds
+    assert decode(ED25519_ID, msgpack.unpackb(msgpack.packb(value))) == original
+
+
+def test_optional_losses_and_bounds_are_inclusive():
+    extreme = record(loss=None, eval_loss=None, round=MAX_ROUND, utilization=1.0, tokens_per_s=0.0,
+                     tokens=0, bytes_sent=0, device="x" * MAX_TEXT, mode="relay")
+    assert decode(ED25519_ID, encode(extreme)) == extreme
+
+
+def test_an_int_where_a_float_is_expected_is_accepted():
+    # msgpack keeps 0.0 a float, but another implementation may send 0 for a rate.
+    assert decode(ED25519_ID, encoded(tokens_per_s=7, utilization=1)).tokens_per_s == 7.0
+
+
+def test_unknown_keys_are_ignored():
+    assert decode(ED25519_ID, encoded(gpu_temp=71)) == record()
+
+
+@pytest.mark.parametrize("value", [None, [], "record", b"record", 7, [("v", 1)]])
+def test_a_non_map_is_refused(value):
+    with pytest.raises(MessageError, match="not a map"):
+        decode(ED25519_ID, value)
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"v": 2}, "version"),
+        ({"v": None}, "version"),
+        ({"round": -1}, "round"),
+        ({"round": MAX_ROUND + 1}, "round"),
+        ({"round": 3.0}, "round"),
+        ({"round": True}, "round"),
+        ({"round": None}, "round"),
+        ({"tokens_per_s": -0.5}, "tokens_per_s"),
+        ({"tokens_per_s": math.nan}, "tokens_per_s"),
+        ({"tokens_per_s": math.inf}, "tokens_per_s"),
+        ({"tokens_per_s": 1e13}, "tokens_per_s"),
+        ({"tokens_per_s": "fast"}, "tokens_per_s"),
+        ({"tokens_per_s": None}, "tokens_per_s"),
+        ({"loss": math.nan}, "loss"),
+        ({"loss": -1.0}, "loss"),
+        ({"loss": "3.2"}, "loss"),
+        ({"eval_loss": math.inf}, "eval_loss"),
+        ({"eval_loss": False}, "eval_loss"),
+        ({"utilization": 1.01}, "utilization"),
+        ({"utilization": -0.01}, "utilization"),
+        ({"bytes_sent": -1}, "bytes_sent"),
+        ({"bytes_sent": 2**63}, "bytes_sent"),
+        ({"bytes_received": 1.5}, "bytes_received"),
+        ({"tokens": -5}, "tokens"),
+        ({"tokens": "many"}, "tokens"),
+        ({"time": math.nan}, "time"),
+        ({"time": -1.0}, "time"),
+        ({"time": None}, "time"),
+        ({"device": 7}, "device"),
+        ({"device": "x" * (MAX_TEXT + 1)}, "device"),
+        ({"device": "\x1b[2J\x1b[31mowned"}, "device"),  # terminal escape sequences
+        ({"device": "cpu\nfake line"}, "device"),
+        ({"device": None}, "device"),
+        ({"version": b"0.1.0"}, "version"),
+        ({"phase": "x" * 1000}, "phase"),
+        ({"mode": "server"}, "mode"),
+        ({"mode": None}, "mode"),
+    ],
+)
+def test_every_malformed_field_is_refused(changes, needle):
+    with pytest.raises(MessageError, match=needle):
+        decode(ED25519_ID, encoded(**changes))
+
+
+@pytest.mark.parametrize("missing", sorted(set(encode(record())) - {"loss", "eval_loss"}))
+def test_a_missing_required_field_is_refused(missing):
+    value = encode(record())
+    del value[missing]
+    with pytest.raises(MessageError):
+        decode(ED25519_ID, value)
+
+
+def test_subkeys_must_be_peer_ids():
+    assert peer_id_from_subkey(subkey(ED25519_ID)) == ED25519_ID
+    assert peer_id_from_subkey(subkey(RSA_ID)) == RSA_ID
+    for bad in ("12D3KooW", b"", b"\x00\x05hello", b"\x12\x20" + b"x" * 31, b"\x12\x20" + b"x" * 100, 42, None):
+        with pytest.raises(MessageError):
+            peer_id_from_subkey(bad)
+
+
+def entry(value, expiration: float = NOW + 10) -> ValueWithExpiration:
+    return ValueWithExpiration(value, expiration)
+
+
+def test_read_records_keeps_valid_drops_expired_and_counts_malformed():
+    good_rsa = record(RSA_ID, round=13, device="cpu")
+    found = {
+        subkey(ED25519_ID): entry(encode(record())),
+        subkey(RSA_ID): entry(encode(good_rsa)),
+        # a peer that left: expired, so neither kept nor counted as malformed
+        b"\x12\x20" + bytes(range(32)): entry(encode(record()), expiration=NOW - 0.001),
+        # malformed: each counted once
+        b"\x12\x20" + bytes(range(1, 33)): entry(encoded(tokens_per_s=math.nan)),
+        b"\x12\x20" + bytes(range(2, 34)): entry({"round": 3, "loss": 2.0}),  # an old-style heartbeat
+        b"\x00\x05hello": entry(encode(record())),  # not a peer id
+        "12D3KooW-as-text": entry(encode(record())),  # subkey of the wrong type
+        b"\x12\x20" + bytes(range(3, 35)): encode(record()),  # not a ValueWithExpiration
+        b"\x12\x20" + bytes(range(4, 36)): entry(encode(record()), expiration="later"),
+    }
+    records, malformed = read_records(found, NOW)
+    assert records == {ED25519_ID: record(), RSA_ID: good_rsa}
+    assert malformed == 6
+
+
+def test_read_records_of_nothing_or_a_plain_value():
+    assert read_records(None, NOW) == ({}, 0)
+    assert read_records({}, NOW) == ({}, 0)
+    assert read_records(["not", "subkeyed"], NOW) == ({}, 1)
+
+
+def test_an_entry_expiring_exactly_now_is_still_live():
+    found = {subkey(ED25519_ID): entry(encode(record()), expiration=NOW)}
+    assert list(read_records(found, NOW)[0]) == [ED25519_ID]
+    assert read_records(found, NOW + 1e-3) == ({}, 0)
+
+
+def test_swarm_summary():
+    other = base58.b58encode(b"\x12\x20" + bytes(32)).decode()
+    third = base58.b58encode(b"\x12\x20" + bytes(range(32))).decode()
+    records = [
+        record(ED25519_ID, round=12, tokens_per_s=1000.0, tokens=10, loss=3.0, eval_loss=None),
+        record(other, round=12, tokens_per_s=3000.0, tokens=20, loss=2.0, eval_loss=2.5),
+        record(third, round=13, tokens_per_s=0.0, tokens=0, loss=None, eval_loss=3.5),
+    ]
+    summary = SwarmSummary.of(records, me=ED25519_ID)
+    assert summary.peers == 3 and summary.tokens_per_s == 4000.0 and summary.tokens == 30
+    assert summary.round == 12 and summary.max_round == 13  # most peers are in 12
+    assert summary.loss == pytest.approx(2.5) and summary.eval_loss == pytest.approx(3.0)
+    assert summary.share == pytest.approx(0.25)
+    assert SwarmSummary.of(records, me="someone-else").share is None
+
+
+def test_swarm_summary_round_ties_go_to_the_latest_and_empty_is_none():
+    other = base58.b58encode(b"\x12\x20" + bytes(32)).decode()
+    summary = SwarmSummary.of([record(round=4), record(other, round=5)])
+    assert summary.round == 5
+    empty = SwarmSummary.of([], me=ED25519_ID)
+    assert (empty.peers, empty.tokens_per_s, empty.round, empty.loss, empty.share) == (0, 0.0, None, None, None)
+    idle = SwarmSummary.of([record(tokens_per_s=0.0)], me=ED25519_ID)
+    assert idle.share is None  # nothing measured yet: no share rather than a division by zero

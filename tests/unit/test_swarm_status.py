@@ -1,0 +1,102 @@
+"""``shoal status`` without a network: the snapshot's JSON and table, the schedule it picks, and
+the argument errors that come before any DHT starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from node.swarm_status import SwarmSnapshot, schedule_of, status
+from protocols.manifest import RunManifest
+from protocols.progress import ProgressRecord
+from protocols.schedule import RoundSchedule
+
+A = "12D3KooWNSgyp7Jk9sKE6bQqBHmCKDCX6ayX3cFHpLdcFWUy56Sd"
+B = "QmTXBvkP4c7dTFVHy1zWMn2p2GvS6hUgSjtFQyJSTJwmv6"
+NOW = 10_000.0
+
+
+def progress(peer_id: str, **changes) -> ProgressRecord:
+    base = ProgressRecord(
+        peer_id=peer_id, round=7, tokens_per_s=1000.0, loss=3.0, eval_loss=None, device="cpu", utilization=0.8,
+        bytes_sent=5, bytes_received=6, mode="full", version="0.1.0", tokens=100, time=NOW - 2.0, phase="training",
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def snapshot(**changes) -> SwarmSnapshot:
+    base = SwarmSnapshot(
+        run_id="demo", time=NOW, schedule=RoundSchedule(start_time=NOW - 65.0, round_seconds=10.0),
+        records={A: progress(A, tokens_per_s=3000.0, loss=2.0, eval_loss=2.5, device="cuda:0"), B: progress(B)},
+        malformed=2,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_json_has_the_documented_keys():
+    out = snapshot().to_json()
+    assert json.loads(json.dumps(out, allow_nan=False)) == out  # strict JSON
+    assert out["run_id"] == "demo" and out["round"] == 7 and out["round_seconds"] == 10.0
+    assert out["round_ends_in_s"] == pytest.approx(5.0)
+    assert out["peers"] == 2 and out["tokens_per_s"] == 4000.0 and out["tokens"] == 200
+    assert out["loss"] == pytest.approx(2.5) and out["eval_loss"] == 2.5 and out["malformed"] == 2
+    first, second = out["peer_list"]  # fastest first
+    assert first["peer_id"] == A and second["peer_id"] == B
+    assert first == {"peer_id": A, "round": 7, "tokens_per_s": 3000.0, "loss": 2.0, "eval_loss": 2.5,
+                     "device": "cuda:0", "utilization": 0.8, "mode": "full", "phase": "training", "version": "0.1.0",
+                     "tokens": 100, "bytes_sent": 5, "bytes_received": 6, "last_seen_s": 2.0}
+
+
+def test_without_a_manifest_the_round_comes_from_the_peers():
+    out = snapshot(schedule=None).to_json()
+    assert out["round"] == 7 and out["round_seconds"] is None and out["round_ends_in_s"] is None
+    empty = snapshot(schedule=None, records={}, malformed=0).to_json()
+    assert (empty["round"], empty["peers"], empty["loss"], empty["peer_list"]) == (None, 0, None, [])
+
+
+def test_the_table_shows_the_figures():
+    console = Console(file=io.StringIO(), width=100)
+    console.print(snapshot().render())
+    text = console.file.getvalue()
+    assert "2 online" in text and "round  7   (10s rounds, 5s left)" in text
+    assert "4,000 tokens/s" in text and "2 malformed progress records" in text
+    assert "…Uy56Sd" in text and "cuda:0" in text and "2s ago" in text
+    console = Console(file=io.StringIO(), width=100)
+    console.print(snapshot(records={}, malformed=0).render())
+    assert "no peer of run 'demo' is online" in console.file.getvalue()
+
+
+def manifest(start: float, d_model: int = 64) -> RunManifest:
+    return RunManifest.create("demo", {"model.d_model": d_model}, start_time=start, round_seconds=10.0)
+
+
+def test_schedule_follows_the_majority_config_and_its_earliest_start():
+    assert schedule_of([]) is None
+    chosen = schedule_of([manifest(500.0), manifest(400.0), manifest(100.0, d_model=32)])
+    assert chosen == RoundSchedule(400.0, 10.0)  # the stray config's earlier start does not decide
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ([], "needs --initial-peer"),
+        (["--initial-peer", "/ip4/127.0.0.1/tcp/1"], "/p2p/<peer id>"),
+        (["--initial-peer", f"/ip4/127.0.0.1/tcp/1/p2p/{A}", "--run-id", "no spaces"], "run id"),
+        (["--initial-peer", f"/ip4/127.0.0.1/tcp/1/p2p/{A}", "--watch", "--json"], "do not combine"),
+    ],
+)
+def test_bad_arguments_fail_before_any_network(args, needle, monkeypatch):
+    import node.swarm_status
+
+    monkeypatch.setattr(node.swarm_status, "open_client_dht", lambda *a: pytest.fail("started a DHT"))
+    import typer
+
+    app = typer.Typer()
+    app.command()(status)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code in (2, 3) and needle in result.output
