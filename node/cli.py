@@ -124,6 +124,8 @@ def run(
     identity: Path = typer.Option(None, "--identity", envvar="SHOAL_IDENTITY", help="Private key file that keeps this peer's id across restarts (created on first use)."),
     client_mode: bool = typer.Option(False, "--client-mode", envvar="SHOAL_CLIENT_MODE", help="Behind NAT without port forwarding: outgoing connections only (trains and averages, serves no state)."),
     use_relay: bool = typer.Option(False, "--use-relay", envvar="SHOAL_USE_RELAY", help="Behind NAT: become reachable through other peers' libp2p relays."),
+    metrics_port: int = typer.Option(None, "--metrics-port", envvar="SHOAL_METRICS_PORT", min=0, max=65535, help="Serve Prometheus /metrics and a /healthz probe on this port (0: any free port)."),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="SHOAL_METRICS_HOST", help="Address for --metrics-port (0.0.0.0 to let another machine or container scrape it)."),
 ) -> None:
     """Join (or start) a swarm and train."""
     from node.bootstrap import expand_initial_peers
@@ -150,7 +152,7 @@ def run(
     options = NodeOptions(initial_peers=peers, listen=listen_addrs, announce=announce_addrs, max_rounds=max_rounds,
                           checkpoint_dir=checkpoint_dir, metrics_file=metrics_file, ui=ui,
                           bootstrap_timeout=bootstrap_timeout, identity=identity, client_mode=client_mode,
-                          use_relay=use_relay)
+                          use_relay=use_relay, metrics_port=metrics_port, metrics_host=metrics_host)
     stop = threading.Event()
     interrupts = Interrupts(stop)
     interrupts.install()
@@ -180,6 +182,8 @@ def bootstrap(
     initial_peer: list[str] = typer.Option([], "--initial-peer", envvar="SHOAL_INITIAL_PEERS", help="Another entry point of the same swarm (repeatable; @FILE reads addresses from FILE)."),
     address_file: Path = typer.Option(None, "--address-file", envvar="SHOAL_ADDRESS_FILE", help="Also write this peer's multiaddrs to FILE (one per line), e.g. for --initial-peer @FILE."),
     bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, help="Seconds to wait for --initial-peer before giving up."),
+    metrics_port: int = typer.Option(None, "--metrics-port", envvar="SHOAL_METRICS_PORT", min=0, max=65535, help="Serve Prometheus /metrics (shoal_peers: DHT peers known) and /healthz on this port."),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="SHOAL_METRICS_HOST", help="Address for --metrics-port."),
 ) -> None:
     """Run a light DHT-only entry peer (no model, no GPU) for a swarm; runs until Ctrl+C."""
     from node.bootstrap import BootstrapPeer, expand_initial_peers, write_address_file
@@ -200,14 +204,24 @@ def bootstrap(
     except ShoalError as e:
         _fail(e)
     Interrupts(stop).install()  # hivemind's DHT start may have replaced our handler
+    exporter = None
     try:
+        if metrics_port is not None:
+            from node.exporter import MetricsExporter
+
+            exporter = MetricsExporter(host=metrics_host, port=metrics_port, peer_id=peer.peer_id)
+            exporter.touch()
         print(f"bootstrap peer {peer.peer_id} listening on {' '.join(peer.maddrs)}", flush=True)
         print(f"to join: {peer.join_line()}", flush=True)
         if address_file is not None:
             write_address_file(address_file, peer.maddrs)
             logger.info(f"wrote this peer's addresses to {address_file}")
-        peer.serve(stop)
+        peer.serve(stop, on_tick=(lambda known: exporter.update(peers=known)) if exporter else None)
+    except ShoalError as e:
+        _fail(e)  # the finally below still closes everything
     finally:
+        if exporter is not None:
+            exporter.close()
         peer.close()
     raise typer.Exit(EXIT_OK)
 

@@ -23,6 +23,7 @@ from node.checkpoint import save_checkpoint
 from node.config import RunConfig, shared_fields, shared_hash
 from node.data import BatchSampler, eval_batches, load_corpus, shard_bounds, shard_for_peer, split_corpus
 from node.download_view import DownloadView
+from node.exporter import MetricsExporter
 from node.metrics import MetricsWriter, round_record_fields
 from node.model import build_model, count_parameters
 from node.resume import MOMENTUM_PREFIX, find_resume_point, outer_meta, state_from_checkpoint
@@ -51,6 +52,7 @@ class NodeOptions:
     client_mode: bool = False
     use_relay: bool = False
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
 
 class Node:
@@ -58,6 +60,8 @@ class Node:
         self.config, self.options, self.stop = config, options, stop
         self.swarm: DiLoCoSwarm | None = None
         self.metrics: MetricsWriter | None = None
+        self.exporter: MetricsExporter | None = None
+        self._exported_at = 0.0
         self.view = LiveView() if options.ui else PlainView()
         self.status = NodeStatus(run_id=config.run_id, max_rounds=options.max_rounds)
         try:
@@ -108,6 +112,12 @@ class Node:
         if options.checkpoint_dir is not None:
             self._resume(options.checkpoint_dir)
 
+        # 6. The optional Prometheus endpoint and liveness probe (last: nothing after it can fail).
+        if options.metrics_port is not None:
+            self.exporter = MetricsExporter(host=options.metrics_host, port=options.metrics_port,
+                                            peer_id=self.peer_id, run_id=config.run_id)
+            self.exporter.touch()
+
     def _resume(self, checkpoint_dir: Path) -> None:
         def broken(error: CheckpointError) -> None:
             logger.error(f"{error}; trying the next older one")
@@ -142,6 +152,8 @@ class Node:
                            parameters=parameters, shard=self.shard, config_hash=shared_hash(self.shared),
                            schedule_start=self.swarm.schedule.start_time, sync_mode=self.config.round.sync_mode,
                            throttle=self.config.train.throttle, mode=reachability.mode)
+        if self.exporter is not None:
+            logger.info(f"metrics on {self.exporter.url}/metrics, liveness on {self.exporter.url}/healthz")
         logger.info(f"peer {self.peer_id}: {parameters:,} parameters on {self.device}, shard "
                     f"{self.shard}/{self.config.data.num_shards}, {self.config.round.sync_mode} sync, "
                     f"rounds of {self.config.round.seconds:g}s")
@@ -149,8 +161,14 @@ class Node:
     def train(self) -> int:
         self.announce()
         download = DownloadView(ui=self.options.ui, console=CONSOLE)
+
+        def progress(done: int, total: int) -> None:
+            download(done, total)
+            if self.exporter is not None:
+                self.exporter.touch()  # a long download is not a hung node
+
         try:
-            joined = self.swarm.start(progress=download)
+            joined = self.swarm.start(progress=progress)
         finally:
             download.close()
         if joined is not None:
@@ -186,6 +204,8 @@ class Node:
             outer = self.swarm.outer
             self.metrics.write("exit", reason=reason, rounds_done=outer.rounds_done, round=outer.last_round)
         self.view.stop()
+        if self.exporter is not None:
+            self.exporter.close()
         if self.swarm is not None:
             self.swarm.close()
         if self.metrics is not None:
@@ -194,7 +214,9 @@ class Node:
     # -- rounds ----------------------------------------------------------------------------
     def _round_finished(self, stats: RoundStats) -> None:
         if stats.error:
-            logger.warning(f"round {stats.round}: {stats.error}")
+            alone = self.swarm.peer_count <= 1  # nobody to average with: expected, not a warning
+            logger.log(logging.INFO if alone else logging.WARNING,
+                       f"round {stats.round}: {'alone in the swarm, kept the local update' if alone else stats.error}")
             self.metrics.write("error", round=stats.round, kind="averaging", message=stats.error)
         if stats.resynced:
             self.metrics.write("resync", round=stats.round, diverged=stats.diverged)
@@ -203,14 +225,18 @@ class Node:
             started = time.perf_counter()
             self.last_eval = self.trainer.evaluate_anchor(self.swarm.layout.views(self.swarm.outer.anchor), self.eval_set)
             self._eval_s = time.perf_counter() - started
-        self.metrics.write("round", **round_record_fields(
+        record = self.metrics.write("round", **round_record_fields(
             round=stats.round, group_size=stats.group_size, inner_steps=stats.inner_steps, tokens=stats.tokens,
             compute_s=stats.compute_s, wait_s=stats.wait_s, sync_s=stats.sync_s, wall_s=stats.wall_s,
             loss=stats.loss, eval_loss=self.last_eval if evaluated else None, applied=stats.applied, group=stats.group,
             peers=self.swarm.peer_count, rounds_done=stats.rounds_done, diverged=stats.diverged,
             bad_reports=stats.bad_reports, allreduce_s=stats.allreduce_s, lr=inner_lr(self.config.inner, self.swarm.progress()),
         ))
+        if self.exporter is not None:
+            self.exporter.observe_round(record)
         self.status.eval_loss, self.status.group_size, self.status.sync_s = self.last_eval, stats.group_size, stats.sync_s
+        if stats.compute_s > 0:  # the finished round's rate (the live figure restarts with the next window)
+            self.status.tokens_per_s = stats.tokens / stats.compute_s
         self.status.rounds_done, self.status.finished_round = stats.rounds_done, stats.round
         self.status.last_sync = stats.applied if not stats.error else f"{stats.applied} (failed)"
         self.view.round_done(self.status)
@@ -230,6 +256,10 @@ class Node:
             self.status.utilization = min(1.0, stats.compute_s / stats.wall_s)
         self.status.bytes_sent, self.status.bytes_received = swarm.traffic.sent, swarm.traffic.received
         self.status.peer_records = tuple(swarm.monitor.peers.values())  # the monitor swaps the dict whole
+        if self.exporter is not None and time.monotonic() - self._exported_at >= 1.0:
+            self._exported_at = time.monotonic()
+            self.exporter.update(round=window.round, loss=loss, peers=swarm.peer_count,
+                                 bytes_sent=swarm.traffic.sent, bytes_received=swarm.traffic.received)
         self.status.round, self.status.loss, self.status.peers = window.round, loss, self.swarm.peer_count
         self.status.tokens_per_s = window.tokens / max(window.compute_s, 1e-9)
         self.status.phase = "training" if not self.swarm.loop.syncing else "training + averaging"
