@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from averaging.outer_loop import RoundStats
+from averaging.traffic import BYTES_PER_VALUE, allreduce_payload
 from node.api import DiLoCoSwarm
 from node.checkpoint import save_checkpoint
 from node.config import RunConfig, shared_fields, shared_hash
@@ -194,6 +195,8 @@ class Node:
     def close(self, reason: str) -> None:
         """Leave: save the shared state, then shut everything down (each step best-effort)."""
         self.status.phase = "leaving"
+        if self.options.max_rounds is not None:  # the loop stepped into the round after the last one
+            self.status.round = min(self.status.round, self.options.max_rounds)
         self.view.update(self.status)
         if self.swarm is not None and self.options.checkpoint_dir is not None and self.swarm.outer.rounds_done > 0:
             try:
@@ -235,6 +238,10 @@ class Node:
         if self.exporter is not None:
             self.exporter.observe_round(record)
         self.status.eval_loss, self.status.group_size, self.status.sync_s = self.last_eval, stats.group_size, stats.sync_s
+        if stats.applied == "averaged" and stats.allreduce_s > 0:
+            payload = allreduce_payload(self.swarm.layout.numel, stats.group_size, client_mode=self.options.client_mode,
+                                        bytes_per_value=BYTES_PER_VALUE.get(self.config.averaging.compression, 4))
+            self.status.sync_bytes_per_s = payload / stats.allreduce_s
         if stats.compute_s > 0:  # the finished round's rate (the live figure restarts with the next window)
             self.status.tokens_per_s = stats.tokens / stats.compute_s
         self.status.rounds_done, self.status.finished_round = stats.rounds_done, stats.round

@@ -33,7 +33,6 @@ CONSOLE = Console()
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 HISTORY = 24  # rounds kept for the sparklines
 MAX_PEER_ROWS = 8
-RATE_WINDOW_S = 2.0  # bandwidth is measured over at least this long
 
 
 @dataclass(slots=True)
@@ -59,6 +58,7 @@ class NodeStatus:
     download_fraction: float | None = None  # phase "joining": share of the swarm state downloaded
     bytes_sent: int = 0  # cumulative, for the bandwidth figure
     bytes_received: int = 0
+    sync_bytes_per_s: float | None = None  # this peer's payload (each way) over the last all-reduce's duration
     peer_records: Sequence[ProgressRecord] = ()  # the swarm's progress records (replace, never mutate)
 
 
@@ -104,24 +104,6 @@ def sync_state(status: NodeStatus) -> str:
     return "missed (own update)"
 
 
-class _RateMeter:
-    """Bytes/s from cumulative counters, resampled at most every ``RATE_WINDOW_S`` (called per step)."""
-
-    def __init__(self) -> None:
-        self.rates: tuple[float, float] | None = None
-        self._last: tuple[float, int, int] | None = None
-
-    def sample(self, sent: int, received: int, now: float) -> None:
-        if self._last is None:
-            self._last = (now, sent, received)
-            return
-        then, sent0, received0 = self._last
-        if now - then < RATE_WINDOW_S:
-            return
-        self.rates = (max(sent - sent0, 0) / (now - then), max(received - received0, 0) / (now - then))
-        self._last = (now, sent, received)
-
-
 class LiveView:
     """A rich panel redrawn a few times per second from the latest status."""
 
@@ -130,7 +112,6 @@ class LiveView:
         self.console = console or CONSOLE
         self.loss_history: tuple[float, ...] = ()
         self.eval_history: tuple[float, ...] = ()
-        self._rates = _RateMeter()
         self._live = Live(get_renderable=self.render, console=self.console, refresh_per_second=4,
                           transient=False, redirect_stdout=True, redirect_stderr=True)
 
@@ -143,7 +124,6 @@ class LiveView:
     def update(self, status: NodeStatus) -> None:
         """Called by the training loop every step: swap the snapshot, nothing else of note."""
         self.status = dataclasses.replace(status)
-        self._rates.sample(status.bytes_sent, status.bytes_received, time.monotonic())
 
     def round_done(self, status: NodeStatus) -> None:
         self.update(status)
@@ -201,8 +181,10 @@ class LiveView:
         grid.add_row("tokens/s", f"{s.tokens_per_s:,.0f}{util}")
 
         # network
-        rates = self._rates.rates
-        bandwidth = f"   ↑ {human_bytes(rates[0])}/s ↓ {human_bytes(rates[1])}/s" if rates else ""
+        # Averaging traffic comes in bursts (one all-reduce per round): the rate during the last
+        # sync says more about the link than a per-second rate that is zero most of the time.
+        bandwidth = f"   {human_bytes(s.sync_bytes_per_s)}/s while syncing" if s.sync_bytes_per_s else ""
+        bandwidth += f"   total ↑ {human_bytes(s.bytes_sent)} ↓ {human_bytes(s.bytes_received)}"
         grid.add_row("network", f"group {s.group_size}   sync {s.sync_s:.2f}s   last {s.last_sync}{bandwidth}")
 
         parts: list = [grid]

@@ -65,16 +65,11 @@ def test_sparklines_follow_the_rounds():
     assert "█▆▃▁" in draw(view)
 
 
-def test_bandwidth_is_bytes_per_second_between_samples(monkeypatch):
-    clock = iter([100.0, 101.0, 104.0])
-    monkeypatch.setattr("node.ui.time.monotonic", lambda: next(clock))
-    view = LiveView(console=Console(file=io.StringIO(), width=100))
-    view.update(status(bytes_sent=0, bytes_received=0))
-    view.update(status(bytes_sent=1_000, bytes_received=500))  # within the window: not resampled
-    assert "↑" not in draw(view)
-    view.update(status(bytes_sent=8_000_000, bytes_received=2_000_000))
-    text = draw(view)
-    assert "↑ 2.0 MB/s" in text and "↓ 500.0 kB/s" in text
+def test_network_shows_the_sync_rate_and_the_totals():
+    text = draw_status(status(bytes_sent=8_000_000, bytes_received=2_000_000, sync_bytes_per_s=None))
+    assert "total ↑ 8.0 MB ↓ 2.0 MB" in text and "while syncing" not in text
+    text = draw_status(status(bytes_sent=8_000_000, bytes_received=2_000_000, sync_bytes_per_s=1_500_000))
+    assert "1.5 MB/s while syncing" in text
 
 
 def test_alone_is_said_plainly():
