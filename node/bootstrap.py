@@ -32,6 +32,7 @@ def write_address_file(path: Path, maddrs: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it 0600: readers under another uid (a bind mount) need it
         with os.fdopen(fd, "w") as f:
             f.write("".join(f"{m}\n" for m in maddrs))
             f.flush()

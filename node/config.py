@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 import tomllib
 import types
 import typing
@@ -26,7 +27,16 @@ from node.model import ModelConfig
 from protocols.errors import ConfigError
 from protocols.keys import validate_run_id
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "configs"
+
+def examples_dir(checkout: Path = Path(__file__).resolve().parent.parent, prefix: str = sys.prefix) -> Path:
+    """The example configs: in a source checkout ``examples/configs``; in an installed wheel
+    (pip, the Docker images) the copy installed under ``<prefix>/share/shoal/configs``."""
+    in_checkout = checkout / "examples" / "configs"
+    installed = Path(prefix) / "share" / "shoal" / "configs"
+    return in_checkout if in_checkout.is_dir() or not installed.is_dir() else installed
+
+
+EXAMPLES_DIR = examples_dir()
 DEFAULT_CONFIG = EXAMPLES_DIR / "tiny.toml"
 
 

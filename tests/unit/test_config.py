@@ -178,3 +178,12 @@ def test_shared_hash_changes_with_a_shared_field(change):
                                     {"averaging.allreduce_timeout": 5.0}])
 def test_shared_hash_ignores_local_fields(change):
     assert shared_hash(shared_fields(load_config(TINY, change))) == shared_hash(shared_fields(load_config(TINY)))
+
+
+def test_an_installed_wheel_finds_the_example_configs_under_its_prefix(tmp_path):
+    from node.config import examples_dir
+
+    installed = tmp_path / "venv" / "share" / "shoal" / "configs"
+    installed.mkdir(parents=True)
+    assert examples_dir(checkout=tmp_path / "site-packages", prefix=str(tmp_path / "venv")) == installed
+    assert examples_dir(prefix=str(tmp_path / "venv")) == EXAMPLES_DIR  # a checkout wins
