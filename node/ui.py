@@ -112,7 +112,7 @@ class LiveView:
         self.console = console or CONSOLE
         self.loss_history: tuple[float, ...] = ()
         self.eval_history: tuple[float, ...] = ()
-        self._live = Live(get_renderable=self.render, console=self.console, refresh_per_second=4,
+        self._live = Live(get_renderable=self.render, console=self.console, refresh_per_second=2,
                           transient=False, redirect_stdout=True, redirect_stderr=True)
 
     def start(self) -> None:
