@@ -1,11 +1,15 @@
 """A public swarm's worst day: a peer is killed with SIGKILL in the middle of an all-reduce and a
 newcomer arrives two rounds later. The survivors' rounds keep completing within a bound, the
-newcomer catches up and contributes, and nobody gets a NaN or a diverged anchor."""
+newcomer catches up and contributes, and nobody gets a NaN or a diverged anchor. Meanwhile an
+organiser watches with ``shoal status --json``: it sees every peer and the schedule's round, and
+the killed peer's progress record drops out once it expires (one swarm for both: CI time)."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import subprocess
 import time
 
 import pytest
@@ -14,7 +18,8 @@ import torch
 from node.checkpoint import load_latest_valid
 from node.local_swarm import kill_process_group
 from node.metrics import read_metrics
-from tests.integration.swarm import TINY
+from protocols.schedule import RoundSchedule
+from tests.integration.swarm import REPO, TINY, shoal_command
 
 pytestmark = pytest.mark.integration
 
@@ -23,6 +28,18 @@ ALLREDUCE_TIMEOUT_S = 10.0
 # A survivor's round record lands at most this long after the round's deadline: the all-reduce
 # (bounded by its timeout), plus a re-sync download if the crash left the group's anchors apart.
 LATE_BOUND_S = 2 * ALLREDUCE_TIMEOUT_S + ROUND_S
+# A progress record is republished every period (node/api.py: min(5, max(1, round / 3)) s) and
+# expires three periods after it was stored.
+HEARTBEAT_PERIOD = min(5.0, max(1.0, ROUND_S / 3))
+RECORD_TTL = 3 * HEARTBEAT_PERIOD
+CLOCK_SLACK = 1.0
+
+
+def shoal_status(initial_peer: str, run_id: str) -> dict:
+    result = subprocess.run([*shoal_command(), "status", "--initial-peer", initial_peer, "--run-id", run_id, "--json"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
 
 
 def rounds_of(peer) -> dict[int, dict]:
@@ -65,7 +82,19 @@ def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
 
     wait_until(lambda: all_four() is not None, 150, "the four peers never formed a group of 4")
     start = next(r for r in read_metrics(a.metrics_path) if r["event"] == "start")["schedule_start"]
-    crash_round = all_four() + 2
+    ids = {p.name: next(r for r in read_metrics(p.metrics_path) if r["event"] == "start")["peer"] for p in peers}
+
+    # The organiser's view: all four peers, the schedule's round, throughput adding up.
+    snapshot = shoal_status(address[0], swarm.run_id)
+    assert snapshot["peers"] == 4 and {p["peer_id"] for p in snapshot["peer_list"]} == set(ids.values()), snapshot
+    assert snapshot["malformed"] == 0 and snapshot["round_seconds"] == ROUND_S, snapshot
+    assert snapshot["round"] == RoundSchedule(start, ROUND_S).round_at(snapshot["time"]), snapshot
+    for record in snapshot["peer_list"]:
+        assert record["round"] in (snapshot["round"] - 1, snapshot["round"]), record  # one heartbeat old at most
+        assert 0 <= record["last_seen_s"] <= RECORD_TTL + CLOCK_SLACK and record["mode"] == "full", record
+    assert snapshot["tokens_per_s"] == pytest.approx(sum(p["tokens_per_s"] for p in snapshot["peer_list"]))
+
+    crash_round = max(all_four(), RoundSchedule(start, ROUND_S).round_at(time.time())) + 2
     last_round = crash_round + 6
 
     # 2. SIGKILL the victim (and its hivemind processes and p2pd) just after the crash round's
@@ -74,6 +103,11 @@ def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
     time.sleep(max(0.0, deadline + 0.05 - time.time()))
     kill_process_group(victim.proc)
     killed_at = time.time()
+
+    # The killed peer's record expires on its own: a look after its TTL no longer lists it.
+    time.sleep(max(0.0, killed_at + RECORD_TTL + CLOCK_SLACK - time.time()))
+    snapshot = shoal_status(address[0], swarm.run_id)
+    assert {p["peer_id"] for p in snapshot["peer_list"]} == {ids["a"], ids["b"], ids["c"]}, snapshot
 
     # 3. A newcomer two rounds later; it must stop at the same round as the survivors.
     time.sleep(max(0.0, deadline + 2 * ROUND_S - time.time()))
@@ -88,7 +122,7 @@ def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
         assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
 
     survivors = {p.name: rounds_of(p) for p in (a, b, c)}
-    victim_id = next(r for r in read_metrics(victim.metrics_path) if r["event"] == "start")["peer"]
+    victim_id = ids["victim"]
 
     # The victim was in the crash round's group: it died after matchmaking, mid-exchange.
     assert victim_id in survivors["a"][crash_round]["group"], survivors["a"][crash_round]

@@ -4,6 +4,7 @@ butterfly all-reduce with fp16 compression); one of them in client mode, as behi
 from __future__ import annotations
 
 import itertools
+import subprocess
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from node.checkpoint import load_latest_valid
 from node.config import load_config
 from node.metrics import read_metrics
 from node.model import build_model
-from tests.integration.swarm import TINY
+from tests.integration.swarm import REPO, TINY, shoal_command
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +47,13 @@ def test_three_peers_train_one_model(swarm):
             assert rounds[r]["applied"] == "averaged", (name, r, rounds[r])
             assert rounds[r]["diverged"] == [], (name, r, rounds[r])
         assert set(range(min(rounds), ROUNDS + 1)) <= set(rounds), f"{name} skipped a round: {sorted(rounds)}"
+
+    # `shoal plot` draws these real metrics files (loss vs wall-clock and tokens, utilization).
+    png = peers[0].workdir.parent / "swarm.png"
+    plotted = subprocess.run([*shoal_command(), "plot", *(str(p.metrics_path) for p in peers), "-o", str(png)],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
     start_c = next(r for r in read_metrics(others[1].metrics_path) if r["event"] == "start")
     assert start_c["mode"] == "client" and "client mode (--client-mode)" in others[1].log()
