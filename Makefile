@@ -13,7 +13,7 @@ demo: $(STAMP)
 	$(PY) examples/local_swarm.py
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check node protocols averaging tests examples benchmarks
+	$(VENV)/bin/ruff check node protocols averaging tests examples benchmarks scripts
 	$(PY) -m pytest tests
 
 unit: $(STAMP)
@@ -23,7 +23,7 @@ integration: $(STAMP)
 	$(PY) -m pytest tests/integration
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check node protocols averaging tests examples benchmarks
+	$(VENV)/bin/ruff check node protocols averaging tests examples benchmarks scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,7 +8,7 @@ live, none, ...) with the order rotated each repeat, so a machine whose load dri
 on these 2 cores) affects all three alike. The loop does what ``node.node.Node`` does per step:
 one inner AdamW step, then a status update handed to the view, and a ``round_done`` every
 ``--round-seconds``. The live view draws to an in-memory terminal (``force_terminal``: rich
-lays out and writes every frame, 4 per second, from its refresh thread) with a table of 8 peers.
+lays out and writes every frame, twice a second, from its refresh thread) with a table of 8 peers.
 
 Writes ``benchmarks/results/ui_overhead.md`` and ``.json``.
 """
@@ -188,7 +188,7 @@ def report(result: dict) -> str:
     lines += [
         "",
         f"One live-view frame (8-peer table, 100 columns) takes {result['frame_ms']:.2f} ms to build and lay out; "
-        f"at 4 frames/s that is {0.4 * result['frame_ms']:.2f}% of one core, taken from the training thread's "
+        f"at 2 frames/s that is {0.2 * result['frame_ms']:.2f}% of one core, taken from the training thread's "
         "GIL share on a CPU-bound loop.",
         "",
         "Positive slowdown = fewer steps/s than no view. Each repeat runs the three variants back to back, so "

@@ -107,25 +107,25 @@ def _fail(error: ShoalError) -> None:
 
 @app.command()
 def run(
-    config: Path = typer.Option(None, "--config", envvar="SHOAL_CONFIG", help="Run config (TOML). Default: examples/configs/tiny.toml."),
-    initial_peer: list[str] = typer.Option([], "--initial-peer", envvar="SHOAL_INITIAL_PEERS", help="Multiaddr of a peer in the swarm (repeatable). None: start a new swarm."),
-    listen: list[str] = typer.Option([], "--listen", envvar="SHOAL_LISTEN", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/0."),
-    announce: list[str] = typer.Option([], "--announce", envvar="SHOAL_ANNOUNCE", help="Public multiaddr to announce, e.g. behind NAT (repeatable)."),
-    run_id: str = typer.Option(None, "--run-id", envvar="SHOAL_RUN_ID", help="Run to join (overrides the config's run_id)."),
-    device: str = typer.Option(None, "--device", envvar="SHOAL_DEVICE", help="auto | cpu | cuda | cuda:N"),
-    round_seconds: float = typer.Option(None, "--round-seconds", envvar="SHOAL_ROUND_SECONDS", help="Round length in seconds (overrides [round] seconds)."),
-    max_rounds: int = typer.Option(None, "--max-rounds", envvar="SHOAL_MAX_ROUNDS", min=1, help="Leave cleanly and exit 0 after global round N."),
-    checkpoint_dir: Path = typer.Option(None, "--checkpoint-dir", envvar="SHOAL_CHECKPOINT_DIR", help="Write checkpoints here (every few rounds and at exit)."),
-    metrics_file: Path = typer.Option(None, "--metrics-file", envvar="SHOAL_METRICS_FILE", help="Append one JSON object per line (round, start, peers, errors, exit)."),
+    config: Path = typer.Option(None, "--config", envvar="SHOAL_CONFIG", metavar="PATH", help="Run config (TOML). Default: the tiny example config (examples/configs/tiny.toml)."),
+    initial_peer: list[str] = typer.Option([], "--initial-peer", envvar="SHOAL_INITIAL_PEERS", metavar="MADDR", help="Multiaddr of a peer in the swarm (repeatable). None: start a new swarm."),
+    listen: list[str] = typer.Option([], "--listen", envvar="SHOAL_LISTEN", metavar="MADDR", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/0."),
+    announce: list[str] = typer.Option([], "--announce", envvar="SHOAL_ANNOUNCE", metavar="MADDR", help="Public multiaddr to announce, e.g. behind NAT (repeatable)."),
+    run_id: str = typer.Option(None, "--run-id", envvar="SHOAL_RUN_ID", metavar="ID", help="Run to join (overrides the config's run_id)."),
+    device: str = typer.Option(None, "--device", envvar="SHOAL_DEVICE", metavar="DEVICE", help="auto | cpu | cuda | cuda:N"),
+    round_seconds: float = typer.Option(None, "--round-seconds", envvar="SHOAL_ROUND_SECONDS", metavar="SECONDS", help="Round length in seconds (overrides round.seconds of the config)."),
+    max_rounds: int = typer.Option(None, "--max-rounds", envvar="SHOAL_MAX_ROUNDS", min=1, metavar="N", help="Leave cleanly and exit 0 after global round N."),
+    checkpoint_dir: Path = typer.Option(None, "--checkpoint-dir", envvar="SHOAL_CHECKPOINT_DIR", metavar="DIR", help="Write checkpoints here (every few rounds and at exit)."),
+    metrics_file: Path = typer.Option(None, "--metrics-file", envvar="SHOAL_METRICS_FILE", metavar="PATH", help="Append one JSON object per line (round, start, peers, errors, exit)."),
     no_ui: bool = typer.Option(False, "--no-ui", envvar="SHOAL_NO_UI", help="Plain log lines instead of the live status panel."),
-    sync_mode: str = typer.Option(None, "--sync-mode", envvar="SHOAL_SYNC_MODE", help="overlap (default: average in the background while training) | blocking (fixed inner steps, then wait: the OpenDiLoCo baseline)."),
-    throttle: float = typer.Option(None, "--throttle", envvar="SHOAL_THROTTLE", help="Stretch each inner step to FACTOR x its compute time (a stand-in for a slower GPU)."),
-    bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, help="Seconds to wait for an initial peer before giving up."),
-    identity: Path = typer.Option(None, "--identity", envvar="SHOAL_IDENTITY", help="Private key file that keeps this peer's id across restarts (created on first use)."),
+    sync_mode: str = typer.Option(None, "--sync-mode", envvar="SHOAL_SYNC_MODE", metavar="MODE", help="overlap (default: average in the background while training) | blocking (fixed inner steps, then wait: the OpenDiLoCo baseline)."),
+    throttle: float = typer.Option(None, "--throttle", envvar="SHOAL_THROTTLE", metavar="FACTOR", help="Stretch each inner step to FACTOR x its compute time (a stand-in for a slower GPU)."),
+    bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, metavar="SECONDS", help="Seconds to wait for an initial peer before giving up."),
+    identity: Path = typer.Option(None, "--identity", envvar="SHOAL_IDENTITY", metavar="PATH", help="Private key file that keeps this peer's id across restarts (created on first use)."),
     client_mode: bool = typer.Option(False, "--client-mode", envvar="SHOAL_CLIENT_MODE", help="Behind NAT without port forwarding: outgoing connections only (trains and averages, serves no state)."),
     use_relay: bool = typer.Option(False, "--use-relay", envvar="SHOAL_USE_RELAY", help="Behind NAT: become reachable through other peers' libp2p relays."),
-    metrics_port: int = typer.Option(None, "--metrics-port", envvar="SHOAL_METRICS_PORT", min=0, max=65535, help="Serve Prometheus /metrics and a /healthz probe on this port (0: any free port)."),
-    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="SHOAL_METRICS_HOST", help="Address for --metrics-port (0.0.0.0 to let another machine or container scrape it)."),
+    metrics_port: int = typer.Option(None, "--metrics-port", envvar="SHOAL_METRICS_PORT", min=0, max=65535, metavar="PORT", help="Serve Prometheus /metrics and a /healthz probe on this port (0: any free port)."),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="SHOAL_METRICS_HOST", metavar="HOST", help="Address for --metrics-port (0.0.0.0 to let another machine or container scrape it)."),
 ) -> None:
     """Join (or start) a swarm and train."""
     from node.bootstrap import expand_initial_peers
@@ -176,14 +176,14 @@ def run(
 
 @app.command()
 def bootstrap(
-    listen: list[str] = typer.Option([], "--listen", envvar="SHOAL_LISTEN", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/31337."),
-    announce: list[str] = typer.Option([], "--announce", envvar="SHOAL_ANNOUNCE", help="Public multiaddr to announce, e.g. /ip4/203.0.113.5/tcp/31337 (repeatable)."),
-    identity: Path = typer.Option(None, "--identity", envvar="SHOAL_IDENTITY", help="Private key file: a stable peer id, so the published address stays valid (created on first use)."),
-    initial_peer: list[str] = typer.Option([], "--initial-peer", envvar="SHOAL_INITIAL_PEERS", help="Another entry point of the same swarm (repeatable; @FILE reads addresses from FILE)."),
-    address_file: Path = typer.Option(None, "--address-file", envvar="SHOAL_ADDRESS_FILE", help="Also write this peer's multiaddrs to FILE (one per line), e.g. for --initial-peer @FILE."),
-    bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, help="Seconds to wait for --initial-peer before giving up."),
-    metrics_port: int = typer.Option(None, "--metrics-port", envvar="SHOAL_METRICS_PORT", min=0, max=65535, help="Serve Prometheus /metrics (shoal_peers: DHT peers known) and /healthz on this port."),
-    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="SHOAL_METRICS_HOST", help="Address for --metrics-port."),
+    listen: list[str] = typer.Option([], "--listen", envvar="SHOAL_LISTEN", metavar="MADDR", help="Multiaddr to listen on (repeatable). Default /ip4/0.0.0.0/tcp/31337."),
+    announce: list[str] = typer.Option([], "--announce", envvar="SHOAL_ANNOUNCE", metavar="MADDR", help="Public multiaddr to announce, e.g. /ip4/203.0.113.5/tcp/31337 (repeatable)."),
+    identity: Path = typer.Option(None, "--identity", envvar="SHOAL_IDENTITY", metavar="PATH", help="Private key file: a stable peer id, so the published address stays valid (created on first use)."),
+    initial_peer: list[str] = typer.Option([], "--initial-peer", envvar="SHOAL_INITIAL_PEERS", metavar="MADDR", help="Another entry point of the same swarm (repeatable; @FILE reads addresses from FILE)."),
+    address_file: Path = typer.Option(None, "--address-file", envvar="SHOAL_ADDRESS_FILE", metavar="PATH", help="Also write this peer's multiaddrs to FILE (one per line), e.g. for --initial-peer @FILE."),
+    bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, metavar="SECONDS", help="Seconds to wait for --initial-peer before giving up."),
+    metrics_port: int = typer.Option(None, "--metrics-port", envvar="SHOAL_METRICS_PORT", min=0, max=65535, metavar="PORT", help="Serve Prometheus /metrics (shoal_peers: DHT peers known) and /healthz on this port."),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="SHOAL_METRICS_HOST", metavar="HOST", help="Address for --metrics-port."),
 ) -> None:
     """Run a light DHT-only entry peer (no model, no GPU) for a swarm; runs until Ctrl+C."""
     from node.bootstrap import BootstrapPeer, expand_initial_peers, write_address_file

@@ -23,13 +23,13 @@ from node.api import DiLoCoSwarm
 from node.checkpoint import save_checkpoint
 from node.config import RunConfig, shared_fields, shared_hash
 from node.data import BatchSampler, eval_batches, load_corpus, shard_bounds, shard_for_peer, split_corpus
-from node.download_view import DownloadView
+from node.download_view import DownloadLog
 from node.exporter import MetricsExporter
 from node.metrics import MetricsWriter, round_record_fields
 from node.model import build_model, count_parameters
 from node.resume import MOMENTUM_PREFIX, find_resume_point, outer_meta, state_from_checkpoint
 from node.trainer import Trainer, device_label, inner_lr, resolve_device
-from node.ui import CONSOLE, LiveView, NodeStatus, PlainView
+from node.ui import LiveView, NodeStatus, PlainView
 from protocols.addresses import format_join_command
 from protocols.errors import CheckpointError
 from protocols.messages import MessageError
@@ -161,21 +161,25 @@ class Node:
 
     def train(self) -> int:
         self.announce()
-        download = DownloadView(ui=self.options.ui, console=CONSOLE)
+        # A joiner downloads the swarm's state first: the panel (or log lines) shows how far along.
+        download = DownloadLog()
+        self.status.phase = "joining"
+        self.view.start()
 
-        def progress(done: int, total: int) -> None:
-            download(done, total)
+        def progress(done: int, total: int) -> None:  # the sync worker's thread
+            if self.options.ui:
+                self.status.download_fraction = done / max(total, 1)
+                self.view.update(self.status)
+            else:
+                download(done, total)
             if self.exporter is not None:
                 self.exporter.touch()  # a long download is not a hung node
 
-        try:
-            joined = self.swarm.start(progress=progress)
-        finally:
-            download.close()
+        joined = self.swarm.start(progress=progress)
+        self.status.download_fraction, self.status.phase = None, "training"
         if joined is not None:
             self.metrics.write("state_download", adopted_round=joined["round"], seconds=joined["seconds"],
                                donors=joined["donors"], bytes=joined["bytes"])
-        self.view.start()
         batch_tokens = self.config.data.batch_size * self.config.model.seq_len
         throttle, max_rounds = self.config.train.throttle, self.options.max_rounds
         while not self.stop.is_set() and (max_rounds is None or self.swarm.round <= max_rounds):

@@ -213,7 +213,7 @@ def peer_table(records: Sequence[ProgressRecord], *, me: str = "", now: float, l
     """Peers by throughput, as fixed-width lines.
 
     Not a rich ``Table``: measuring its columns cost ~3 ms per row per frame (benchmarks/ui_overhead.py),
-    taken from the training thread 4 times a second. Peer-supplied strings are appended as plain
+    taken from the training thread twice a second. Peer-supplied strings are appended as plain
     text, so rich markup in a device name is shown, not interpreted.
     """
     def cells(values: Sequence[str]) -> str:
