@@ -73,8 +73,11 @@ def test_local_swarm_sh_trains_then_ctrl_c_leaves_cleanly(tmp_path, marker):
     with a checkpoint, the script prints its summary and exits 0, and nothing is left running."""
     env = env_with(marker, PEERS="2", ROUNDS="50", ROUND_SECONDS="5", WORKDIR=str(tmp_path),
                    SHOAL=f"{sys.executable} -m node.cli", RUN_ID=f"test-sh-{marker[:8]}")
+    # A terminal gives the script SIGINT at its default; this test may itself run with SIGINT
+    # ignored (a CI job started in the background), and bash cannot trap a signal ignored on entry.
     script = subprocess.Popen(["bash", "examples/local_swarm.sh"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = [tmp_path / peer / "metrics.jsonl" for peer in ("peer-1", "peer-2")]
 
     def averaged(path) -> bool:

@@ -18,6 +18,7 @@ from tests.integration.swarm import REPO, TINY, shoal_command
 pytestmark = pytest.mark.integration
 
 ROUNDS = 7
+FAST = ("--round-seconds", "6")  # shorter than tiny's 10 s: CI time
 FP16_UNIT_ROUNDOFF = 2.0**-11
 
 
@@ -27,11 +28,11 @@ def rounds_of(peer) -> dict[int, dict]:
 
 @pytest.mark.timeout(400)
 def test_three_peers_train_one_model(swarm):
-    first = swarm.start("a", "--max-rounds", str(ROUNDS))
+    first = swarm.start("a", "--max-rounds", str(ROUNDS), *FAST)
     address = first.wait_for_address()
     # c is behind a NAT as far as it knows: client mode, outgoing connections only.
-    others = [swarm.start("b", "--max-rounds", str(ROUNDS), initial=address[:1]),
-              swarm.start("c", "--max-rounds", str(ROUNDS), "--client-mode", initial=address[:1])]
+    others = [swarm.start("b", "--max-rounds", str(ROUNDS), *FAST, initial=address[:1]),
+              swarm.start("c", "--max-rounds", str(ROUNDS), *FAST, "--client-mode", initial=address[:1])]
     peers = [first, *others]
     for peer in peers:
         assert peer.wait(timeout=300) == 0, peer.log()[-3000:]
