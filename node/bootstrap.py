@@ -7,8 +7,6 @@ peer id (and so its multiaddr) survives restarts, which is what makes it worth p
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +14,7 @@ from pathlib import Path
 
 from hivemind import DHT
 
+from node.atomic import write_atomically
 from node.sockets import hivemind_sockets, remove_stale
 from node.swarm import start_dht
 from protocols.addresses import format_join_command, parse_peer_multiaddr
@@ -30,17 +29,7 @@ def write_address_file(path: Path, maddrs: list[str]) -> None:
     """Write our multiaddrs, one per line, atomically: a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it 0600: readers under another uid (a bind mount) need it
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(f"{m}\n" for m in maddrs))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, "".join(f"{m}\n" for m in maddrs).encode())
 
 
 def expand_initial_peers(values: list[str], *, timeout: float, sleep: Callable[[float], None] = time.sleep) -> list[str]:

@@ -12,12 +12,13 @@ import hashlib
 import logging
 import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from node.atomic import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def load_corpus(config: DataConfig) -> np.ndarray:
             f"need at least {MIN_CORPUS_BYTES}; add more text to data.paths"
         )
     cache_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomically(cache_path, corpus)
+    write_atomically(cache_path, corpus)
     logger.info("cached %d corpus bytes from %d files at %s", len(corpus), len(fingerprint), cache_path)
     return _open_tokens(cache_path)
 
@@ -191,21 +192,6 @@ def _read_files(files: list[Path], max_bytes: int) -> bytes:
             corpus += b"\n"
         corpus += content
     return bytes(corpus[:max_bytes])
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same directory + os.replace, so readers see all or nothing."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp_name, 0o644)  # mkstemp makes it 0600; the cache is plain readable data
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
 
 
 def _open_tokens(path: Path) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from node.local_swarm import LocalPeer, LocalSwarm, session_members, shoal_command
@@ -9,7 +11,7 @@ from node.local_swarm import LocalPeer, LocalSwarm, session_members, shoal_comma
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny.toml"
 
-__all__ = ["REPO", "TINY", "LocalPeer", "Swarm", "session_members", "shoal_command"]
+__all__ = ["REPO", "TINY", "LocalPeer", "Swarm", "session_members", "shoal_command", "wait_until"]
 
 
 class Swarm(LocalSwarm):
@@ -20,3 +22,13 @@ class Swarm(LocalSwarm):
 
     def start(self, name: str, *args: str, initial: list[str] | None = None, config: Path = TINY, **kwargs) -> LocalPeer:
         return super().start(name, *args, initial=initial, config=config, **kwargs)
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it is true; ``TimeoutError(what)`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(what)

@@ -19,7 +19,7 @@ from node.checkpoint import load_latest_valid
 from node.local_swarm import kill_process_group
 from node.metrics import read_metrics
 from protocols.schedule import RoundSchedule
-from tests.integration.swarm import REPO, TINY, shoal_command
+from tests.integration.swarm import REPO, TINY, shoal_command, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -46,15 +46,6 @@ def rounds_of(peer) -> dict[int, dict]:
     if not peer.metrics_path.exists():  # still starting
         return {}
     return {r["round"]: r for r in read_metrics(peer.metrics_path) if r["event"] == "round"}
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(what)
 
 
 @pytest.fixture

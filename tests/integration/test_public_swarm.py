@@ -14,7 +14,7 @@ import pytest
 from node.checkpoint import list_checkpoints, load_latest_valid
 from node.local_swarm import kill_process_group, session_members, shoal_command
 from node.metrics import read_metrics
-from tests.integration.swarm import REPO, TINY
+from tests.integration.swarm import REPO, TINY, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -25,15 +25,6 @@ def records(peer, event: str) -> list[dict]:
     if not peer.metrics_path.exists():
         return []
     return [r for r in read_metrics(peer.metrics_path) if r["event"] == event]
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(what)
 
 
 @pytest.fixture
