@@ -37,6 +37,7 @@ from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
 from averaging.sync import SyncWorker
 from averaging.traffic import BYTES_PER_VALUE, Traffic, allreduce_payload
 from node.config import AveragingConfig, RoundConfig, sync_shared_fields
+from node.reaper import process_trees, reap
 from node.sockets import hivemind_sockets, remove_stale
 from node.swarm import MANIFEST_TTL, PeerMonitor, Reachability, join_run, start_dht
 from protocols.keys import averager_prefix
@@ -186,12 +187,19 @@ class DiLoCoSwarm:
 
     def close(self) -> None:
         closers, self._closers = self._closers, []
+        hivemind = process_trees(self._hivemind_pids())  # DHT, averager and their p2pd
         for close in closers:
             try:
                 close()
             except Exception as e:  # noqa: BLE001 - leaving goes on
                 logger.warning(f"shutdown step {getattr(close, '__qualname__', close)} failed: {e!r}")
+        reap(hivemind)  # whatever hivemind's own shutdown left running (e.g. a terminated DHT's p2pd)
         remove_stale(hivemind_sockets() - self._sockets_before)  # after every hivemind process ended
+
+    def _hivemind_pids(self) -> list[int | None]:
+        dht, worker = getattr(self, "dht", None), getattr(self, "worker", None)
+        averager = getattr(getattr(worker, "backend", None), "_averager", None)
+        return [getattr(dht, "pid", None), getattr(averager, "pid", None)]
 
     # -- internals -------------------------------------------------------------------------------
     def _initial_sync(self, progress: Progress | None) -> dict | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from hivemind import DHT
 
 from node.atomic import write_atomically
+from node.reaper import process_trees, reap
 from node.sockets import hivemind_sockets, remove_stale
 from node.swarm import start_dht
 from protocols.addresses import format_join_command, parse_peer_multiaddr
@@ -101,8 +102,10 @@ class BootstrapPeer:
                 last_report = time.monotonic()
 
     def close(self) -> None:
+        hivemind = process_trees([self.dht.pid])  # the DHT process and its p2pd
         try:
             if self.dht.is_alive():
                 self.dht.shutdown()
         finally:
+            reap(hivemind)
             remove_stale(hivemind_sockets() - self._sockets_before)
