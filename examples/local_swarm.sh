@@ -108,10 +108,20 @@ if alive "$bootstrap_pid"; then kill -TERM "$bootstrap_pid" 2>/dev/null || true;
 while alive "$bootstrap_pid"; do wait "$bootstrap_pid" 2>/dev/null || true; done
 
 # 5. A peer that exited by itself must have taken its DHT, averager and p2pd with it.
-sleep 0.5
+# Zombies do not count: they have exited and wait for init to reap them (a killed parent's
+# orphans can take a moment). Give a peer's processes a few seconds to disappear.
+live_members() {  # live_members SID: pid and name of every live process of that session
+  ps -e -o sid=,pid=,stat=,comm= | awk -v sid="$1" '$1 == sid && $3 !~ /^Z/ {printf "%s %s ", $2, $4}'
+}
 for index in "${!PIDS[@]}"; do
-  if pgrep -s "${PIDS[$index]}" >/dev/null 2>&1; then
-    echo "warning: ${NAMES[$index]} left processes behind (killing them): $(pgrep -s "${PIDS[$index]}" | tr '\n' ' ')" >&2
+  left=""
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    left="$(live_members "${PIDS[$index]}")"
+    [ -z "$left" ] && break
+    sleep 0.5
+  done
+  if [ -n "$left" ]; then
+    echo "warning: ${NAMES[$index]} left processes behind (killing them): $left" >&2
     STATUS=1
   fi
 done
