@@ -239,20 +239,29 @@ class DiLoCoSwarm:
             if stats.applied != "folded":
                 self.tokens_contributed += stats.tokens
             if stats.applied == "averaged":
-                payload = allreduce_payload(self.layout.numel, stats.group_size, client_mode=self.reachability.client_mode,
-                                            bytes_per_value=BYTES_PER_VALUE.get(self.averaging.compression, 4))
+                payload = self.allreduce_payload(stats.group_size)
                 self.traffic.add(sent=payload, received=payload)
             if stats.resynced:
                 self.traffic.add(received=2 * self.layout.numel * 4)  # anchor + momentum, fp32
         return finished
 
+    def allreduce_payload(self, group_size: int) -> int:
+        """Bytes this peer sends (and receives) in one all-reduce with ``group_size`` members."""
+        return allreduce_payload(self.layout.numel, group_size, client_mode=self.reachability.client_mode,
+                                 bytes_per_value=BYTES_PER_VALUE.get(self.averaging.compression, 4))
+
+    @property
+    def utilization(self) -> float | None:
+        """Share of the last finished round's wall-clock time spent in inner steps."""
+        stats = self.last_stats
+        return min(1.0, stats.compute_s / stats.wall_s) if stats is not None and stats.wall_s > 0 else None
+
     def _status(self) -> ProgressRecord:
         """Our progress record (monitor thread): the library's own figures, then the caller's."""
-        stats = self.last_stats
         record = ProgressRecord(
             peer_id=self.peer_id, round=int(self.loop.round), tokens_per_s=0.0, loss=None, eval_loss=None,
             device=str(self.device), mode=self.reachability.mode, version=shoal_version(),
-            utilization=min(1.0, stats.compute_s / stats.wall_s) if stats and stats.wall_s > 0 else 0.0,
+            utilization=self.utilization or 0.0,
             bytes_sent=self.traffic.sent, bytes_received=self.traffic.received, tokens=self.tokens_contributed,
             time=get_dht_time(), phase="averaging" if self.loop.syncing else "training",
         )

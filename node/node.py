@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from averaging.outer_loop import RoundStats
-from averaging.traffic import BYTES_PER_VALUE, allreduce_payload
 from node.api import DiLoCoSwarm
 from node.checkpoint import save_checkpoint
 from node.config import RunConfig, shared_fields, shared_hash
@@ -243,9 +242,7 @@ class Node:
             self.exporter.observe_round(record)
         self.status.eval_loss, self.status.group_size, self.status.sync_s = self.last_eval, stats.group_size, stats.sync_s
         if stats.applied == "averaged" and stats.allreduce_s > 0:
-            payload = allreduce_payload(self.swarm.layout.numel, stats.group_size, client_mode=self.options.client_mode,
-                                        bytes_per_value=BYTES_PER_VALUE.get(self.config.averaging.compression, 4))
-            self.status.sync_bytes_per_s = payload / stats.allreduce_s
+            self.status.sync_bytes_per_s = self.swarm.allreduce_payload(stats.group_size) / stats.allreduce_s
         if stats.compute_s > 0:  # the finished round's rate (the live figure restarts with the next window)
             self.status.tokens_per_s = stats.tokens / stats.compute_s
         self.status.rounds_done, self.status.finished_round = stats.rounds_done, stats.round
@@ -262,9 +259,8 @@ class Node:
 
     def _update_status(self, loss: float) -> None:
         window, schedule, swarm = self.swarm.loop.window, self.swarm.monitor.schedule, self.swarm
-        stats = swarm.last_stats
-        if stats is not None and stats.wall_s > 0:
-            self.status.utilization = min(1.0, stats.compute_s / stats.wall_s)
+        if swarm.utilization is not None:
+            self.status.utilization = swarm.utilization
         self.status.bytes_sent, self.status.bytes_received = swarm.traffic.sent, swarm.traffic.received
         self.status.peer_records = tuple(swarm.monitor.peers.values())  # the monitor swaps the dict whole
         if self.exporter is not None and time.monotonic() - self._exported_at >= 1.0:
