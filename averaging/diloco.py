@@ -12,6 +12,7 @@ import logging
 import struct
 import threading
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from averaging.consistency import (
 )
 from averaging.flat import FlatLayout
 from averaging.outer import outer_step_
+from protocols.errors import ConfigError
 from protocols.messages import MAX_ROUND, MessageError, RoundGather, bounded_int, floats
 
 logger = logging.getLogger(__name__)
@@ -51,16 +53,24 @@ class OuterConfig:
 
     def __post_init__(self):
         if not 0 < self.lr <= 10:
-            raise ValueError(f"outer.lr ({self.lr}) must be in (0, 10]; DiLoCo uses 0.7")
+            raise ConfigError(f"outer.lr ({self.lr}) must be in (0, 10]; DiLoCo uses 0.7")
         if not 0 <= self.momentum < 1:
-            raise ValueError(f"outer.momentum ({self.momentum}) must be in [0, 1); DiLoCo uses 0.9")
+            raise ConfigError(f"outer.momentum ({self.momentum}) must be in [0, 1); DiLoCo uses 0.9")
+
+
+class Applied(StrEnum):
+    """What a round did to the anchor (the ``applied`` field of a round record)."""
+
+    AVERAGED = "averaged"  # the group's average was applied
+    LOCAL = "local"  # alone in the swarm: our own pseudo-gradient was applied
+    FOLDED = "folded"  # nothing applied: the work is folded into our next contribution
 
 
 @dataclass(slots=True)
 class RoundConclusion:
     """What happened at the end of a round, for metrics and the loop."""
 
-    applied: str  # "averaged" | "local" (alone in the swarm) | "folded" (kept for the next round)
+    applied: Applied
     group_size: int
     bad_reports: int = 0
     verdict: Verdict | None = None
@@ -109,21 +119,21 @@ class OuterState:
         swarm (we then define the shared model), or leave the anchor as it is so that the work is
         folded into our next contribution (it must not move away from the group's). Then check
         our anchor against the group's."""
-        conclusion = RoundConclusion(applied="folded", group_size=1, error=outcome.error)
+        conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=1, error=outcome.error)
         if outcome.ok and averaged is not None:
             conclusion.group_size = len(outcome.group)
             problem = check_average(averaged, local_pseudo_grad, reference_rms=self._last_rms)
             if problem is None:
                 self.apply(averaged, round=round)
-                conclusion.applied = "averaged"
+                conclusion.applied = Applied.AVERAGED
             else:
                 conclusion.error = problem
             conclusion.verdict, conclusion.bad_reports = self._judge(outcome.gathered, round)
             if conclusion.verdict is not None and self_id in conclusion.verdict.diverged:
                 conclusion.donors = sorted(conclusion.verdict.agreeing)
-        if conclusion.applied != "averaged" and alone:
+        if conclusion.applied != Applied.AVERAGED and alone:
             self.apply(local_pseudo_grad, round=round)
-            conclusion.applied = "local"
+            conclusion.applied = Applied.LOCAL
         return conclusion
 
     def _judge(self, gathered: dict[str, Any], round: int) -> tuple[Verdict | None, int]:
@@ -154,6 +164,11 @@ class OuterState:
             self._claim = AnchorClaim(fp, self._scale.clone(), self.rounds_done)
 
     # -- sharing and adopting the state ----------------------------------------------------
+    def anchor_copy(self) -> torch.Tensor:
+        """A consistent copy of the anchor (the sync worker may be applying an outer step)."""
+        with self._lock:
+            return self.anchor.clone()
+
     def shared_state(self) -> tuple[dict, list[torch.Tensor]]:
         """A consistent copy for a peer that downloads our state (hivemind's fetcher thread)."""
         with self._lock:

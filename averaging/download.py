@@ -28,12 +28,11 @@ from typing import Any
 import torch
 
 from averaging.backend import Progress
+from averaging.traffic import STATE_BYTES_PER_VALUE
 from protocols.messages import MAX_ROUND, MessageError, bounded_int
 from protocols.state_slices import MAX_SLICES
 
 logger = logging.getLogger(__name__)
-
-BYTES_PER_VALUE = 4  # fp32
 
 MIN_DONOR_BYTES_PER_S = 128 * 1024  # a donor slower than 1 Mbit/s over a whole slice is dropped
 
@@ -199,7 +198,7 @@ class _Book:
     def done_bytes(self) -> int:
         target = self.target()
         values = sum(stop - start for (start, stop), r in zip(self.bounds, self.held) if r == target)
-        return BYTES_PER_VALUE * values
+        return STATE_BYTES_PER_VALUE * values
 
     def assembled(self) -> Assembled:
         assert self.complete()
@@ -235,7 +234,7 @@ def download_slices(
         return None
     book = _Book(donors, lengths, count)
     budget = default_max_fetches(count, len(donors)) if max_fetches is None else max_fetches
-    total_bytes, reported = BYTES_PER_VALUE * total, 0
+    total_bytes, reported = STATE_BYTES_PER_VALUE * total, 0
     _report(progress, 0, total_bytes)
     # One thread per donor is enough: a donor has at most one fetch in flight, and a fetch that
     # outlives slice_timeout has its donor dropped, so its thread is never needed again.

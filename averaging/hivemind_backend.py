@@ -42,13 +42,13 @@ from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_st
 
 from averaging.backend import AverageOutcome, DownloadedState, Progress
 from averaging.download import (
-    BYTES_PER_VALUE,
     default_slice_count,
     download_slices,
     flat_slice,
     slice_bounds,
     slice_deadline_s,
 )
+from averaging.traffic import STATE_BYTES_PER_VALUE
 from protocols.state_slices import decode_slice_request, encode_slice_request
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class ShoalAverager(DecentralizedAverager):
                              stall_timeout: float) -> tuple[Any, torch.Tensor]:
         """Receive one slice, refusing early what could not be right: more bytes or parts than the
         slice needs (a hostile donor cannot make us buffer more), compression, another dtype or size."""
-        max_bytes = expected_numel * BYTES_PER_VALUE
+        max_bytes = expected_numel * STATE_BYTES_PER_VALUE
         max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
         stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
         stream = await stub.rpc_download_state_slice(
@@ -270,7 +270,7 @@ class HivemindBackend:
         if not donors or total == 0:
             return None
         count = slices if slices is not None else default_slice_count(len(donors), total)
-        deadline_s = slice_deadline_s(timeout, BYTES_PER_VALUE * -(-total // count))
+        deadline_s = slice_deadline_s(timeout, STATE_BYTES_PER_VALUE * -(-total // count))
 
         def fetch(donor: str, index: int, count: int) -> tuple[Any, torch.Tensor]:
             start, stop = slice_bounds(total, index, count)

@@ -27,21 +27,32 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
 from averaging.backend import DownloadedState, Progress
-from averaging.diloco import OuterState, RoundConclusion
+from averaging.diloco import Applied, OuterState, RoundConclusion
 from averaging.flat import FlatLayout
 from averaging.merge import apply_correction_, merge_correction
 from averaging.outer import pseudo_gradient
 from averaging.sync import SyncWorker
+from protocols.errors import ConfigError
 from protocols.messages import MessageError
 from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
 
-SYNC_MODES = ("overlap", "blocking")
+
+
+class SyncMode(StrEnum):
+    """How a round ends (``round.sync_mode``)."""
+
+    OVERLAP = "overlap"  # wall-clock rounds; average in the background while training
+    BLOCKING = "blocking"  # H inner steps, then wait for the all-reduce: the OpenDiLoCo baseline
+
+
+SYNC_MODES = tuple(mode.value for mode in SyncMode)
 RESYNC_ATTEMPTS = 5
 
 
@@ -60,7 +71,7 @@ class RoundStats:
     loss: float | None
     group_size: int
     group: list[str]
-    applied: str
+    applied: Applied
     error: str | None
     diverged: list[str]
     bad_reports: int
@@ -117,22 +128,23 @@ class StepTimer:
 class LoopConfig:
     """How rounds end and how long the network may take."""
 
-    mode: str = "overlap"
+    mode: SyncMode = SyncMode.OVERLAP
     inner_steps: int = 100  # blocking mode: inner steps per round
     matchmaking_seconds: float = 3.0
     prepare_lead: float = 4.5  # overlap mode: start matchmaking this long before the round's deadline
     download_timeout: float = 60.0
 
     def __post_init__(self):
-        validate_sync(self.mode, self.inner_steps)
+        self.mode = validate_sync(self.mode, self.inner_steps)
 
 
-def validate_sync(mode: str, inner_steps: int) -> None:
+def validate_sync(mode: str, inner_steps: int) -> SyncMode:
     """The checks ``[round]`` and ``LoopConfig`` share; messages name the config keys."""
     if mode not in SYNC_MODES:
-        raise ValueError(f"round.sync_mode ({mode!r}) must be one of: {', '.join(SYNC_MODES)}")
+        raise ConfigError(f"round.sync_mode ({mode!r}) must be one of: {', '.join(SYNC_MODES)}")
     if inner_steps < 1:
-        raise ValueError(f"round.inner_steps ({inner_steps}) must be >= 1")
+        raise ConfigError(f"round.inner_steps ({inner_steps}) must be >= 1")
+    return SyncMode(mode)
 
 
 class OuterLoop:
@@ -228,7 +240,7 @@ class OuterLoop:
             self.worker.submit(self._prepare, round)
 
     def _round_over(self) -> bool:
-        if self.config.mode == "blocking" and self.window.steps >= self.config.inner_steps:
+        if self.config.mode == SyncMode.BLOCKING and self.window.steps >= self.config.inner_steps:
             return True  # then wait, idle, for the all-reduce at the deadline: lockstep
         return not self._timer.fits_before(self._schedule().round_end(self.window.round), time.time())
 
@@ -247,7 +259,7 @@ class OuterLoop:
         future = self.worker.submit(self._sync_round, window.round, weight, event)
         self._job = _Job(window, future, weight)
         self.window = _Window(next_round, started=now)
-        if self.config.mode == "blocking":
+        if self.config.mode == SyncMode.BLOCKING:
             finished += self.try_merge(wait=True)
             self.window.started = time.time()  # the wait belongs to the round that ended
         return finished
@@ -264,13 +276,13 @@ class OuterLoop:
         self._merge(result.correction)
         # In blocking mode the round's own wait is part of the round; in overlap mode a stall
         # (a sync longer than a round) is charged to the window that had to wait.
-        charged = job.window if self.config.mode == "blocking" else self.window
+        charged = job.window if self.config.mode == SyncMode.BLOCKING else self.window
         charged.wait_s += stall_s
         conclusion = result.conclusion
-        contributed = conclusion.applied == "averaged"
-        self._carried_tokens = 0 if contributed or conclusion.applied == "local" else int(job.weight)
+        contributed = conclusion.applied == Applied.AVERAGED
+        self._carried_tokens = 0 if contributed or conclusion.applied == Applied.LOCAL else int(job.weight)
         window = job.window
-        end = time.time() if self.config.mode == "blocking" else window.ended
+        end = time.time() if self.config.mode == SyncMode.BLOCKING else window.ended
         return [RoundStats(
             round=window.round, inner_steps=window.steps, tokens=window.tokens, compute_s=window.compute_s,
             wait_s=window.wait_s, sync_s=result.sync_s, allreduce_s=result.allreduce_s, wall_s=end - window.started,
@@ -338,7 +350,7 @@ class OuterLoop:
                                          self_id=self.peer_id, alone=self._alone())
         resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
         correction = merge_correction(self.outer.anchor, old_anchor, pseudo_grad, out=self._host_correction,
-                                      contributed=conclusion.applied in ("averaged", "local"))
+                                      contributed=conclusion.applied in (Applied.AVERAGED, Applied.LOCAL))
         return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced)
 
     def _resync(self, round: int, conclusion: RoundConclusion, averaged: torch.Tensor | None) -> bool:
@@ -357,6 +369,6 @@ class OuterLoop:
             if adopted >= round:
                 break
             time.sleep(0.2)  # the donor has not applied this round's outer step yet
-        if adopted is not None and adopted < round and averaged is not None and conclusion.applied == "averaged":
+        if adopted is not None and adopted < round and averaged is not None and conclusion.applied == Applied.AVERAGED:
             self.outer.apply(averaged, round=round)  # catch the donor's state up to this round
         return adopted is not None

@@ -10,7 +10,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+# What one value of the pseudo-gradient costs on the wire, per ``averaging.compression``: the one
+# definition of it. "none" is fp32, as the shared state is stored and downloaded.
 BYTES_PER_VALUE = {"fp16": 2, "none": 4}
+STATE_BYTES_PER_VALUE = BYTES_PER_VALUE["none"]
+
+
+def bytes_per_value(compression: str) -> int:
+    return BYTES_PER_VALUE[compression]
 
 
 def allreduce_payload(numel: int, group_size: int, *, bytes_per_value: int, client_mode: bool = False) -> int:

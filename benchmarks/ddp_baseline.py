@@ -31,10 +31,10 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from node.config import load_config  # noqa: E402
-from node.data import BatchSampler, eval_batches, load_corpus, shard_bounds, split_corpus  # noqa: E402
-from node.model import build_model  # noqa: E402
-from node.trainer import inner_lr  # noqa: E402
+from node.process.config import load_config  # noqa: E402
+from node.training.data import BatchSampler, eval_batches, load_corpus, shard_bounds, split_corpus  # noqa: E402
+from node.training.model import build_model  # noqa: E402
+from node.training.trainer import inner_lr  # noqa: E402
 
 
 def main() -> int:

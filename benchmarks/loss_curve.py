@@ -22,9 +22,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from node.checkpoint import load_latest_valid  # noqa: E402
-from node.local_swarm import LocalSwarm  # noqa: E402
-from node.metrics import read_metrics  # noqa: E402
+from examples.swarm_launcher import LocalSwarm  # noqa: E402
+from node.library.checkpoint import load_latest_valid  # noqa: E402
+from node.observe.metrics import read_metrics  # noqa: E402
 
 
 def main() -> int:

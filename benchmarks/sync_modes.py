@@ -37,8 +37,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import netns  # noqa: E402
 
-from node.local_swarm import LocalSwarm, kill_process_group  # noqa: E402
-from node.metrics import read_metrics  # noqa: E402
+from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
+from node.observe.metrics import read_metrics  # noqa: E402
 
 MODES = ("overlap", "blocking", "ddp", "ceiling")
 
@@ -235,8 +235,8 @@ def main() -> int:
     capped = netns.available()
     if not capped:
         print("not root (or no ip/tc): running on loopback WITHOUT bandwidth caps", file=sys.stderr)
-    from node.config import load_config
-    from node.model import build_model, count_parameters
+    from node.process.config import load_config
+    from node.training.model import build_model, count_parameters
 
     numel = count_parameters(build_model(load_config(args.config).model, seed=0))
     root = Path(tempfile.mkdtemp(prefix="shoal-bench-"))

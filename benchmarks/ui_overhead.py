@@ -5,7 +5,7 @@ with ``PlainView`` and with ``LiveView``, measured side by side in one run.
 
 Each variant runs for ``--block-seconds`` at a time, the variants interleaved (none, plain,
 live, none, ...) with the order rotated each repeat, so a machine whose load drifts (other jobs
-on these 2 cores) affects all three alike. The loop does what ``node.node.Node`` does per step:
+on these 2 cores) affects all three alike. The loop does what ``node.process.peer.Node`` does per step:
 one inner AdamW step, then a status update handed to the view, and a ``round_done`` every
 ``--round-seconds``. The live view draws to an in-memory terminal (``force_terminal``: rich
 lays out and writes every frame, twice a second, from its refresh thread) with a table of 8 peers.
@@ -32,10 +32,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from node.config import load_config  # noqa: E402
-from node.model import build_model  # noqa: E402
-from node.trainer import Trainer  # noqa: E402
-from node.ui import LiveView, NodeStatus, PlainView  # noqa: E402
+from node.observe.ui import LiveView, NodeStatus, PlainView  # noqa: E402
+from node.process.config import load_config  # noqa: E402
+from node.training.model import build_model  # noqa: E402
+from node.training.trainer import Trainer  # noqa: E402
 from protocols.progress import ProgressRecord  # noqa: E402
 
 VARIANTS = ("none", "plain", "live")

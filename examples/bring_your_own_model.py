@@ -19,8 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from node.api import DiLoCoSwarm  # noqa: E402
-from node.config import RoundConfig  # noqa: E402
+from node.api import (
+    DiLoCoSwarm,  # noqa: E402
+    RoundConfig,  # noqa: E402
+)
 
 
 def report(done) -> None:

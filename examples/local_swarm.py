@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from node.local_swarm import LocalSwarm  # noqa: E402
+from examples.swarm_launcher import LocalSwarm  # noqa: E402
 
 
 def main() -> int:

@@ -2,7 +2,8 @@
 
 Why a separate hierarchy: the CLI catches `ShoalError`, prints its one-line message without a
 traceback and exits with `exit_code`, so scripts can tell a bad flag from an unreachable peer.
-Anything else that escapes is a bug and keeps its traceback.
+Anything else that escapes (a ``ValueError`` from an internal check included) is a bug and keeps
+its traceback and exit code 1.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ class ShoalError(Exception):
     exit_code: int = 2
 
 
-class ConfigError(ShoalError):
-    """A bad config value, flag or environment variable."""
+class ConfigError(ShoalError, ValueError):
+    """A bad config value, flag or environment variable, or data that does not fit the config.
+
+    Also a ``ValueError``: config dataclasses raise it from ``__post_init__``, so library users
+    who build them in code catch the usual type.
+    """
 
     exit_code = 2
 

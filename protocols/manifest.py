@@ -6,7 +6,7 @@ hyperparameters, round length...), with a hash of those fields. A joiner whose o
 differently is refused before it averages anything, with one line naming the first differing
 field: averaging tensors of a different model or schedule would silently corrupt the run.
 
-Everything here is pure (no DHT): ``node.swarm`` stores and fetches the encoded dicts.
+Everything here is pure (no DHT): ``node.library.run_record`` stores and fetches the encoded dicts.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from typing import Any
 from protocols.errors import ConfigError
 from protocols.keys import validate_run_id
 from protocols.messages import MessageError
+from protocols.version import PROTOCOL_VERSION
 
-# Bump when peers of two versions can no longer average together (message schemas, state layout).
-PROTOCOL_VERSION = 1
 MANIFEST_VERSION = 2  # the encoding of this record itself
 
 MAX_FIELDS = 256

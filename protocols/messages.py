@@ -13,7 +13,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 1
+from protocols.version import PROTOCOL_VERSION
+
 MAX_FINGERPRINT_VALUES = 1 << 16
 
 

@@ -16,7 +16,6 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any
 
 from hivemind.p2p import PeerID
@@ -201,11 +200,3 @@ class SwarmSummary:
 def _mean(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
-
-
-def shoal_version() -> str:
-    """The installed shoal version, for the record's ``version`` field."""
-    try:
-        return metadata.version("shoal")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from node.sockets import hivemind_sockets, remove_stale
+from node.library.cleanup import hivemind_sockets, remove_stale
 from tests.integration.swarm import Swarm
 
 

@@ -1,4 +1,4 @@
-"""Test-side helpers around ``node.local_swarm``: the tiny config and a cache dir per swarm."""
+"""Test-side helpers around ``examples.swarm_launcher``: the tiny config and a cache dir per swarm."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from node.local_swarm import LocalPeer, LocalSwarm, session_members, shoal_command
+from examples.swarm_launcher import LocalPeer, LocalSwarm, session_members, shoal_command
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny.toml"

@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from node.checkpoint import load_latest_valid
-from node.local_swarm import kill_process_group
-from node.metrics import read_metrics
+from examples.swarm_launcher import kill_process_group
+from node.library.checkpoint import load_latest_valid
+from node.observe.metrics import read_metrics
 from protocols.schedule import RoundSchedule
 from tests.integration.swarm import REPO, TINY, shoal_command, wait_until
 

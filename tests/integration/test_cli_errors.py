@@ -13,7 +13,7 @@ import traceback
 import pytest
 import torch
 
-from node.local_swarm import kill_process_group, session_members
+from examples.swarm_launcher import kill_process_group, session_members
 from tests.integration.swarm import REPO, shoal_command
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from node.local_swarm import session_members, shoal_command
+from examples.swarm_launcher import session_members, shoal_command
 from tests.integration.swarm import REPO, TINY
 
 pytestmark = [pytest.mark.integration,

@@ -28,9 +28,9 @@ import pytest
 import typer.main
 import yaml  # a dependency of hivemind, so always installed with shoal
 
+from examples.swarm_launcher import kill_process_group, session_members
 from node.cli import app
-from node.local_swarm import kill_process_group, session_members
-from node.metrics import read_metrics
+from node.observe.metrics import read_metrics
 from protocols.addresses import parse_listen_multiaddr, parse_peer_multiaddr
 from tests.integration.swarm import REPO
 

@@ -18,7 +18,7 @@ import uuid
 import psutil
 import pytest
 
-from node.metrics import read_metrics
+from node.observe.metrics import read_metrics
 from tests.integration.swarm import REPO
 
 pytestmark = pytest.mark.integration

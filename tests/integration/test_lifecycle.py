@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from node.checkpoint import load_latest_valid
-from node.metrics import read_metrics
+from node.library.checkpoint import load_latest_valid
+from node.observe.metrics import read_metrics
 from tests.integration.swarm import REPO
 
 pytestmark = pytest.mark.integration

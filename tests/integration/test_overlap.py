@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from node.checkpoint import load_latest_valid
-from node.metrics import read_metrics
+from node.library.checkpoint import load_latest_valid
+from node.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.integration
 

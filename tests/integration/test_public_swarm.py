@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from node.checkpoint import list_checkpoints, load_latest_valid
-from node.local_swarm import kill_process_group, session_members, shoal_command
-from node.metrics import read_metrics
+from examples.swarm_launcher import kill_process_group, session_members, shoal_command
+from node.library.checkpoint import list_checkpoints, load_latest_valid
+from node.observe.metrics import read_metrics
 from tests.integration.swarm import REPO, TINY, wait_until
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ import torch
 from hivemind.proto import averaging_pb2
 
 from averaging.hivemind_backend import HivemindBackend
-from node.sockets import hivemind_sockets, remove_stale
+from node.library.cleanup import hivemind_sockets, remove_stale
 from protocols.messages import MessageError
 
 pytestmark = pytest.mark.integration

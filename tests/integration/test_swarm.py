@@ -9,10 +9,10 @@ import subprocess
 import pytest
 import torch
 
-from node.checkpoint import load_latest_valid
-from node.config import load_config
-from node.metrics import read_metrics
-from node.model import build_model
+from node.library.checkpoint import load_latest_valid
+from node.observe.metrics import read_metrics
+from node.process.config import load_config
+from node.training.model import build_model
 from tests.integration.swarm import REPO, TINY, shoal_command
 
 pytestmark = pytest.mark.integration

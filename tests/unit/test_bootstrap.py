@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from node.bootstrap import expand_initial_peers, write_address_file
-from node.swarm import Reachability, prepare_identity
+from node.library.bootstrap import expand_initial_peers, write_address_file
+from node.library.dht import Reachability, prepare_identity
 from protocols.errors import AddressError, ConfigError
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWJL9H72hNXUR9C5WppL79Jhh7GTmdgtogAcf1ANSKKCqV"

@@ -4,17 +4,17 @@ import os
 import pytest
 import torch
 
-from node.checkpoint import (
+from node.library.checkpoint import (
     META_FILE,
     MODEL_FILE,
     OUTER_FILE,
-    SHOAL_VERSION,
     list_checkpoints,
     load_checkpoint,
     load_latest_valid,
     save_checkpoint,
 )
 from protocols.errors import CheckpointError
+from protocols.version import shoal_version
 
 
 def make_state(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -63,7 +63,7 @@ def test_round_trip_keeps_tensors_meta_and_extras(tmp_path):
     assert ckpt.meta["run_id"] == "run-a"
     assert ckpt.meta["tokens_seen"] == 1234
     assert ckpt.meta["peers"] == ["a", "b"]
-    assert ckpt.meta["shoal_version"] == SHOAL_VERSION
+    assert ckpt.meta["shoal_version"] == shoal_version()
     assert isinstance(ckpt.meta["created"], float)
     for name in (MODEL_FILE, OUTER_FILE):
         assert ckpt.meta["files"][name]["size"] == (path / name).stat().st_size

@@ -5,9 +5,10 @@ import re
 
 import pytest
 
-from node.config import DEFAULT_CONFIG, EXAMPLES_DIR, load_config, shared_fields, shared_hash
-from node.model import ModelConfig, build_model, count_parameters
+from node.process.config import DEFAULT_CONFIG, EXAMPLES_DIR, load_config, shared_fields
+from node.training.model import ModelConfig, build_model, count_parameters
 from protocols.errors import ConfigError
+from protocols.manifest import fields_hash
 
 TINY = EXAMPLES_DIR / "tiny.toml"
 SMALL = EXAMPLES_DIR / "small.toml"
@@ -168,20 +169,20 @@ def test_shared_fields_cover_the_sections_peers_must_agree_on():
     [{"inner.lr": 1e-3}, {"model.n_layer": 3}, {"outer.momentum": 0.8}, {"round.seconds": 11.0},
      {"data.batch_size": 8}, {"outer.nesterov": False}],
 )
-def test_shared_hash_changes_with_a_shared_field(change):
-    base = shared_hash(shared_fields(load_config(TINY)))
-    assert shared_hash(shared_fields(load_config(TINY))) == base  # deterministic
-    assert shared_hash(shared_fields(load_config(TINY, change))) != base
+def test_config_hash_changes_with_a_shared_field(change):
+    base = fields_hash(shared_fields(load_config(TINY)))
+    assert fields_hash(shared_fields(load_config(TINY))) == base  # deterministic
+    assert fields_hash(shared_fields(load_config(TINY, change))) != base
 
 
 @pytest.mark.parametrize("change", [{"train.device": "cpu"}, {"train.torch_threads": 4}, {"run_id": "other"},
                                     {"averaging.allreduce_timeout": 5.0}])
-def test_shared_hash_ignores_local_fields(change):
-    assert shared_hash(shared_fields(load_config(TINY, change))) == shared_hash(shared_fields(load_config(TINY)))
+def test_config_hash_ignores_local_fields(change):
+    assert fields_hash(shared_fields(load_config(TINY, change))) == fields_hash(shared_fields(load_config(TINY)))
 
 
 def test_an_installed_wheel_finds_the_example_configs_under_its_prefix(tmp_path):
-    from node.config import examples_dir
+    from node.process.config import examples_dir
 
     installed = tmp_path / "venv" / "share" / "shoal" / "configs"
     installed.mkdir(parents=True)

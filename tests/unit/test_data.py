@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from node import data
-from node.data import (
+from node.training import data
+from node.training.data import (
     BatchSampler,
     DataConfig,
     default_corpus_files,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from node.download_view import DownloadLog
+from node.observe.download_log import DownloadLog
 
 
 def test_logs_each_quarter_once(caplog):
     view = DownloadLog()
-    with caplog.at_level(logging.INFO, logger="node.download_view"):
+    with caplog.at_level(logging.INFO, logger="node.observe.download_log"):
         for done in range(0, 101, 5):
             view(done * 2**20, 100 * 2**20)
     lines = [r.getMessage() for r in caplog.records]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.config import EXAMPLES_DIR, RunConfig, load_config
-from node.model import build_model, count_parameters
+from node.process.config import EXAMPLES_DIR, RunConfig, load_config
+from node.training.model import build_model, count_parameters
 
 CONFIGS = sorted(EXAMPLES_DIR.glob("*.toml"))
 RTX4090 = EXAMPLES_DIR / "rtx4090-125m.toml"

@@ -10,8 +10,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from node.exporter import MetricsExporter, check_health, health
-from protocols.progress import shoal_version
+from averaging.diloco import Applied
+from node.commands.health import health
+from node.observe.exporter import MetricsExporter, check_health
+from protocols.version import shoal_version
+from tests.rounds import round_record
 
 
 class FakeClock:
@@ -36,13 +39,6 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def round_record(**changes) -> dict:
-    base = {"event": "round", "peer": "p", "time": 1.0, "round": 7, "group_size": 3, "inner_steps": 40,
-            "tokens": 40960, "compute_s": 9.0, "wait_s": 0.1, "sync_s": 1.5, "wall_s": 10.0, "loss": 3.25,
-            "eval_loss": 3.5, "applied": "averaged", "peers": 4, "allreduce_s": 0.75}
-    return {**base, **changes}
-
-
 @pytest.fixture
 def exporter():
     exp = MetricsExporter(port=0, stale_after=30.0, peer_id="12D3KooWpeer", run_id="demo", clock=FakeClock())
@@ -52,7 +48,7 @@ def exporter():
 
 def test_a_scrape_shows_the_round_figures(exporter):
     exporter.observe_round(round_record())
-    exporter.observe_round(round_record(round=8, applied="local", tokens=20480, eval_loss=None, loss=3.0))
+    exporter.observe_round(round_record(round=8, applied=Applied.LOCAL, tokens=20480, eval_loss=None, loss=3.0))
     exporter.update(bytes_sent=123_456, bytes_received=654_321)
     status, text = get(f"{exporter.url}/metrics")
     assert status == 200

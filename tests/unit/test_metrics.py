@@ -6,23 +6,8 @@ import time
 
 import pytest
 
-from node.metrics import ROUND_FIELDS, MetricsWriter, read_metrics, round_record_fields
-
-
-def round_fields(**overrides):
-    base = dict(
-        round=3,
-        group_size=2,
-        inner_steps=50,
-        tokens=4096,
-        compute_s=1.5,
-        wait_s=0.1,
-        sync_s=0.4,
-        wall_s=2.0,
-        loss=3.2,
-        eval_loss=None,
-    )
-    return {**base, **overrides}
+from node.observe.metrics import ROUND_FIELDS, MetricsWriter, read_metrics
+from tests.rounds import round_record
 
 
 def test_lines_are_strict_json_with_envelope(tmp_path):
@@ -30,7 +15,7 @@ def test_lines_are_strict_json_with_envelope(tmp_path):
     before = time.time()
     with MetricsWriter(path, peer_id="12D3KooWpeer") as writer:
         returned = writer.write("start", model="tiny", lr=0.7)
-        writer.write("round", **round_record_fields(**round_fields()))
+        writer.write_round(round_record())
     lines = path.read_text().splitlines()
     assert len(lines) == 2
     records = [json.loads(line) for line in lines]
@@ -38,7 +23,7 @@ def test_lines_are_strict_json_with_envelope(tmp_path):
     assert records[0]["event"] == "start" and records[0]["peer"] == "12D3KooWpeer"
     assert before <= records[0]["time"] <= time.time()
     assert list(records[1])[:3] == ["event", "peer", "time"]
-    assert list(records[1])[3:] == list(ROUND_FIELDS)
+    assert list(records[1])[3:3 + len(ROUND_FIELDS)] == list(ROUND_FIELDS)
 
 
 def test_nan_and_inf_become_null_even_nested(tmp_path):
@@ -99,18 +84,16 @@ def test_each_line_is_on_disk_before_close(tmp_path):
     writer.close()
 
 
-def test_round_record_fields_orders_and_keeps_extras():
-    fields = round_record_fields(**round_fields(), sync_error="timeout", **{"alpha": 0.5})
-    assert list(fields) == [*ROUND_FIELDS, "sync_error", "alpha"]
-    assert fields["tokens"] == 4096 and fields["sync_error"] == "timeout"
-
-
-@pytest.mark.parametrize("missing", ["round", "eval_loss", "wait_s"])
-def test_round_record_fields_rejects_a_missing_key(missing):
-    fields = round_fields()
-    del fields[missing]
-    with pytest.raises(ValueError, match=missing):
-        round_record_fields(**fields)
+def test_a_round_line_carries_the_contract_fields_first_then_every_figure(tmp_path):
+    path = tmp_path / "m.jsonl"
+    with MetricsWriter(path, peer_id="p") as writer:
+        writer.write_round(round_record(eval_loss=None, peers=3, lr=2e-3, round=9, error="timeout"))
+    (line,) = read_metrics(path)
+    assert list(line)[:3 + len(ROUND_FIELDS)] == ["event", "peer", "time", *ROUND_FIELDS]
+    assert line["event"] == "round" and line["round"] == 9 and line["eval_loss"] is None
+    # every other figure of the engine's RoundStats and the process's extras, by name
+    assert line["applied"] == "averaged" and line["peers"] == 3 and line["lr"] == 2e-3
+    assert line["error"] == "timeout" and line["group"] == ["a", "b", "c"] and line["allreduce_s"] == 0.75
 
 
 def test_concurrent_writes_produce_whole_lines(tmp_path):

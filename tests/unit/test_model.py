@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from node.model import GPT, ModelConfig, build_model, count_parameters
+from node.training.model import GPT, ModelConfig, build_model, count_parameters
 
 torch.set_num_threads(1)
 

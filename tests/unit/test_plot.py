@@ -8,9 +8,11 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from node.metrics import MetricsWriter, round_record_fields
-from node.plot import draw, load_rounds, plot
+from node.commands.plot import plot
+from node.observe.metrics import MetricsWriter
+from node.observe.plot import draw, load_rounds
 from protocols.errors import ConfigError
+from tests.rounds import round_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -20,10 +22,9 @@ def write_peer(path, peer: str, rounds: int, *, start: float = 1_000.0, eval_eve
         writer.write("start", run_id="r", maddrs=[], device="cpu", parameters=1, shard=0, config_hash="x",
                      schedule_start=start)
         for r in range(1, rounds + 1):
-            record = writer.write("round", **round_record_fields(
+            record = writer.write_round(round_record(
                 round=r, group_size=2, inner_steps=10, tokens=1024, compute_s=8.0 + r * 0.1, wait_s=0.0,
-                sync_s=0.5, wall_s=10.0, loss=4.0 - 0.1 * r, eval_loss=4.1 - 0.1 * r if r % eval_every == 0 else None,
-                applied="averaged"))
+                sync_s=0.5, wall_s=10.0, loss=4.0 - 0.1 * r, eval_loss=4.1 - 0.1 * r if r % eval_every == 0 else None))
             record["time"] = start + 10.0 * r  # the writer stamps time.time(); make the clock synthetic
             rewritten = path.read_text().splitlines()[:-1] + [json.dumps(record)]
             path.write_text("\n".join(rewritten) + "\n")

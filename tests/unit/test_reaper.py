@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from node.reaper import process_trees, reap
+from node.library.cleanup import process_trees, reap
 
 # A child that starts a grandchild (like a DHT process and its p2pd), then both sleep.
 TREE = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"

@@ -9,8 +9,8 @@ import torch
 
 from averaging.diloco import OuterConfig, OuterState
 from averaging.flat import FlatLayout
-from node.checkpoint import save_checkpoint
-from node.resume import MOMENTUM_PREFIX, find_resume_point, outer_meta, state_from_checkpoint
+from node.library.checkpoint import save_checkpoint
+from node.library.resume import MOMENTUM_PREFIX, find_resume_point, outer_meta, state_from_checkpoint
 from protocols.errors import CheckpointError, ConfigError
 from protocols.messages import MessageError
 

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from averaging.outer_loop import StepTimer
-from node.config import InnerConfig
-from node.trainer import inner_lr
+from node.training.config import InnerConfig
+from node.training.trainer import inner_lr
 from protocols.errors import ConfigError
 from protocols.keys import averager_prefix, peers_key, run_key, validate_run_id
 from protocols.schedule import RoundSchedule

@@ -11,7 +11,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from node.swarm_status import SwarmSnapshot, schedule_of, status
+from node.commands.status import status
+from node.library.snapshot import SwarmSnapshot, schedule_of
+from node.observe.status_view import render_snapshot
 from protocols.manifest import RunManifest
 from protocols.progress import ProgressRecord
 from protocols.schedule import RoundSchedule
@@ -61,13 +63,13 @@ def test_without_a_manifest_the_round_comes_from_the_peers():
 
 def test_the_table_shows_the_figures():
     console = Console(file=io.StringIO(), width=100)
-    console.print(snapshot().render())
+    console.print(render_snapshot(snapshot()))
     text = console.file.getvalue()
     assert "2 online" in text and "round  7   (10s rounds, 5s left)" in text
     assert "4,000 tokens/s" in text and "2 malformed progress records" in text
     assert "…Uy56Sd" in text and "cuda:0" in text and "2s ago" in text
     console = Console(file=io.StringIO(), width=100)
-    console.print(snapshot(records={}, malformed=0).render())
+    console.print(render_snapshot(snapshot(records={}, malformed=0)))
     assert "no peer of run 'demo' is online" in console.file.getvalue()
 
 
@@ -91,9 +93,9 @@ def test_schedule_follows_the_majority_config_and_its_earliest_start():
     ],
 )
 def test_bad_arguments_fail_before_any_network(args, needle, monkeypatch):
-    import node.swarm_status
+    import node.library.dht
 
-    monkeypatch.setattr(node.swarm_status, "open_client_dht", lambda *a: pytest.fail("started a DHT"))
+    monkeypatch.setattr(node.library.dht, "open_client_dht", lambda *a: pytest.fail("started a DHT"))
     import typer
 
     app = typer.Typer()

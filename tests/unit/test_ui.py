@@ -10,7 +10,7 @@ import time
 import pytest
 from rich.console import Console
 
-from node.ui import LiveView, NodeStatus, PlainView, human_bytes, sparkline, sync_state
+from node.observe.ui import LiveView, NodeStatus, PlainView, human_bytes, sparkline, sync_state
 from protocols.progress import ProgressRecord
 
 ME = "12D3KooWNSgyp7Jk9sKE6bQqBHmCKDCX6ayX3cFHpLdcFWUy56Sd"
@@ -133,7 +133,7 @@ def test_the_refresh_thread_draws_while_the_loop_swaps_snapshots():
 
 def test_plain_view_logs_one_line_per_round(caplog):
     view = PlainView()
-    with caplog.at_level(logging.INFO, logger="node.ui"):
+    with caplog.at_level(logging.INFO, logger="node.observe.ui"):
         view.update(status())
         view.round_done(status())
     assert len(caplog.records) == 1

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from node.config import InnerConfig, TrainConfig
+from node.training.config import InnerConfig, TrainConfig
 from protocols.errors import ConfigError
 
 

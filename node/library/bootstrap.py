@@ -1,4 +1,4 @@
-"""``shoal bootstrap``: a light DHT-only peer that serves as a swarm's public entry point.
+"""The entry point behind ``shoal bootstrap``: a light DHT-only peer that serves as a swarm's public entry point.
 
 It holds no model and no GPU, so it can run for months on a small VPS; with ``--identity`` its
 peer id (and so its multiaddr) survives restarts, which is what makes it worth publishing.
@@ -12,12 +12,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hivemind import DHT
-
-from node.atomic import write_atomically
-from node.reaper import process_trees, reap
-from node.sockets import hivemind_sockets, remove_stale
-from node.swarm import start_dht
+from node.library.atomic import write_atomically
+from node.library.cleanup import hivemind_sockets
+from node.library.dht import dht_peer_count, shutdown_dht, start_dht
 from protocols.addresses import format_join_command, parse_peer_multiaddr
 from protocols.errors import ConfigError, NetworkError
 
@@ -60,15 +57,6 @@ def expand_initial_peers(values: list[str], *, timeout: float, sleep: Callable[[
     return list(dict.fromkeys(peers))
 
 
-def dht_peer_count(dht: DHT) -> int:
-    """How many peers our DHT node knows (its routing table): the entry point's health figure."""
-    return int(dht.run_coroutine(_routing_table_size))
-
-
-async def _routing_table_size(_dht: DHT, node) -> int:
-    return len(node.protocol.routing_table.uid_to_peer_id)
-
-
 class BootstrapPeer:
     """The DHT node behind ``shoal bootstrap``; ``serve`` blocks until ``stop`` is set."""
 
@@ -102,10 +90,4 @@ class BootstrapPeer:
                 last_report = time.monotonic()
 
     def close(self) -> None:
-        hivemind = process_trees([self.dht.pid])  # the DHT process and its p2pd
-        try:
-            if self.dht.is_alive():
-                self.dht.shutdown()
-        finally:
-            reap(hivemind)
-            remove_stale(hivemind_sockets() - self._sockets_before)
+        shutdown_dht(self.dht, self._sockets_before)

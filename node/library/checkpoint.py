@@ -23,20 +23,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from protocols.errors import CheckpointError
+from protocols.version import shoal_version
 
 log = logging.getLogger(__name__)
-
-try:
-    SHOAL_VERSION = metadata.version("shoal")
-except metadata.PackageNotFoundError:
-    SHOAL_VERSION = "0+unknown"
 
 MODEL_FILE = "model.safetensors"
 OUTER_FILE = "outer.safetensors"
@@ -151,7 +146,7 @@ def save_checkpoint(
                 "round": round,
                 "run_id": meta.get("run_id"),
                 "created": time.time(),
-                "shoal_version": SHOAL_VERSION,
+                "shoal_version": shoal_version(),
                 "files": files,
                 **{key: value for key, value in meta.items() if key != "run_id"},
             }

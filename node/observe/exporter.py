@@ -1,7 +1,7 @@
 """An optional Prometheus endpoint (``/metrics``) and a liveness probe (``/healthz``) for one node.
 
 The node reports into ``MetricsExporter`` from its own threads (``observe_round`` with the
-dict ``MetricsWriter.write("round", ...)`` returned, ``update`` for live figures, ``touch`` to
+``RoundRecord`` the metrics file also gets, ``update`` for live figures, ``touch`` to
 say "still alive"); a small threaded HTTP server answers scrapes from a snapshot taken under a
 lock, so a slow scraper never blocks training. ``/healthz`` answers 200 while the node reported
 within ``stale_after`` seconds and 503 otherwise — a hung training loop turns the probe red.
@@ -9,8 +9,8 @@ within ``stale_after`` seconds and 503 otherwise — a hung training loop turns 
 The registry is our own, not prometheus_client's global one: two exporters in one process
 (tests, the library API) never clash, and no process/platform collectors leak in.
 
-``shoal health`` (``health`` below) asks ``/healthz`` on localhost: exit 0 healthy, 1 not; it
-is what a container ``HEALTHCHECK`` runs.
+``shoal health`` (``node.commands.health``) asks ``/healthz`` through ``check_health``; it is
+what a container ``HEALTHCHECK`` runs.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-import typer
-
 from protocols.errors import ConfigError
 
 # prometheus_client, urllib.request and hivemind (via protocols.progress) are imported where they
@@ -33,7 +31,8 @@ from protocols.errors import ConfigError
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-EXIT_HEALTHY, EXIT_UNHEALTHY = 0, 1
+    from node.observe.metrics import RoundRecord
+
 
 # name -> help; gauges are omitted from a scrape until known (a null eval_loss is no sample, not 0)
 GAUGES = {
@@ -104,22 +103,21 @@ class MetricsExporter:
                     self._set(name, value)
         self.touch()
 
-    def observe_round(self, record: dict[str, Any]) -> None:
-        """One ``round`` record of the metrics file (the dict ``MetricsWriter.write`` returned)."""
-        wall_s, compute_s, tokens = record.get("wall_s"), record.get("compute_s"), record.get("tokens") or 0
+    def observe_round(self, record: RoundRecord) -> None:
+        """One finished round (the same record the metrics file gets)."""
+        stats = record.stats
         with self._lock:
-            for name, key in (("round", "round"), ("loss", "loss"), ("eval_loss", "eval_loss"),
-                              ("peers", "peers"), ("group_size", "group_size"), ("sync_seconds", "sync_s"),
-                              ("allreduce_seconds", "allreduce_s")):
-                if key == "eval_loss" and record.get(key) is None:
-                    continue  # not evaluated this round: keep the last evaluation
-                self._set(name, record.get(key))
-            if wall_s:
-                self._set("tokens_per_second", tokens / wall_s)
-                if compute_s is not None:
-                    self._set("utilization_ratio", min(max(compute_s / wall_s, 0.0), 1.0))
-            self._rounds_by_applied[str(record.get("applied", "unknown"))] += 1
-            self._tokens_total += int(tokens)
+            for name, value in (("round", stats.round), ("loss", stats.loss), ("peers", record.peers),
+                                ("group_size", stats.group_size), ("sync_seconds", stats.sync_s),
+                                ("allreduce_seconds", stats.allreduce_s)):
+                self._set(name, value)
+            if record.eval_loss is not None:  # not evaluated this round: keep the last evaluation
+                self._set("eval_loss", record.eval_loss)
+            if stats.wall_s:
+                self._set("tokens_per_second", stats.tokens / stats.wall_s)
+                self._set("utilization_ratio", min(max(stats.compute_s / stats.wall_s, 0.0), 1.0))
+            self._rounds_by_applied[str(stats.applied)] += 1
+            self._tokens_total += int(stats.tokens)
         self.touch()
 
     def _set(self, name: str, value: Any) -> None:
@@ -169,7 +167,7 @@ class _Collector:
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-        from protocols.progress import shoal_version
+        from protocols.version import shoal_version
 
         exporter, snap = self.exporter, self.exporter.snapshot()
         info = InfoMetricFamily("shoal", "This node.")
@@ -240,15 +238,3 @@ def check_health(port: int, *, host: str = "127.0.0.1", timeout: float = 3.0) ->
 def _first_line(body: bytes) -> str:
     lines = body.decode("utf-8", "replace").strip().splitlines()
     return lines[0][:200] if lines else "(empty)"
-
-
-def health(
-    port: int = typer.Option(..., "--port", "--metrics-port", envvar="SHOAL_METRICS_PORT", min=1, max=65535,
-                             help="The node's --metrics-port."),
-    host: str = typer.Option("127.0.0.1", "--host", envvar="SHOAL_METRICS_HOST", help="Where the node serves its metrics."),
-    timeout: float = typer.Option(3.0, "--timeout", min=0.1, help="Seconds to wait for an answer."),
-) -> None:
-    """Exit 0 if the local node reported recently (its /healthz says ok), else 1: for container health checks."""
-    healthy, message = check_health(port, host=host, timeout=timeout)
-    typer.echo(message, err=not healthy)
-    raise typer.Exit(EXIT_HEALTHY if healthy else EXIT_UNHEALTHY)

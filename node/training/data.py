@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from node.atomic import write_atomically
+from node.library.atomic import write_atomically
+from protocols.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -56,19 +57,19 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str) or not all(isinstance(p, str) for p in self.paths):
-            raise ValueError(
+            raise ConfigError(
                 f"data.paths ({self.paths!r}) must be a list of glob strings, e.g. ['~/text/**/*.txt']"
             )
         if not isinstance(self.cache_dir, str):
-            raise ValueError(
+            raise ConfigError(
                 f"data.cache_dir ({self.cache_dir!r}) must be a string path; use '' for the default"
             )
         for name in ("max_corpus_bytes", "max_eval_bytes", "num_shards", "batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"data.{name} ({value!r}) must be a positive integer")
+                raise ConfigError(f"data.{name} ({value!r}) must be a positive integer")
         if not 0.0 < self.eval_fraction < 0.5:
-            raise ValueError(f"data.eval_fraction ({self.eval_fraction}) must be in (0, 0.5), e.g. 0.01")
+            raise ConfigError(f"data.eval_fraction ({self.eval_fraction}) must be in (0, 0.5), e.g. 0.01")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +111,7 @@ def resolve_files(config: DataConfig) -> list[Path]:
     if not config.paths:
         files = default_corpus_files()
         if not files:
-            raise ValueError(
+            raise ConfigError(
                 "data.paths is empty and no default corpus was found; point data.paths at text files"
             )
         return files
@@ -121,7 +122,7 @@ def resolve_files(config: DataConfig) -> list[Path]:
             if path.is_file():
                 matched.add(path)
     if not matched:
-        raise ValueError(f"data.paths: no files match {config.paths!r}; point it at existing text files")
+        raise ConfigError(f"data.paths: no files match {config.paths!r}; point it at existing text files")
     return sorted(matched)
 
 
@@ -151,7 +152,7 @@ def load_corpus(config: DataConfig) -> np.ndarray:
 
     corpus = _read_files([Path(path) for path, _, _ in fingerprint], config.max_corpus_bytes)
     if len(corpus) < MIN_CORPUS_BYTES:
-        raise ValueError(
+        raise ConfigError(
             f"corpus has only {len(corpus)} bytes from {len(fingerprint)} readable file(s), "
             f"need at least {MIN_CORPUS_BYTES}; add more text to data.paths"
         )
@@ -203,7 +204,7 @@ def split_corpus(tokens: np.ndarray, eval_fraction: float, max_eval_bytes: int) 
     """Hold out the tail of the corpus; a pure function of its length, so identical on every peer."""
     n_eval = min(int(len(tokens) * eval_fraction), max_eval_bytes)
     if n_eval < 1 or n_eval >= len(tokens):
-        raise ValueError(
+        raise ConfigError(
             f"held-out split of {n_eval} bytes from a {len(tokens)}-byte corpus is unusable; "
             "raise data.eval_fraction or add more data"
         )
@@ -231,6 +232,12 @@ def shard_for_peer(peer_id: str, num_shards: int) -> int:
     return int.from_bytes(digest[:8], "big") % num_shards
 
 
+def seed_for_peer(peer_id: str) -> int:
+    """This peer's batch-order seed: stable across restarts with the same identity, different
+    between peers (so two peers on one shard do not draw the same batches)."""
+    return int.from_bytes(hashlib.sha256(b"batches:" + peer_id.encode("utf-8")).digest()[:8], "big")
+
+
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) int64 tensors from windows of seq_len+1 bytes at `starts`; y is x shifted by one."""
     # Fancy indexing copies, so the read-only memmap is never handed to torch.
@@ -246,7 +253,7 @@ class BatchSampler:
         if seq_len <= 0 or batch_size <= 0:
             raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
         if len(tokens) < seq_len + 1:
-            raise ValueError(
+            raise ConfigError(
                 f"shard has {len(tokens)} bytes but a window needs seq_len+1 = {seq_len + 1}; "
                 "use fewer data.num_shards or more data"
             )
@@ -275,7 +282,7 @@ def eval_batches(
             f"seq_len ({seq_len}), batch_size ({batch_size}) and num_batches ({num_batches}) must be positive"
         )
     if len(tokens) < seq_len + 1:
-        raise ValueError(
+        raise ConfigError(
             f"held-out split has {len(tokens)} bytes but a window needs seq_len+1 = {seq_len + 1}; "
             "raise data.eval_fraction / data.max_eval_bytes or add more data"
         )

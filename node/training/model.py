@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protocols.errors import ConfigError
+
 BYTE_VOCAB_SIZE = 256
 
 
@@ -37,21 +39,21 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.vocab_size != BYTE_VOCAB_SIZE:
-            raise ValueError(
+            raise ConfigError(
                 f"model.vocab_size ({self.vocab_size}) must be {BYTE_VOCAB_SIZE}: "
                 "the built-in model is byte-level; remove the setting"
             )
         for name in ("d_model", "n_layer", "n_head", "seq_len", "mlp_ratio"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model.{name} ({value!r}) must be a positive integer")
+                raise ConfigError(f"model.{name} ({value!r}) must be a positive integer")
         if self.d_model % self.n_head != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head}); "
                 "change one of them"
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout ({self.dropout}) must be in [0, 1); use 0.0 to disable it")
+            raise ConfigError(f"model.dropout ({self.dropout}) must be in [0, 1); use 0.0 to disable it")
 
 
 class CausalSelfAttention(nn.Module):

@@ -1,4 +1,4 @@
-"""Resuming from ``--checkpoint-dir``: the newest valid checkpoint becomes this peer's shared state.
+"""Saving the shared state to ``--checkpoint-dir`` and resuming from the newest valid checkpoint.
 
 A checkpoint holds the anchor (by parameter name), the outer momentum and the outer state's
 counters; turning it back into the flat state goes through the same validation as a state
@@ -8,16 +8,19 @@ different layout. A checkpoint of another run or config is refused, not silently
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from averaging.backend import DownloadedState
 from averaging.flat import FlatLayout
-from node.checkpoint import Checkpoint, list_checkpoints, load_latest_valid
+from node.library.checkpoint import Checkpoint, list_checkpoints, load_latest_valid, save_checkpoint
 from protocols.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -32,6 +35,18 @@ def outer_meta(metadata: dict) -> dict:
             "scale": list(struct.unpack(f"<{len(scale) // 8}d", scale))}
 
 
+def save_shared_state(checkpoint_dir: Path, layout: FlatLayout, state: tuple[dict, list[torch.Tensor]], *,
+                      meta: dict) -> tuple[Path, int]:
+    """Write one consistent copy of the shared state (``OuterState.shared_state()``: metadata,
+    [anchor, momentum]) as a checkpoint; returns its path and round."""
+    metadata, (anchor, momentum) = state
+    params = dict(layout.views(anchor))
+    outer_state = {f"{MOMENTUM_PREFIX}{k}": v for k, v in layout.views(momentum).items()}
+    path = save_checkpoint(checkpoint_dir, round=metadata["round"], params=params, outer_state=outer_state,
+                           meta={**meta, "rounds_done": metadata["rounds_done"], "outer": outer_meta(metadata)})
+    return path, metadata["round"]
+
+
 def find_resume_point(checkpoint_dir: Path, on_invalid: Callable[[CheckpointError], None]) -> Checkpoint | None:
     """The newest checkpoint that verifies; each newer broken one is reported. A directory whose
     checkpoints are all broken is an error (resuming from nothing would silently lose the run)."""
@@ -42,14 +57,22 @@ def find_resume_point(checkpoint_dir: Path, on_invalid: Callable[[CheckpointErro
     return found
 
 
+def legacy_config_hash(fields: dict[str, Any]) -> str:
+    """The config hash checkpoints of shoal 0.1 before the run manifest's hash was used everywhere
+    (sha256 of the sorted JSON of the run's fields without the parameter list, 16 hex digits).
+    Accepted on resume only, so those checkpoints are not lost; new ones hold the manifest's hash."""
+    legacy = {key: value for key, value in fields.items() if key != "parameters"}
+    return hashlib.sha256(json.dumps(legacy, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def state_from_checkpoint(checkpoint: Checkpoint, layout: FlatLayout, *, run_id: str,
-                          config_hash: str | None) -> DownloadedState:
+                          config_hash: str | None, also_accept: tuple[str, ...] = ()) -> DownloadedState:
     """The checkpoint as a shared state for ``OuterState.adopt`` (which validates values)."""
     meta = checkpoint.meta
     if meta.get("run_id") != run_id:
         raise ConfigError(f"checkpoint {checkpoint.path} belongs to run {meta.get('run_id')!r}, not {run_id!r}; "
                           "pass that run's --run-id or another --checkpoint-dir")
-    if config_hash is not None and meta.get("config_hash") != config_hash:
+    if config_hash is not None and meta.get("config_hash") not in (config_hash, *also_accept):
         raise ConfigError(f"checkpoint {checkpoint.path} was written with another config (hash "
                           f"{meta.get('config_hash')}, this run {config_hash}); use the config it was trained with "
                           "or another --checkpoint-dir")

@@ -2,7 +2,7 @@
 
 Three panels: loss vs wall-clock time, loss vs tokens this peer trained on (train loss solid,
 eval loss of the shared model dashed, one colour per peer), and utilization (compute_s /
-wall_s) per round. It reads the ``round`` records of the format in ``node.metrics``.
+wall_s) per round. It reads the ``round`` records of the format in ``node.observe.metrics``.
 
 matplotlib is optional (``pip install 'shoal[plot]'``) and imported only here, only when the
 command runs; it draws through the Agg canvas directly, never through pyplot's global state.
@@ -14,9 +14,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import typer
-
-from node.metrics import read_metrics
+from node.observe.fmt import short_id
+from node.observe.metrics import read_metrics
 from protocols.errors import ConfigError
 
 ROUND_KEYS = ("round", "time", "tokens", "compute_s", "wall_s")
@@ -32,7 +31,7 @@ class PeerRounds:
 
     @property
     def label(self) -> str:
-        return f"…{self.peer[-6:]}" if len(self.peer) > 6 else self.peer
+        return short_id(self.peer)
 
 
 def _number(value: object) -> bool:
@@ -138,18 +137,3 @@ def draw(peers: list[PeerRounds], origin: float, output: Path) -> Path:
     except OSError as e:
         raise ConfigError(f"cannot write {output}: {e.strerror or e}") from None
     return output
-
-
-def plot(
-    files: list[Path] = typer.Argument(..., help="Metrics files of one or more peers (shoal run --metrics-file)."),
-    output: Path = typer.Option(Path("shoal-metrics.png"), "-o", "--output", envvar="SHOAL_PLOT_OUTPUT", help="The PNG to write."),
-) -> None:
-    """Plot loss vs time and vs tokens, and utilization per peer, from metrics files (needs matplotlib)."""
-    try:
-        peers, origin = load_rounds(files)
-        written = draw(peers, origin, output)
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(e.exit_code) from None
-    rounds = sum(len(p.rounds) for p in peers)
-    typer.echo(f"wrote {written} ({len(peers)} peer{'s' * (len(peers) != 1)}, {rounds} rounds)")

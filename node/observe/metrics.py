@@ -1,19 +1,25 @@
 """The JSON-lines metrics file (``--metrics-file``): a contract users' scripts rely on.
 
 Each line is one JSON object with at least ``event``, ``peer`` and ``time`` (unix seconds).
-``event == "round"`` lines carry every key in ``ROUND_FIELDS``. Lines are strict JSON: NaN and
+``event == "round"`` lines carry every key in ``ROUND_FIELDS`` (and every other field of
+``RoundRecord``). Lines are strict JSON: NaN and
 infinity become ``null``, because a diverged loss must not make the whole file unparseable
 for ``jq`` or a browser.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch loads only where rounds are produced, not for `shoal plot`
+    from averaging.outer_loop import RoundStats
 
 ROUND_FIELDS = (
     "round",
@@ -71,6 +77,9 @@ class MetricsWriter:
                 self._file.flush()
         return record
 
+    def write_round(self, record: RoundRecord) -> dict:
+        return self.write("round", **record.fields())
+
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
@@ -84,19 +93,21 @@ class MetricsWriter:
         self.close()
 
 
-def round_record_fields(**kwargs: Any) -> dict:
-    """The fields of a ``round`` event: all of ``ROUND_FIELDS`` in order, then any extras.
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """One finished round, from the round engine to the metrics file and the exporter: the engine's
+    ``RoundStats`` as they are, plus what only the process knows."""
 
-    A missing key is a bug in the caller, caught here rather than in a user's plotting script.
-    """
-    missing = [key for key in ROUND_FIELDS if key not in kwargs]
-    if missing:
-        raise ValueError(
-            f"round record is missing {missing}; every round line must carry {list(ROUND_FIELDS)}"
-        )
-    ordered = {key: kwargs[key] for key in ROUND_FIELDS}
-    ordered.update((key, value) for key, value in kwargs.items() if key not in ordered)
-    return ordered
+    stats: RoundStats
+    eval_loss: float | None  # None: not evaluated this round
+    peers: int  # live peers in the swarm when the round landed
+    lr: float  # the inner learning rate at that time
+
+    def fields(self) -> dict[str, Any]:
+        """The ``round`` line's fields: ``ROUND_FIELDS`` first, in order, then every other figure."""
+        values = {f.name: getattr(self.stats, f.name) for f in dataclasses.fields(self.stats)}
+        values.update(eval_loss=self.eval_loss, peers=self.peers, lr=self.lr)
+        return {**{key: values.pop(key) for key in ROUND_FIELDS}, **values}
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -23,6 +23,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from node.observe.fmt import human_bytes, number, short_id
 from protocols.progress import ProgressRecord, SwarmSummary
 
 logger = logging.getLogger(__name__)
@@ -62,10 +63,6 @@ class NodeStatus:
     peer_records: Sequence[ProgressRecord] = ()  # the swarm's progress records (replace, never mutate)
 
 
-def _fmt(value: float | None, spec: str = ".4f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def sparkline(values: Sequence[float], width: int = HISTORY) -> str:
     """The last ``width`` values as unicode bars scaled between their min and max."""
     finite = [v for v in values if v is not None and math.isfinite(v)][-width:]
@@ -76,19 +73,6 @@ def sparkline(values: Sequence[float], width: int = HISTORY) -> str:
         return SPARK_CHARS[len(SPARK_CHARS) // 2] * len(finite)
     top = len(SPARK_CHARS) - 1
     return "".join(SPARK_CHARS[round((v - low) / (high - low) * top)] for v in finite)
-
-
-def human_bytes(rate: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if rate < 1000 or unit == "GB":
-            return f"{rate:.0f} {unit}" if unit == "B" else f"{rate:.1f} {unit}"
-        rate /= 1000
-    raise AssertionError("unreachable")
-
-
-def short_id(peer_id: str) -> str:
-    """Peer ids share their first characters (12D3KooW...); the tail tells them apart."""
-    return "…" + peer_id[-6:] if len(peer_id) > 6 else peer_id
 
 
 def sync_state(status: NodeStatus) -> str:
@@ -172,9 +156,9 @@ class LiveView:
             grid.add_row("", bar)
 
         # training
-        loss = Text(f"{_fmt(s.loss)} ")
+        loss = Text(f"{number(s.loss)} ")
         loss.append(sparkline(self.loss_history), style="magenta")
-        loss.append(f"   eval {_fmt(s.eval_loss)} ")
+        loss.append(f"   eval {number(s.eval_loss)} ")
         loss.append(sparkline(self.eval_history), style="green")
         grid.add_row("loss", loss)
         util = f"   utilization {s.utilization:.0%}" if s.utilization is not None else ""
@@ -225,7 +209,7 @@ def peer_table(records: Sequence[ProgressRecord], *, me: str = "", now: float, l
     for r in shown:
         you = r.peer_id == me
         row = cells([short_id(r.peer_id) + (" (you)" if you else ""), r.device, f"{r.tokens_per_s:,.0f}",
-                     str(r.round), _fmt(r.loss, ".3f"), f"{r.utilization:.0%}", r.phase,
+                     str(r.round), number(r.loss, ".3f"), f"{r.utilization:.0%}", r.phase,
                      f"{max(now - r.time, 0.0):.0f}s ago"])
         table.append(row + "\n", style="bold" if you else "")
     if len(ordered) > len(shown):
@@ -253,7 +237,7 @@ class PlainView:
         self.status = status
         util = f" utilization={status.utilization:.0%}" if status.utilization is not None else ""
         logger.info(
-            f"round {status.finished_round}: peers={status.peers} loss={_fmt(status.loss)} eval_loss={_fmt(status.eval_loss)} "
+            f"round {status.finished_round}: peers={status.peers} loss={number(status.loss)} eval_loss={number(status.eval_loss)} "
             f"tokens/s={status.tokens_per_s:,.0f}{util} sync={status.last_sync} group={status.group_size} "
             f"sync_s={status.sync_s:.2f}"
         )

@@ -1,0 +1,1 @@
+"""The `shoal` commands, one module each; `node.cli` registers them."""

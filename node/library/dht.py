@@ -1,0 +1,137 @@
+"""Our DHT node: start it (with a clear error when nobody answers), how it is reachable, stop it.
+
+hivemind's ``DHT`` is a forked process (plus its p2pd daemon) that we talk to through a pipe;
+after start-up all our DHT calls happen on one thread at a time (the peer monitor's), because
+that pipe is not safe to write from several threads at once (docs/hivemind.md).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from hivemind import DHT
+
+from node.library.cleanup import close_hivemind, hivemind_sockets
+from protocols.errors import ConfigError, NetworkError
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True, slots=True)
+class Reachability:
+    """How this peer can be reached (``--client-mode``, ``--use-relay``), told to the user at start."""
+
+    client_mode: bool = False
+    use_relay: bool = False
+
+    @property
+    def mode(self) -> str:
+        return "client" if self.client_mode else "relay" if self.use_relay else "full"
+
+    def describe(self, maddrs: list[str]) -> str:
+        if self.client_mode:
+            return ("client mode (--client-mode): outgoing connections only; this peer trains and averages "
+                    "but nobody can connect to it, so it serves no state to newcomers")
+        if self.use_relay:
+            return ("relay mode (--use-relay): reachable through other peers' libp2p relays, for a NAT or "
+                    "firewall without port forwarding")
+        if maddrs and all(_is_private(m) for m in maddrs):
+            return ("full peer, but only on private addresses: peers outside this network cannot reach it; "
+                    "forward the port and pass --announce /ip4/<public ip>/tcp/<port>, or use --use-relay "
+                    "or --client-mode")
+        return "full peer: others connect to it directly"
+
+
+def _is_private(maddr: str) -> bool:
+    parts = maddr.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return False
+    try:
+        address = ipaddress.ip_address(parts[2])
+    except ValueError:
+        return False
+    return address.is_private or address.is_loopback or address.is_link_local
+
+
+def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str], timeout: float,
+              identity: Path | None = None, reachability: Reachability = Reachability()) -> DHT:
+    """Start our DHT node; an unreachable bootstrap peer is a one-line error after ``timeout`` s."""
+    if reachability.client_mode and not initial_peers:
+        raise ConfigError("--client-mode needs --initial-peer: a peer nobody can connect to cannot start a swarm")
+    identity_path = prepare_identity(identity) if identity is not None else None
+    sockets_before = hivemind_sockets()
+    dht = DHT(
+        initial_peers=initial_peers or None,
+        host_maddrs=listen or ["/ip4/0.0.0.0/tcp/0"],
+        announce_maddrs=announce or None,
+        identity_path=identity_path,
+        client_mode=reachability.client_mode,
+        use_relay=True,  # hivemind's default: we may dial peers that are reachable only via relays
+        use_auto_relay=reachability.use_relay,
+        start=False,
+    )
+    try:
+        dht.run_in_background(await_ready=True, timeout=timeout)
+        return dht
+    except BaseException as e:
+        shutdown_dht(dht, sockets_before)
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        if identity_path is not None and "already taken" in reason:
+            raise ConfigError(f"another peer is already running with the identity in {identity_path}; stop it or "
+                              "pass a different --identity") from None
+        if identity_path is not None and ("unmarshal" in reason or "proto" in reason.lower()):
+            raise ConfigError(f"identity file {identity_path} is not a libp2p private key; delete it to create a "
+                              "new one (this peer's id will change)") from None
+        if initial_peers:
+            raise NetworkError(
+                f"could not reach any initial peer ({', '.join(initial_peers)}) within {timeout:.0f}s ({reason[:160]}); "
+                "check that the peer is running and that its address and port are reachable from here"
+            ) from None
+        raise NetworkError(f"could not start the DHT on {', '.join(listen) or 'the default address'}: {reason[:200]}; "
+                           "check --listen (is the port free?)") from None
+
+
+def prepare_identity(path: Path) -> str:
+    """The identity file for ``--identity``: hivemind creates it on first use; we make its folder
+    and refuse a path that cannot hold a key (a folder, an empty file) with a fix."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"--identity {path} is a directory; pass a file path, e.g. {path / 'identity.key'}")
+    if path.exists() and path.stat().st_size == 0:
+        raise ConfigError(f"identity file {path} is empty; delete it to create a new one (this peer's id will change)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the folder for --identity {path}: {e.strerror}") from None
+    return str(path)
+
+
+def shutdown_dht(dht: DHT, sockets_before: set[str] | None = None) -> None:
+    """Stop a DHT we started: a clean shutdown if it is alive, SIGTERM if that fails, then
+    whatever of its process tree (p2pd) is left is killed and its stale sockets removed."""
+    def stop() -> None:
+        try:
+            if dht.is_alive():
+                dht.shutdown()
+        finally:
+            if dht.is_alive():
+                dht.terminate()
+
+    close_hivemind([stop], [dht.pid], hivemind_sockets() if sockets_before is None else sockets_before)
+
+
+def open_client_dht(initial_peers: list[str], timeout: float) -> DHT:
+    """A client-mode DHT node bootstrapped from ``initial_peers`` (``NetworkError`` if none answers)."""
+    return start_dht(initial_peers=initial_peers, listen=[], announce=[], timeout=timeout,
+                     reachability=Reachability(client_mode=True))
+
+
+def dht_peer_count(dht: DHT) -> int:
+    """How many peers our DHT node knows (its routing table): an entry point's health figure."""
+    return int(dht.run_coroutine(_routing_table_size))
+
+
+async def _routing_table_size(_dht: DHT, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)

@@ -1,0 +1,97 @@
+"""One look at a running swarm from the DHT: the run's schedule and every peer's progress record.
+
+``shoal status`` takes it through a client-mode DHT node without joining the run; the result is
+pure data, so it renders (``node.observe.status_view``) and serializes without a network.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from protocols.schedule import RoundSchedule
+
+if TYPE_CHECKING:  # hivemind (and so torch) load only when a command runs, not for `shoal --help`
+    from protocols.manifest import RunManifest
+    from protocols.progress import ProgressRecord, SwarmSummary
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SwarmSnapshot:
+    """What one look at the DHT found; pure data, so it renders and serializes without a network."""
+
+    run_id: str
+    time: float  # DHT time of the look
+    schedule: RoundSchedule | None  # None: no valid manifest found
+    records: dict[str, ProgressRecord] = field(default_factory=dict)
+    malformed: int = 0  # progress records ignored as malformed
+    malformed_manifests: int = 0
+
+    @property
+    def summary(self) -> SwarmSummary:
+        from protocols.progress import SwarmSummary
+
+        return SwarmSummary.of(self.records.values())
+
+    @property
+    def round(self) -> int | None:
+        """The schedule's round now; without a manifest, the round most peers report."""
+        return self.schedule.round_at(self.time) if self.schedule is not None else self.summary.round
+
+    def to_json(self) -> dict[str, Any]:
+        summary, schedule = self.summary, self.schedule
+        peers = sorted(self.records.values(), key=lambda r: (-r.tokens_per_s, r.peer_id))
+        return {
+            "run_id": self.run_id,
+            "time": self.time,
+            "round": self.round,
+            "round_seconds": schedule.round_seconds if schedule else None,
+            "round_ends_in_s": schedule.round_end(self.round) - self.time if schedule and self.round else None,
+            "peers": summary.peers,
+            "tokens_per_s": summary.tokens_per_s,
+            "tokens": summary.tokens,
+            "loss": summary.loss,
+            "eval_loss": summary.eval_loss,
+            "malformed": self.malformed,
+            "malformed_manifests": self.malformed_manifests,
+            "peer_list": [
+                {"peer_id": r.peer_id, "round": r.round, "tokens_per_s": r.tokens_per_s, "loss": r.loss,
+                 "eval_loss": r.eval_loss, "device": r.device, "utilization": r.utilization, "mode": r.mode,
+                 "phase": r.phase, "version": r.version, "tokens": r.tokens, "bytes_sent": r.bytes_sent,
+                 "bytes_received": r.bytes_received, "last_seen_s": max(self.time - r.time, 0.0)}
+                for r in peers
+            ],
+        }
+
+
+def schedule_of(manifests: Iterable[RunManifest]) -> RoundSchedule | None:
+    """The run's schedule as its peers see it: among the manifests of the most common config
+    (a stray peer with another config does not decide), the earliest start, like ``join_run``."""
+    manifests = list(manifests)
+    if not manifests:
+        return None
+    counts = Counter(m.config_hash for m in manifests)
+    best = max(counts, key=lambda h: (counts[h], -min(m.start_time for m in manifests if m.config_hash == h)))
+    chosen = [m for m in manifests if m.config_hash == best]
+    return RoundSchedule(min(m.start_time for m in chosen), chosen[0].round_seconds)
+
+
+def look(dht, run_id: str) -> SwarmSnapshot:
+    """One read of the run's manifests and progress records."""
+    from hivemind.utils import get_dht_time
+
+    from node.library.run_record import read_manifests
+    from protocols.keys import peers_key
+    from protocols.progress import read_records
+
+    manifests, malformed_manifests = read_manifests(dht, run_id)
+    found = dht.get(peers_key(run_id), latest=True)
+    now = get_dht_time()
+    records, malformed = read_records(found.value if found is not None else None, now)
+    return SwarmSnapshot(run_id=run_id, time=now, schedule=schedule_of(manifests), records=records,
+                         malformed=malformed, malformed_manifests=malformed_manifests)

@@ -1,0 +1,360 @@
+"""``DiLoCoSwarm``: DiLoCo over a shoal swarm for your own model and training loop.
+
+    swarm = DiLoCoSwarm(model, run_id="my-run", initial_peers=[...])   # before model.cuda() if you can
+    model.cuda(); opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    swarm.start()
+    while swarm.round <= 100:
+        t0 = time.perf_counter()
+        loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+        for finished in swarm.step(tokens=x.numel(), seconds=time.perf_counter() - t0, loss=loss.item()):
+            print(finished.round, finished.group_size)
+    swarm.close()
+
+One ``step`` call per inner step is all the loop does; averaging runs on a background thread
+and its result is merged into the model at a later ``step`` (overlap mode), or right away
+(blocking mode). ``shoal run`` drives its own model through exactly this class and nothing
+else of the library: everything it reads (rounds, peers, traffic, checkpoints) is a method or
+property here. Import it from ``node.api``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.utils import get_dht_time
+
+from averaging.backend import DownloadedState, Progress
+from averaging.diloco import Applied, OuterConfig, OuterState
+from averaging.flat import FlatLayout
+from averaging.hivemind_backend import HivemindBackend
+from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
+from averaging.sync import SyncWorker
+from averaging.traffic import STATE_BYTES_PER_VALUE, Traffic, allreduce_payload, bytes_per_value
+from node.library.cleanup import close_hivemind, hivemind_sockets
+from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
+from node.library.dht import Reachability, start_dht
+from node.library.monitor import PeerMonitor
+from node.library.resume import (
+    find_resume_point,
+    legacy_config_hash,
+    save_shared_state,
+    state_from_checkpoint,
+)
+from node.library.run_record import MANIFEST_TTL, join_run
+from protocols.errors import CheckpointError
+from protocols.keys import averager_prefix
+from protocols.manifest import RunManifest
+from protocols.messages import MessageError
+from protocols.progress import ProgressRecord
+from protocols.schedule import RoundSchedule
+from protocols.version import shoal_version
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DiLoCoSwarm", "Heartbeat", "LiveRound", "RoundStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """What the caller's training loop adds to this peer's progress record (each optional).
+
+    Typed, so a misspelled figure is an error where it is written, not a silently dropped key."""
+
+    loss: float | None = None
+    eval_loss: float | None = None
+    tokens_per_s: float = 0.0
+    device: str | None = None  # default: the model's device
+    phase: str | None = None  # default: training / averaging
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRound:
+    """The round being trained right now, as far as it got."""
+
+    round: int
+    steps: int
+    tokens: int
+    compute_s: float
+
+
+class DiLoCoSwarm:
+    """Joins a swarm and keeps a model in sync with it (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        run_id: str,
+        outer: OuterConfig | None = None,
+        averaging: AveragingConfig | None = None,
+        rounds: RoundConfig | None = None,
+        initial_peers: list[str] | tuple[str, ...] = (),
+        listen: list[str] | tuple[str, ...] = (),
+        announce: list[str] | tuple[str, ...] = (),
+        bootstrap_timeout: float = 30.0,
+        identity: str | Path | None = None,
+        client_mode: bool = False,
+        use_relay: bool = False,
+        shared: dict[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        heartbeat: Callable[[], Heartbeat] | None = None,
+        on_peers_changed: Callable[[set[str], set[str]], None] | None = None,
+    ):
+        self.model, self.run_id = model, run_id
+        self.outer_config = outer or OuterConfig()
+        self.averaging = averaging or AveragingConfig()
+        self.rounds = rounds or RoundConfig()
+        self.initial_peers = list(initial_peers)
+        self._closers: list[Callable[[], Any]] = []
+        self._sockets_before = hivemind_sockets()
+        self._heartbeat = heartbeat
+        self.reachability = Reachability(client_mode=client_mode, use_relay=use_relay)
+        self._resumed_round = -1
+        self._traffic = Traffic()
+        self.tokens_contributed = 0
+        self.last_stats: RoundStats | None = None
+        try:
+            self._build(listen, announce, bootstrap_timeout, identity, shared or {}, device, on_peers_changed)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, listen, announce, bootstrap_timeout, identity, shared, device, on_peers_changed) -> None:
+        # 1. The anchor: an fp32 CPU copy of the trainable parameters.
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self._layout = FlatLayout.of(named)
+        anchor = self._layout.pack(dict(named), self._layout.new_buffer())
+        avg = self.averaging
+        self._outer = OuterState(self._layout, anchor, self.outer_config, rel_tol=avg.rel_tol, abs_tol=avg.abs_tol)
+        self.shared = {
+            **shared,
+            **sync_shared_fields(outer=self.outer_config, rounds=self.rounds, averaging=avg),
+            "parameters": hashlib.sha256(json.dumps(
+                [[n, list(p.shape), str(p.dtype)] for n, p in named]).encode()).hexdigest()[:16],
+        }
+        # 2. The DHT and the run's schedule (forks hivemind's DHT process).
+        self._dht = start_dht(initial_peers=self.initial_peers, listen=list(listen), announce=list(announce),
+                             timeout=bootstrap_timeout, identity=Path(identity) if identity else None,
+                             reachability=self.reachability)
+        self._closers.append(self._dht.shutdown)
+        self.peer_id = str(self._dht.peer_id)
+        self.maddrs = [str(m) for m in self._dht.get_visible_maddrs()]
+        period = min(5.0, max(1.0, self.rounds.seconds / 3))
+        ours = RunManifest.create(self.run_id, self.shared, start_time=get_dht_time(), round_seconds=self.rounds.seconds)
+        self.manifest = join_run(self._dht, ours, record_ttl=MANIFEST_TTL)
+        # 3. The averager (forks again; before our own threads, before CUDA if the caller allows).
+        backend = HivemindBackend(
+            self._dht, numel=self._layout.numel, prefix=averager_prefix(self.run_id),
+            state_provider=self._outer.shared_state, compression=avg.compression,
+            target_group_size=avg.target_group_size or None, min_group_size=avg.min_group_size,
+            min_matchmaking_time=avg.matchmaking_seconds, request_timeout=avg.request_timeout,
+            allreduce_timeout=avg.allreduce_timeout, client_mode=self.reachability.client_mode,
+        )
+        self._worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
+                                 matchmaking_grace=avg.matchmaking_seconds)
+        self._closers.insert(0, self._worker.close)
+        # 4. Who else is here, and the round engine.
+        self._monitor = PeerMonitor(self._dht, self.manifest, period=period, status=self._status, on_change=on_peers_changed or (lambda joined, left: None))
+        self._closers.insert(0, self._monitor.stop)
+        self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
+        named_now = lambda: dict(self.model.named_parameters())  # noqa: E731 - follows .to(device)
+        self._loop = OuterLoop(
+            outer=self._outer, worker=self._worker, layout=self._layout, params=named_now,
+            schedule=lambda: self._monitor.schedule,
+            config=LoopConfig(mode=self.rounds.sync_mode, inner_steps=self.rounds.inner_steps,
+                              matchmaking_seconds=avg.matchmaking_seconds, download_timeout=avg.allreduce_timeout,
+                              prepare_lead=avg.matchmaking_seconds + avg.request_timeout),
+            peer_id=self.peer_id, alone=lambda: self._monitor.peer_count <= 1,
+            device=self.device,
+        )
+
+    # -- the training loop's calls -------------------------------------------------------------
+    def resume(self, state: DownloadedState) -> int:
+        """Start from a saved shared state instead of the model's weights; call before ``start``.
+        Returns the state's round. ``start`` still catches up from the swarm if it has moved on."""
+        self._resumed_round = self._loop.resume(state)
+        return self._resumed_round
+
+    def resume_from_checkpoints(self, checkpoint_dir: str | Path, *, config_hash: str | None = None,
+                                on_invalid: Callable[[CheckpointError], None] | None = None) -> tuple[Path, int] | None:
+        """Resume from the newest checkpoint in ``checkpoint_dir`` that verifies (call before
+        ``start``); each newer broken one is passed to ``on_invalid``. Returns (path, round), or
+        None when the folder holds no checkpoint. A checkpoint of another run or config is refused
+        (``ConfigError``); one whose values are invalid raises ``CheckpointError``."""
+        checkpoint = find_resume_point(Path(checkpoint_dir), on_invalid=on_invalid or (lambda error: None))
+        if checkpoint is None:
+            return None
+        state = state_from_checkpoint(checkpoint, self._layout, run_id=self.run_id,
+                                      config_hash=config_hash or self.manifest.config_hash,
+                                      also_accept=(legacy_config_hash(self.shared),))
+        try:
+            return checkpoint.path, self.resume(state)
+        except MessageError as e:
+            raise CheckpointError(f"checkpoint {checkpoint.path} holds an invalid state ({e}); delete it or use "
+                                  "an older checkpoint") from None
+
+    def save_checkpoint(self, checkpoint_dir: str | Path, *, meta: dict | None = None) -> tuple[Path, int]:
+        """Write the shared state (anchor, outer momentum, counters) as an atomic, verified checkpoint;
+        returns (path, round). Safe while a sync is in flight: the state is copied under its lock."""
+        return save_shared_state(Path(checkpoint_dir), self._layout, self._outer.shared_state(),
+                                 meta={"run_id": self.run_id, "peer": self.peer_id,
+                                       "config_hash": self.manifest.config_hash, **(meta or {})})
+
+    def start(self, progress: Progress | None = None) -> dict | None:
+        """Catch up with a running swarm (download its state), then begin the first round.
+        Returns what was downloaded (``donors``, ``round``, ``seconds``), if anything;
+        ``progress(done_bytes, total_bytes)`` follows the download (from another thread)."""
+        joined = self._initial_sync(progress)
+        self._monitor.start()
+        self._loop.start()
+        return joined
+
+    def step(self, *, tokens: int, seconds: float, loss: float | None = None) -> list[RoundStats]:
+        """Call after each inner optimizer step; returns the rounds that finished."""
+        return self._account(self._loop.after_step(tokens=tokens, seconds=seconds, loss=loss))
+
+    @property
+    def round(self) -> int:
+        return self._loop.round
+
+    def progress(self) -> float:
+        return self._loop.progress()
+
+    @property
+    def schedule(self) -> RoundSchedule:
+        """The run's round schedule (converges on the earliest published start)."""
+        return self._monitor.schedule
+
+    @property
+    def peer_count(self) -> int:
+        return self._monitor.peer_count
+
+    @property
+    def peers(self) -> tuple[ProgressRecord, ...]:
+        """The live peers' latest progress records (ours included)."""
+        return tuple(self._monitor.peers.values())  # the monitor swaps its dict whole
+
+    @property
+    def syncing(self) -> bool:
+        """A round's sync is in flight (training goes on meanwhile in overlap mode)."""
+        return self._loop.syncing
+
+    def live_round(self) -> LiveRound:
+        window = self._loop.window
+        if window is None:
+            return LiveRound(round=0, steps=0, tokens=0, compute_s=0.0)
+        return LiveRound(round=window.round, steps=window.steps, tokens=window.tokens, compute_s=window.compute_s)
+
+    @property
+    def rounds_done(self) -> int:
+        """Outer steps applied to the shared model since the run began."""
+        return self._outer.rounds_done
+
+    @property
+    def last_round(self) -> int:
+        """Global round of the last outer step applied."""
+        return self._outer.last_round
+
+    @property
+    def bytes_sent(self) -> int:
+        """Averaging payload this peer sent so far (all-reduce parts)."""
+        return self._traffic.sent
+
+    @property
+    def bytes_received(self) -> int:
+        """Averaging payload received so far (all-reduce parts and downloaded state)."""
+        return self._traffic.received
+
+    def anchor_params(self) -> dict[str, torch.Tensor]:
+        """A consistent CPU copy of the shared model (the anchor) by parameter name, e.g. for eval:
+        the live parameters also hold this peer's unsynced progress."""
+        return self._layout.views(self._outer.anchor_copy())
+
+    def finish(self) -> list[RoundStats]:
+        """Let a sync in flight land before leaving."""
+        return self._account(self._loop.finish())
+
+    def close(self) -> None:
+        """Leave: stop the round engine, the monitor, the averager and the DHT, and make sure none of
+        hivemind's processes (p2pd included) or sockets outlive us. Safe to call twice."""
+        closers, self._closers = self._closers, []
+        close_hivemind(closers, self._hivemind_pids(), self._sockets_before)
+
+    def _hivemind_pids(self) -> list[int | None]:
+        dht, worker = getattr(self, "_dht", None), getattr(self, "_worker", None)
+        averager = getattr(getattr(worker, "backend", None), "_averager", None)
+        return [getattr(dht, "pid", None), getattr(averager, "pid", None)]
+
+    # -- internals -------------------------------------------------------------------------------
+    def _initial_sync(self, progress: Progress | None) -> dict | None:
+        """Joining a run in progress: start from the swarm's current anchor, not from the init.
+        Runs before the monitor thread starts, so this thread is still the DHT's only user."""
+        if not self.initial_peers:
+            return None
+        self._monitor.tick()
+        # Client-mode peers accept no connections: they cannot serve their state.
+        donors = sorted((p for p, record in self._monitor.peers.items() if p != self.peer_id and record.mode != "client"),
+                        key=lambda p: -self._monitor.peers[p].round)
+        if not donors:
+            return None
+        started = time.perf_counter()
+        try:
+            adopted = self._loop.initial_sync(donors, newer_than=self._resumed_round, progress=progress)
+        except MessageError as e:
+            logger.warning(f"refused the swarm's state: {e}; starting from the initial weights")
+            return None
+        if adopted is None:
+            if self._resumed_round < 0:
+                logger.warning("could not download the swarm's state; starting from the initial weights")
+            return None
+        seconds = time.perf_counter() - started
+        state = self._loop.last_download
+        donors = list(state.donors or (state.peer,))
+        size = sum(t.numel() * t.element_size() for t in state.tensors)
+        self._traffic.add(received=size)
+        logger.info(f"joined at round {adopted}: downloaded the shared state ({size / 2**20:.1f} MiB) from "
+                    f"{len(donors)} peer(s) in {seconds:.1f}s")
+        return {"round": adopted, "seconds": seconds, "donors": donors, "bytes": size}
+
+    def _account(self, finished: list[RoundStats]) -> list[RoundStats]:
+        """Tokens contributed and bytes moved, for the progress record and the dashboard."""
+        for stats in finished:
+            self.last_stats = stats
+            if stats.applied != Applied.FOLDED:
+                self.tokens_contributed += stats.tokens
+            if stats.applied == Applied.AVERAGED:
+                payload = self.allreduce_payload(stats.group_size)
+                self._traffic.add(sent=payload, received=payload)
+            if stats.resynced:
+                self._traffic.add(received=2 * self._layout.numel * STATE_BYTES_PER_VALUE)  # anchor + momentum
+        return finished
+
+    def allreduce_payload(self, group_size: int) -> int:
+        """Bytes this peer sends (and receives) in one all-reduce with ``group_size`` members."""
+        return allreduce_payload(self._layout.numel, group_size, client_mode=self.reachability.client_mode,
+                                 bytes_per_value=bytes_per_value(self.averaging.compression))
+
+    @property
+    def utilization(self) -> float | None:
+        """Share of the last finished round's wall-clock time spent in inner steps."""
+        stats = self.last_stats
+        return min(1.0, stats.compute_s / stats.wall_s) if stats is not None and stats.wall_s > 0 else None
+
+    def _status(self) -> ProgressRecord:
+        """Our progress record (monitor thread): the library's own figures, then the caller's."""
+        beat = self._heartbeat() if self._heartbeat is not None else Heartbeat()
+        return ProgressRecord(
+            peer_id=self.peer_id, round=int(self._loop.round), tokens_per_s=float(beat.tokens_per_s),
+            loss=beat.loss, eval_loss=beat.eval_loss, device=beat.device or str(self.device),
+            mode=self.reachability.mode, version=shoal_version(), utilization=self.utilization or 0.0,
+            bytes_sent=self._traffic.sent, bytes_received=self._traffic.received, tokens=self.tokens_contributed,
+            time=get_dht_time(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
+        )

@@ -1,0 +1,39 @@
+"""``shoal status`` as a person sees it: one swarm snapshot as a rich panel, with the same peer
+table as the node's live view."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from node.library.snapshot import SwarmSnapshot
+from node.observe.fmt import number
+from node.observe.ui import peer_table
+
+
+def render_snapshot(snapshot: SwarmSnapshot) -> Panel:
+    """The panel ``shoal status`` prints (and redraws with ``--watch``)."""
+    summary, schedule = snapshot.summary, snapshot.schedule
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold cyan", justify="right", no_wrap=True)
+    grid.add_column()
+    if not snapshot.records:
+        grid.add_row("peers", Text(f"no peer of run '{snapshot.run_id}' is online (wrong --run-id?)", style="bold yellow"))
+    else:
+        grid.add_row("peers", Text(f"{summary.peers} online", style="bold green"))
+    if schedule is not None:
+        left = schedule.round_end(snapshot.round) - snapshot.time if snapshot.round else schedule.start_time - snapshot.time
+        grid.add_row("round", f"{snapshot.round}   ({schedule.round_seconds:g}s rounds, {max(left, 0.0):.0f}s left)")
+    elif summary.round is not None:
+        grid.add_row("round", f"{summary.round}   (from the peers' records; no run manifest found)")
+    grid.add_row("throughput", f"{summary.tokens_per_s:,.0f} tokens/s   {summary.tokens:,} tokens so far")
+    grid.add_row("loss", f"{number(summary.loss)}   eval {number(summary.eval_loss)}")
+    if snapshot.malformed or snapshot.malformed_manifests:
+        grid.add_row("ignored", Text(f"{snapshot.malformed} malformed progress records, "
+                                     f"{snapshot.malformed_manifests} malformed manifests", style="yellow"))
+    parts: list = [grid]
+    if snapshot.records:
+        parts.append(peer_table(list(snapshot.records.values()), now=snapshot.time))
+    return Panel(Group(*parts), title=f"shoal status · run {snapshot.run_id}", expand=False)

@@ -1,0 +1,135 @@
+"""The run config: one TOML file that fully defines a run, loaded into validated dataclasses.
+
+Sections mirror the dataclasses below (``[model]``, ``[data]``, ``[inner]``, ``[outer]``,
+``[round]``, ``[averaging]``, ``[train]``). CLI flags and ``SHOAL_*`` environment variables
+override the file (``load_config(path, overrides)``). Everything in ``shared_fields`` must be identical on
+every peer of a run; the rest is local to one machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from averaging.diloco import OuterConfig
+from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
+from node.training.config import InnerConfig, TrainConfig
+from node.training.data import DataConfig
+from node.training.model import ModelConfig
+from protocols.errors import ConfigError
+from protocols.keys import validate_run_id
+
+
+def examples_dir(checkout: Path = Path(__file__).resolve().parents[2], prefix: str = sys.prefix) -> Path:
+    """The example configs: in a source checkout ``examples/configs``; in an installed wheel
+    (pip, the Docker images) the copy installed under ``<prefix>/share/shoal/configs``."""
+    in_checkout = checkout / "examples" / "configs"
+    installed = Path(prefix) / "share" / "shoal" / "configs"
+    return in_checkout if in_checkout.is_dir() or not installed.is_dir() else installed
+
+
+EXAMPLES_DIR = examples_dir()
+DEFAULT_CONFIG = EXAMPLES_DIR / "tiny.toml"
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """Everything that defines a run."""
+
+    run_id: str = "shoal-tiny"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    round: RoundConfig = field(default_factory=RoundConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        validate_run_id(self.run_id)
+
+
+def shared_fields(config: RunConfig) -> dict[str, Any]:
+    """The flat ``section.field -> value`` map peers of a ``shoal run`` compare before they train together."""
+    return {
+        **{f"{section}.{f.name}": getattr(getattr(config, section), f.name)
+           for section in ("model", "inner") for f in dataclasses.fields(getattr(config, section))},
+        "data.batch_size": config.data.batch_size, "data.num_shards": config.data.num_shards,
+        "train.seed": config.train.seed,
+        **sync_shared_fields(outer=config.outer, rounds=config.round, averaging=config.averaging),
+    }
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a TOML run config (the tiny example by default), apply ``section.field`` overrides,
+    and validate. Any problem raises ``ConfigError`` with one line naming the key and the fix."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass --config with a path to a .toml file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    for key, value in (overrides or {}).items():
+        *sections, name = key.split(".")
+        target = raw
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[name] = value
+    try:
+        return _build(RunConfig, raw, "")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _build(cls: type, raw: Any, prefix: str):
+    """Dataclass from a TOML table: unknown keys and wrong types are named, with the known keys."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{prefix.rstrip('.')}] must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key '{prefix}{unknown[0]}'; known keys: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin in (list, tuple) and isinstance(value, list):
+        (item,) = typing.get_args(hint)[:1]
+        return [_coerce(v, item, key) for v in value]
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            if option is type(None) and value is None:
+                return None
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                continue
+    if isinstance(hint, type) and issubclass(hint, StrEnum) and isinstance(value, str):
+        return value  # the dataclass validates it, naming the choices
+    if isinstance(hint, type) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return value
+    expected = getattr(hint, "__name__", str(hint))
+    raise ConfigError(f"'{key}' must be {expected}, got {value!r}")

@@ -1,0 +1,19 @@
+"""Versions, defined once: the wire protocol peers speak and the shoal release installed."""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import metadata
+
+# Bump when peers of two versions can no longer average together (message schemas, state layout).
+# Carried in every round report and run manifest; a joiner with another version is refused.
+PROTOCOL_VERSION = 1
+
+
+@cache
+def shoal_version() -> str:
+    """The installed shoal release (progress records, checkpoints, the exporter's info metric)."""
+    try:
+        return metadata.version("shoal")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
