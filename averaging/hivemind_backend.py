@@ -286,6 +286,11 @@ class HivemindBackend:
         return DownloadedState(peer=",".join(served), metadata=result.metadata, tensors=result.tensors,
                                donors=served)
 
+    @property
+    def pid(self) -> int | None:
+        """The averager process (its p2pd is the DHT's), for the caller's clean-up."""
+        return self._averager.pid
+
     def shutdown(self) -> None:
         if self._control is not None and not self._control.done():
             self._control.cancel()

@@ -20,8 +20,11 @@ from averaging.backend import AverageOutcome, DownloadedState, Progress
 class LocalHub:
     """Where local peers meet: a round completes when every peer that prepared it has arrived."""
 
-    def __init__(self, min_group_size: int = 1):
-        self.min_group_size = min_group_size  # like hivemind's: a smaller group keeps waiting
+    def __init__(self, min_group_size: int = 1, matchmaking_s: float | None = None):
+        self.min_group_size = min_group_size  # like hivemind's: a smaller group keeps waiting...
+        # ...until matchmaking gives up (hivemind's min_matchmaking_time): a lone peer then fails
+        # fast instead of waiting out the all-reduce timeout. None: wait for the whole timeout.
+        self.matchmaking_s = matchmaking_s
         self._cond = threading.Condition()
         self._prepared: dict[int, set[str]] = {}
         self._arrived: dict[int, dict[str, tuple[torch.Tensor, float, Any]]] = {}
@@ -46,6 +49,9 @@ class LocalHub:
                 mean = sum(v * (w / total) for v, w, _ in arrived.values())
                 self._results[round] = (mean, {p: g for p, (_, _, g) in arrived.items()})
                 self._cond.notify_all()
+            if self.matchmaking_s is not None:
+                deadline = min(deadline, time.monotonic() + self.matchmaking_s) if len(
+                    self._prepared.get(round, ())) < self.min_group_size else deadline
             while round not in self._results:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._cond.wait(remaining):

@@ -19,10 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from node.api import (
-    DiLoCoSwarm,  # noqa: E402
-    RoundConfig,  # noqa: E402
-)
+from node.api import DiLoCoSwarm, RoundConfig  # noqa: E402 - the library's one import place
 
 
 def report(done) -> None:

@@ -23,6 +23,7 @@ from averaging.diloco import Applied, OuterConfig
 from averaging.outer_loop import RoundStats, SyncMode
 from node.library.bootstrap import expand_initial_peers
 from node.library.config import AveragingConfig, RoundConfig
+from node.library.network import Network
 from node.library.swarm import DiLoCoSwarm, Heartbeat, LiveRound
 from protocols.errors import AddressError, CheckpointError, ConfigError, NetworkError, ShoalError
 from protocols.progress import ProgressRecord
@@ -36,6 +37,7 @@ __all__ = [
     "DiLoCoSwarm",
     "Heartbeat",
     "LiveRound",
+    "Network",
     "NetworkError",
     "OuterConfig",
     "ProgressRecord",

@@ -1,7 +1,8 @@
 """Who else is training: our progress record out (heartbeat and progress in one), theirs in.
 
-All our DHT calls after start-up happen on this monitor's thread (one owner): hivemind's DHT talks
-to its process through a pipe that is not safe to write from several threads at once.
+After start-up all calls to the run's directory happen on this monitor's thread (one owner):
+hivemind's DHT talks to its process through a pipe that is not safe to write from several threads
+at once.
 """
 
 from __future__ import annotations
@@ -10,12 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from hivemind import DHT
-from hivemind.utils import get_dht_time
-
-from node.library.run_record import MANIFEST_TTL, publish_manifest, read_manifests
-from protocols import progress
-from protocols.keys import peers_key
+from node.library.run_record import MANIFEST_TTL, RunDirectory
 from protocols.manifest import RunManifest
 from protocols.progress import ProgressRecord
 from protocols.schedule import RoundSchedule
@@ -27,9 +23,9 @@ class PeerMonitor:
     """Publishes our progress record (each period: heartbeat and progress in one) and watches who
     else is alive: records expire on their own, so a peer that crashed drops out by itself."""
 
-    def __init__(self, dht: DHT, ours: RunManifest, *, period: float, status: Callable[[], ProgressRecord],
-                 on_change: Callable[[set[str], set[str]], None]):
-        self.dht, self.manifest, self.run_id, self.period = dht, ours, ours.run_id, period
+    def __init__(self, directory: RunDirectory, ours: RunManifest, *, peer_id: str, period: float,
+                 status: Callable[[], ProgressRecord], on_change: Callable[[set[str], set[str]], None]):
+        self.directory, self.manifest, self.peer_id, self.period = directory, ours, peer_id, period
         self._status, self._on_change = status, on_change
         self.peers: dict[str, ProgressRecord] = {}
         self.malformed = 0  # records ignored at the last read (validation failed)
@@ -66,21 +62,18 @@ class PeerMonitor:
             self._stop.wait(self.period)
 
     def tick(self) -> None:
-        me = str(self.dht.peer_id)
         mine = self._status()
-        self.dht.store(peers_key(self.run_id), subkey=self.dht.peer_id.to_bytes(), value=progress.encode(mine),
-                       expiration_time=get_dht_time() + self.ttl)
-        publish_manifest(self.dht, self.manifest, ttl=max(self.ttl, MANIFEST_TTL))
+        self.directory.publish_progress(mine, ttl=self.ttl)
+        self.directory.publish_manifest(self.manifest, ttl=max(self.ttl, MANIFEST_TTL))
         # A peer that started the run at the same moment as us may have published an earlier
         # start: everybody converges on the earliest one.
-        manifests, _ = read_manifests(self.dht, self.run_id)
+        manifests, _ = self.directory.manifests()
         earliest = min((m.start_time for m in manifests if m.config_hash == self.manifest.config_hash),
                        default=self.manifest.start_time)
         if earliest < self.manifest.start_time:
             self.manifest = self.manifest.with_start(earliest)
-        found = self.dht.get(peers_key(self.run_id), latest=True)
-        live, self.malformed = progress.read_records(found.value if found is not None else None, get_dht_time())
-        live[me] = mine
+        live, self.malformed = self.directory.progress()
+        live[self.peer_id] = mine
         joined, left = set(live) - set(self.peers), set(self.peers) - set(live)
         self.peers = live
         if joined or left:

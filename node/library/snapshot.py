@@ -83,15 +83,10 @@ def schedule_of(manifests: Iterable[RunManifest]) -> RoundSchedule | None:
 
 def look(dht, run_id: str) -> SwarmSnapshot:
     """One read of the run's manifests and progress records."""
-    from hivemind.utils import get_dht_time
+    from node.library.run_record import DhtDirectory
 
-    from node.library.run_record import read_manifests
-    from protocols.keys import peers_key
-    from protocols.progress import read_records
-
-    manifests, malformed_manifests = read_manifests(dht, run_id)
-    found = dht.get(peers_key(run_id), latest=True)
-    now = get_dht_time()
-    records, malformed = read_records(found.value if found is not None else None, now)
-    return SwarmSnapshot(run_id=run_id, time=now, schedule=schedule_of(manifests), records=records,
+    directory = DhtDirectory(dht, run_id)
+    manifests, malformed_manifests = directory.manifests()
+    records, malformed = directory.progress()
+    return SwarmSnapshot(run_id=run_id, time=directory.now(), schedule=schedule_of(manifests), records=records,
                          malformed=malformed, malformed_manifests=malformed_manifests)

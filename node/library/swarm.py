@@ -29,19 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hivemind.utils import get_dht_time
 
 from averaging.backend import DownloadedState, Progress
 from averaging.diloco import Applied, OuterConfig, OuterState
 from averaging.flat import FlatLayout
-from averaging.hivemind_backend import HivemindBackend
 from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
 from averaging.sync import SyncWorker
 from averaging.traffic import STATE_BYTES_PER_VALUE, Traffic, allreduce_payload, bytes_per_value
 from node.library.cleanup import close_hivemind, hivemind_sockets
 from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
-from node.library.dht import Reachability, start_dht
+from node.library.dht import Reachability
 from node.library.monitor import PeerMonitor
+from node.library.network import HivemindNetwork, Network
 from node.library.resume import (
     find_resume_point,
     legacy_config_hash,
@@ -50,7 +49,6 @@ from node.library.resume import (
 )
 from node.library.run_record import MANIFEST_TTL, join_run
 from protocols.errors import CheckpointError
-from protocols.keys import averager_prefix
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
 from protocols.progress import ProgressRecord
@@ -107,7 +105,11 @@ class DiLoCoSwarm:
         device: torch.device | str | None = None,
         heartbeat: Callable[[], Heartbeat] | None = None,
         on_peers_changed: Callable[[set[str], set[str]], None] | None = None,
+        network: Network | None = None,
     ):
+        """``network``: how this peer reaches the others; default hivemind's DHT and all-reduce,
+        started from ``initial_peers``/``listen``/``announce``/``identity`` (those are ignored when a
+        network is given, e.g. ``node.library.local_network.LocalNetwork`` in tests)."""
         self.model, self.run_id = model, run_id
         self.outer_config = outer or OuterConfig()
         self.averaging = averaging or AveragingConfig()
@@ -121,14 +123,23 @@ class DiLoCoSwarm:
         self._traffic = Traffic()
         self.tokens_contributed = 0
         self.last_stats: RoundStats | None = None
+        self._network: Network | None = None
         try:
-            self._build(listen, announce, bootstrap_timeout, identity, shared or {}, device, on_peers_changed)
+            self._build_state(shared or {})
+            self._network = network or HivemindNetwork.start(
+                initial_peers=self.initial_peers, listen=list(listen), announce=list(announce),
+                timeout=bootstrap_timeout, identity=Path(identity) if identity else None,
+                reachability=self.reachability)
+            self._closers.append(self._network.close)
+            self._join()
+            self._build_engine(device, on_peers_changed)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, listen, announce, bootstrap_timeout, identity, shared, device, on_peers_changed) -> None:
-        # 1. The anchor: an fp32 CPU copy of the trainable parameters.
+    def _build_state(self, shared: dict[str, Any]) -> None:
+        """The anchor (an fp32 CPU copy of the trainable parameters), the outer state, and the fields
+        every peer of the run must agree on (the caller's, the sync protocol's, the parameters')."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._layout = FlatLayout.of(named)
         anchor = self._layout.pack(dict(named), self._layout.new_buffer())
@@ -140,29 +151,29 @@ class DiLoCoSwarm:
             "parameters": hashlib.sha256(json.dumps(
                 [[n, list(p.shape), str(p.dtype)] for n, p in named]).encode()).hexdigest()[:16],
         }
-        # 2. The DHT and the run's schedule (forks hivemind's DHT process).
-        self._dht = start_dht(initial_peers=self.initial_peers, listen=list(listen), announce=list(announce),
-                             timeout=bootstrap_timeout, identity=Path(identity) if identity else None,
-                             reachability=self.reachability)
-        self._closers.append(self._dht.shutdown)
-        self.peer_id = str(self._dht.peer_id)
-        self.maddrs = [str(m) for m in self._dht.get_visible_maddrs()]
-        period = min(5.0, max(1.0, self.rounds.seconds / 3))
-        ours = RunManifest.create(self.run_id, self.shared, start_time=get_dht_time(), round_seconds=self.rounds.seconds)
-        self.manifest = join_run(self._dht, ours, record_ttl=MANIFEST_TTL)
-        # 3. The averager (forks again; before our own threads, before CUDA if the caller allows).
-        backend = HivemindBackend(
-            self._dht, numel=self._layout.numel, prefix=averager_prefix(self.run_id),
-            state_provider=self._outer.shared_state, compression=avg.compression,
-            target_group_size=avg.target_group_size or None, min_group_size=avg.min_group_size,
-            min_matchmaking_time=avg.matchmaking_seconds, request_timeout=avg.request_timeout,
-            allreduce_timeout=avg.allreduce_timeout, client_mode=self.reachability.client_mode,
-        )
+
+    def _join(self) -> None:
+        """Adopt the run's schedule, or refuse an incompatible run (``ConfigError``) before averaging."""
+        network = self._network
+        self.peer_id, self.maddrs = network.peer_id, list(network.maddrs)
+        self._directory = network.directory(self.run_id)
+        ours = RunManifest.create(self.run_id, self.shared, start_time=self._directory.now(),
+                                  round_seconds=self.rounds.seconds)
+        self.manifest = join_run(self._directory, ours, record_ttl=MANIFEST_TTL)
+
+    def _build_engine(self, device, on_peers_changed) -> None:
+        """The averager (hivemind forks it: before our own threads, and before CUDA if the caller
+        allows), the sync worker, the peer monitor and the round engine."""
+        avg = self.averaging
+        backend = self._network.backend(run_id=self.run_id, numel=self._layout.numel,
+                                        state_provider=self._outer.shared_state, averaging=avg,
+                                        client_mode=self.reachability.client_mode)
         self._worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
-                                 matchmaking_grace=avg.matchmaking_seconds)
+                                  matchmaking_grace=avg.matchmaking_seconds)
         self._closers.insert(0, self._worker.close)
-        # 4. Who else is here, and the round engine.
-        self._monitor = PeerMonitor(self._dht, self.manifest, period=period, status=self._status, on_change=on_peers_changed or (lambda joined, left: None))
+        self._monitor = PeerMonitor(self._directory, self.manifest, peer_id=self.peer_id,
+                                    period=min(5.0, max(1.0, self.rounds.seconds / 3)), status=self._status,
+                                    on_change=on_peers_changed or (lambda joined, left: None))
         self._closers.insert(0, self._monitor.stop)
         self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
         named_now = lambda: dict(self.model.named_parameters())  # noqa: E731 - follows .to(device)
@@ -286,12 +297,7 @@ class DiLoCoSwarm:
         """Leave: stop the round engine, the monitor, the averager and the DHT, and make sure none of
         hivemind's processes (p2pd included) or sockets outlive us. Safe to call twice."""
         closers, self._closers = self._closers, []
-        close_hivemind(closers, self._hivemind_pids(), self._sockets_before)
-
-    def _hivemind_pids(self) -> list[int | None]:
-        dht, worker = getattr(self, "_dht", None), getattr(self, "_worker", None)
-        averager = getattr(getattr(worker, "backend", None), "_averager", None)
-        return [getattr(dht, "pid", None), getattr(averager, "pid", None)]
+        close_hivemind(closers, self._network.pids() if self._network is not None else [], self._sockets_before)
 
     # -- internals -------------------------------------------------------------------------------
     def _initial_sync(self, progress: Progress | None) -> dict | None:
@@ -356,5 +362,5 @@ class DiLoCoSwarm:
             loss=beat.loss, eval_loss=beat.eval_loss, device=beat.device or str(self.device),
             mode=self.reachability.mode, version=shoal_version(), utilization=self.utilization or 0.0,
             bytes_sent=self._traffic.sent, bytes_received=self._traffic.received, tokens=self.tokens_contributed,
-            time=get_dht_time(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
+            time=self._directory.now(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
         )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from node.api import Applied, DiLoCoSwarm, Heartbeat, RoundStats
+from node.api import Applied, DiLoCoSwarm, Heartbeat, Network, RoundStats
 from node.observe.download_log import DownloadLog
 from node.observe.exporter import MetricsExporter
 from node.observe.metrics import MetricsWriter, RoundRecord
@@ -45,7 +45,7 @@ DEFAULT_RUN_ID = "shoal-tiny"  # the join line omits --run-id for the default ru
 
 
 def run_peer(config: RunConfig, options: PeerOptions, *, stop: threading.Event | None = None,
-             handle_signals: bool = True) -> str:
+             handle_signals: bool = True, network: Network | None = None) -> str:
     """Build a peer, train, and always leave cleanly; returns why it ended (``max_rounds`` or
     ``interrupted``). The user's mistakes raise ``ShoalError`` (after leaving); anything else is
     a bug and propagates with its traceback."""
@@ -55,7 +55,7 @@ def run_peer(config: RunConfig, options: PeerOptions, *, stop: threading.Event |
         interrupts.install()
     peer, reason = None, "crash"
     try:
-        peer = Peer(config, options, stop)
+        peer = Peer(config, options, stop, network=network)
         if interrupts is not None:
             interrupts.install()  # hivemind's averager set SIGINT to ignored when it started
         peer.train()
@@ -72,7 +72,9 @@ def run_peer(config: RunConfig, options: PeerOptions, *, stop: threading.Event |
 class Peer:
     """The process's parts, built in the order hivemind needs (its forks before CUDA and threads)."""
 
-    def __init__(self, config: RunConfig, options: PeerOptions, stop: threading.Event):
+    def __init__(self, config: RunConfig, options: PeerOptions, stop: threading.Event, *,
+                 network: Network | None = None):
+        """``network``: default hivemind's, from ``options``; an in-process one in tests."""
         self.config, self.options, self.stop = config, options, stop
         self.swarm: DiLoCoSwarm | None = None
         self.metrics: MetricsWriter | None = None
@@ -84,7 +86,7 @@ class Peer:
         self._eval_s = 0.0  # how long the last eval took
         try:
             model, split = self._build_local()
-            self._join(model)
+            self._join(model, network)
             self._build_training(model, split)
             self._build_observers()
             if options.checkpoint_dir is not None:
@@ -109,7 +111,7 @@ class Peer:
         split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes)
         return model, split
 
-    def _join(self, model: torch.nn.Module) -> None:
+    def _join(self, model: torch.nn.Module, network: Network | None) -> None:
         """The swarm: DHT, run record, averager (forked processes), peer monitor, round engine."""
         config, options = self.config, self.options
         self.shared = shared_fields(config)
@@ -118,7 +120,7 @@ class Peer:
             initial_peers=options.initial_peers, listen=options.listen, announce=options.announce,
             bootstrap_timeout=options.bootstrap_timeout, identity=options.identity, client_mode=options.client_mode,
             use_relay=options.use_relay, shared=self.shared, device=self.device,
-            heartbeat=self._heartbeat, on_peers_changed=self._peers_changed,
+            heartbeat=self._heartbeat, on_peers_changed=self._peers_changed, network=network,
         )
         self.peer_id = self.swarm.peer_id
 
@@ -165,6 +167,8 @@ class Peer:
         maddrs, reachability = swarm.maddrs, swarm.reachability
         if reachability.client_mode:
             print(f"peer {self.peer_id} in {reachability.describe(maddrs)}", flush=True)
+        elif not maddrs:  # an in-process network (tests): nothing to dial
+            print(f"peer {self.peer_id} has no address others can dial", flush=True)
         else:
             extra = "" if config.run_id == DEFAULT_RUN_ID else f"--run-id {config.run_id}"
             print(f"peer {self.peer_id} listening on {' '.join(maddrs)}", flush=True)

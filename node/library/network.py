@@ -1,0 +1,81 @@
+"""What ``DiLoCoSwarm`` needs from the network, behind one seam.
+
+A ``Network`` gives this peer an id and addresses, a ``RunDirectory`` for each run (manifests
+and progress records) and an ``AveragingBackend`` (the all-reduce and state download), and knows
+which processes to clean up. ``HivemindNetwork`` is the real one (hivemind's DHT and butterfly
+all-reduce, forked processes); ``node.library.local_network.LocalNetwork`` runs peers as threads
+of one process, so the library and ``shoal run``'s process are tested in milliseconds (integration
+tests always use the real one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from hivemind import DHT
+
+from averaging.backend import AveragingBackend
+from averaging.hivemind_backend import HivemindBackend
+from node.library.config import AveragingConfig
+from node.library.dht import Reachability, start_dht
+from node.library.run_record import DhtDirectory, RunDirectory
+from protocols.keys import averager_prefix
+
+StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
+
+
+class Network(Protocol):
+    peer_id: str
+    maddrs: list[str]
+
+    def directory(self, run_id: str) -> RunDirectory: ...
+
+    def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
+                client_mode: bool) -> AveragingBackend:
+        """The averaging backend (created once, before our own threads start)."""
+
+    def pids(self) -> list[int | None]:
+        """Processes this network started (and whose descendants must not outlive us)."""
+
+    def close(self) -> None: ...
+
+
+class HivemindNetwork:
+    """hivemind's DHT (a forked process with its p2pd) and, once asked for, the averager process."""
+
+    def __init__(self, dht: DHT):
+        self.dht = dht
+        self.peer_id = str(dht.peer_id)
+        self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        self._backend: HivemindBackend | None = None
+
+    @classmethod
+    def start(cls, *, initial_peers: list[str], listen: list[str], announce: list[str], timeout: float,
+              identity: Path | None, reachability: Reachability) -> HivemindNetwork:
+        """Start our DHT node (``NetworkError`` if no initial peer answers within ``timeout``)."""
+        return cls(start_dht(initial_peers=initial_peers, listen=listen, announce=announce, timeout=timeout,
+                             identity=identity, reachability=reachability))
+
+    def directory(self, run_id: str) -> RunDirectory:
+        return DhtDirectory(self.dht, run_id)
+
+    def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
+                client_mode: bool) -> AveragingBackend:
+        avg = averaging
+        self._backend = HivemindBackend(
+            self.dht, numel=numel, prefix=averager_prefix(run_id), state_provider=state_provider,
+            compression=avg.compression, target_group_size=avg.target_group_size or None,
+            min_group_size=avg.min_group_size, min_matchmaking_time=avg.matchmaking_seconds,
+            request_timeout=avg.request_timeout, allreduce_timeout=avg.allreduce_timeout, client_mode=client_mode,
+        )
+        return self._backend
+
+    def pids(self) -> list[int | None]:
+        return [self.dht.pid, self._backend.pid if self._backend is not None else None]
+
+    def close(self) -> None:
+        if self.dht.is_alive():
+            self.dht.shutdown()

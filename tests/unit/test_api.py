@@ -1,0 +1,141 @@
+"""The library API in-process: peers are threads meeting in a ``LocalSwarmHub`` (exact averaging,
+records validated as over the DHT). What a library user relies on: rounds land in groups, anchors
+agree, figures add up, checkpoints round-trip, an incompatible run is refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from node.api import Applied, AveragingConfig, ConfigError, DiLoCoSwarm, Heartbeat, OuterConfig, RoundConfig
+from node.library.local_network import LocalNetwork, LocalSwarmHub
+
+ROUND_S = 1.0
+FAST = AveragingConfig(matchmaking_seconds=0.4, request_timeout=0.2, allreduce_timeout=5.0)
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def swarm(hub: LocalSwarmHub, name: str, *, rounds: RoundConfig | None = None, **kwargs) -> DiLoCoSwarm:
+    return DiLoCoSwarm(model(), run_id="api-test", network=LocalNetwork(hub, name), averaging=FAST,
+                       rounds=rounds or RoundConfig(seconds=ROUND_S), **kwargs)
+
+
+def train(peer: DiLoCoSwarm, *, last_round: int, seed: int, finished: list) -> None:
+    """A user's loop: fit a fixed linear map; one ``step`` per inner step."""
+    generator = torch.Generator().manual_seed(seed)
+    target = torch.arange(8, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(peer.model.parameters(), lr=1e-2)
+    peer.start()
+    while peer.round <= last_round:
+        started = time.perf_counter()
+        x = torch.randn(32, 8, generator=generator)
+        loss = torch.nn.functional.mse_loss(peer.model(x).squeeze(-1), x @ target / 8)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        time.sleep(0.005)
+        finished += peer.step(tokens=32, seconds=time.perf_counter() - started, loss=loss.item())
+    finished += peer.finish()
+
+
+def run_together(peers: list[DiLoCoSwarm], last_round: int) -> list[list]:
+    results: list[list] = [[] for _ in peers]
+    threads = [threading.Thread(target=train, args=(p, ), kwargs=dict(last_round=last_round, seed=i, finished=results[i]))
+               for i, p in enumerate(peers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
+def test_two_peers_average_every_round_and_agree():
+    hub = LocalSwarmHub()
+    a, b = swarm(hub, "a"), swarm(hub, "b", heartbeat=lambda: Heartbeat(loss=1.5, device="test-device"))
+    try:
+        assert a.manifest.config_hash == b.manifest.config_hash and a.peer_id != b.peer_id
+        finished_a, finished_b = run_together([a, b], last_round=3)
+        for finished in (finished_a, finished_b):
+            averaged = [s for s in finished if s.applied == Applied.AVERAGED]
+            assert len(averaged) >= 2, [(s.round, s.applied, s.error) for s in finished]
+            assert all(s.group_size == 2 and sorted(s.group) == sorted([a.peer_id, b.peer_id]) for s in averaged)
+        assert a.rounds_done == b.rounds_done >= 2
+        anchor_a, anchor_b = a.anchor_params(), b.anchor_params()
+        assert all(torch.equal(anchor_a[name], anchor_b[name]) for name in anchor_a)  # exact local averaging
+        # Figures a dashboard reads: both moved the same payload, and each saw the other's record.
+        assert a.bytes_sent == a.bytes_received > 0 and a.bytes_sent == b.bytes_sent
+        assert a.peer_count == 2 and {r.peer_id for r in a.peers} == {a.peer_id, b.peer_id}
+        theirs = next(r for r in a.peers if r.peer_id == b.peer_id)
+        assert theirs.loss == 1.5 and theirs.device == "test-device"  # the typed heartbeat arrived
+        assert a.tokens_contributed > 0 and 0 < a.utilization <= 1
+        live = a.live_round()
+        assert live.round == a.round and live.tokens >= 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_lone_peer_applies_its_own_update():
+    peer = swarm(LocalSwarmHub(), "alone")
+    try:
+        finished = run_together([peer], last_round=2)[0]
+        assert finished and all(s.applied == Applied.LOCAL for s in finished)
+        assert peer.rounds_done == len(finished) and peer.bytes_sent == 0
+    finally:
+        peer.close()
+
+
+def test_an_incompatible_run_is_refused_naming_the_field():
+    hub = LocalSwarmHub()
+    first = swarm(hub, "first")
+    try:
+        with pytest.raises(ConfigError, match="outer.lr"):
+            swarm(hub, "second", outer=OuterConfig(lr=0.5))
+    finally:
+        first.close()
+
+
+def test_checkpoint_round_trip_resumes_the_shared_state(tmp_path):
+    hub = LocalSwarmHub()
+    peer = swarm(hub, "saver")
+    try:
+        run_together([peer], last_round=2)
+        path, saved_round = peer.save_checkpoint(tmp_path)
+        assert path.parent == tmp_path and saved_round == peer.last_round
+        saved = peer.anchor_params()
+    finally:
+        peer.close()
+    again = swarm(LocalSwarmHub(), "saver")
+    try:
+        resumed_path, round = again.resume_from_checkpoints(tmp_path)
+        assert resumed_path == path and round == saved_round and again.rounds_done == peer.rounds_done
+        restored = again.anchor_params()
+        assert all(torch.equal(restored[n], saved[n]) for n in saved)
+        live = dict(again.model.named_parameters())
+        assert all(torch.equal(live[n].detach(), saved[n]) for n in saved)  # the model starts from it
+    finally:
+        again.close()
+
+
+def test_a_checkpoint_of_another_run_is_refused(tmp_path):
+    peer = swarm(LocalSwarmHub(), "saver")
+    try:
+        run_together([peer], last_round=1)
+        peer.save_checkpoint(tmp_path)
+    finally:
+        peer.close()
+    other = DiLoCoSwarm(model(), run_id="another-run", network=LocalNetwork(LocalSwarmHub(), "x"), averaging=FAST,
+                        rounds=RoundConfig(seconds=ROUND_S))
+    try:
+        with pytest.raises(ConfigError, match="belongs to run 'api-test'"):
+            other.resume_from_checkpoints(tmp_path)
+    finally:
+        other.close()

@@ -1,0 +1,109 @@
+"""``shoal run``'s process in-process: two ``Peer``s as threads over the local network, the whole
+lifecycle (build, train, checkpoint, close) and the metrics file it writes; and the CLI's error
+contract: the user's mistakes are one line and exit 2, a bug keeps its traceback and exit 1."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from typer.testing import CliRunner
+
+from node.cli import app
+from node.library.checkpoint import list_checkpoints
+from node.library.local_network import LocalNetwork, LocalSwarmHub
+from node.observe.metrics import ROUND_FIELDS, read_metrics
+from node.process.config import load_config
+from node.process.options import PeerOptions
+from node.process.peer import run_peer
+from protocols.errors import ConfigError
+
+TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}  # some text to learn\n" for i in range(900))
+
+
+@pytest.fixture
+def config_for(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+
+    def make(**overrides):
+        return load_config(None, {"data.paths": [str(corpus)], "data.num_shards": 2, "round.seconds": 1.0,
+                                  "averaging.matchmaking_seconds": 0.4, "averaging.request_timeout": 0.2,
+                                  "averaging.allreduce_timeout": 5.0, "train.eval_batches": 1,
+                                  "run_id": "process-test", **overrides})
+    return make
+
+
+def test_two_peers_train_average_checkpoint_and_leave(tmp_path, config_for):
+    hub = LocalSwarmHub()
+    config = config_for()
+    reasons: dict[str, str] = {}
+
+    def peer(name: str) -> None:
+        options = PeerOptions(max_rounds=4, ui=False, metrics_file=tmp_path / f"{name}.jsonl",
+                              checkpoint_dir=tmp_path / f"ckpt-{name}")
+        reasons[name] = run_peer(config, options, handle_signals=False, network=LocalNetwork(hub, name))
+
+    threads = [threading.Thread(target=peer, args=(name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert reasons == {"a": "max_rounds", "b": "max_rounds"}
+    for name in ("a", "b"):
+        records = read_metrics(tmp_path / f"{name}.jsonl")
+        events = [r["event"] for r in records]
+        assert events[0] == "start" and events[-1] == "exit" and records[-1]["reason"] == "max_rounds"
+        rounds = [r for r in records if r["event"] == "round"]
+        assert rounds and all(set(ROUND_FIELDS) <= set(r) for r in rounds)
+        assert any(r["applied"] == "averaged" and r["group_size"] == 2 and r["peers"] == 2 for r in rounds), rounds
+        assert any(r["eval_loss"] is not None for r in rounds) and all(r["lr"] > 0 for r in rounds)
+        assert "checkpoint" in events and list_checkpoints(tmp_path / f"ckpt-{name}")
+        start = records[0]
+        assert start["config_hash"] and start["sync_mode"] == "overlap" and start["parameters"] > 0
+
+
+def test_a_data_mistake_is_a_config_error_before_any_network(tmp_path, config_for):
+    config = config_for(**{"data.paths": [str(tmp_path / "nothing-here" / "*.txt")]})
+    hub = LocalSwarmHub()
+    with pytest.raises(ConfigError, match="data.paths: no files match"):
+        run_peer(config, PeerOptions(ui=False), handle_signals=False, network=LocalNetwork(hub, "a"))
+    assert hub.read("process-test", "manifest") == {}  # it never joined
+
+
+@pytest.fixture(autouse=True)
+def keep_pytest_logging(monkeypatch):
+    """``shoal run`` takes over the root logger; in-process that would unhook pytest's capture."""
+    import node.commands.run
+
+    monkeypatch.setattr(node.commands.run, "configure_logging", lambda ui: None)
+
+
+def write_config(tmp_path, **data) -> str:
+    path = tmp_path / "run.toml"
+    lines = [f"{key} = {value!r}".replace("'", '"') for key, value in data.items()]
+    path.write_text("[data]\n" + "\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_the_cli_prints_a_user_mistake_in_one_line_with_exit_2(tmp_path):
+    config = write_config(tmp_path, paths=[str(tmp_path / "missing" / "*.txt")])
+    result = CliRunner().invoke(app, ["run", "--config", config, "--no-ui"])
+    assert result.exit_code == 2, result.output
+    assert "error: " in result.output and "data.paths: no files match" in result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_the_cli_keeps_a_bug_as_a_bug(tmp_path, monkeypatch):
+    import node.process.peer
+
+    def broken_model(*args, **kwargs):
+        raise ValueError("an internal check failed")  # a ValueError that is not the user's mistake
+
+    monkeypatch.setattr(node.process.peer, "build_model", broken_model)
+    config = write_config(tmp_path, paths=[str(tmp_path / "corpus.txt")])
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    result = CliRunner().invoke(app, ["run", "--config", config, "--no-ui"])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, ValueError) and not isinstance(result.exception, ConfigError)
+    assert "internal check failed" in str(result.exception)
