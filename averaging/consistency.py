@@ -14,7 +14,8 @@ tiled over the chunk: one matmul per chunk, no per-round random numbers.
 
 Tolerance. With fp16 (unit round-off ``u = 2**-11``) a peer's averaged pseudo-gradient is off by
 at most ``u * |avg - local|`` per element, and an error ``e`` in one averaged pseudo-gradient moves
-the anchor by ``lr / (1 - mu) * e`` over all later Nesterov steps (``outer_update_bound``). With
+the anchor by ``lr / (1 - mu) * e`` over all later Nesterov steps (it enters once as ``(1 + mu) e``,
+then decays through the momentum buffer: ``lr * (1 + mu + mu**2 / (1 - mu))``). With
 lr 0.7, mu 0.9 that is ``7 u ~ 0.0034`` of one round's pseudo-gradient in the worst case, and in
 RMS about ``0.002 * sqrt(rounds)`` of it as errors random-walk. A failed part instead differs by
 about ``lr * (1 + mu) * |avg - local|``, i.e. about one pseudo-gradient. Peers therefore agree

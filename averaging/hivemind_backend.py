@@ -1,6 +1,6 @@
 """The butterfly all-reduce of pseudo-gradients, on hivemind's ``DecentralizedAverager``.
 
-Hazards this module owns (see shared/HIVEMIND_NOTES.md):
+Hazards this module owns (docs/hivemind.md):
 - The averager is a forked process sharing our buffer through shared memory. It must be created
   before CUDA is initialised and before other threads start, and it sets SIGINT to ignored in
   the parent: the caller restores its handler.
@@ -187,7 +187,7 @@ class HivemindBackend:
         client_mode: bool = False,
         state_lengths: Sequence[int] | None = None,
     ):
-        # request_timeout < min_matchmaking_time, or matchmaking can deadlock (HIVEMIND_NOTES).
+        # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
         assert request_timeout < min_matchmaking_time
         self._averager = ShoalAverager(
             averaged_tensors=[torch.zeros(numel, dtype=torch.float32)],

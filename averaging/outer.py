@@ -36,12 +36,3 @@ def outer_step_(
     anchor.sub_(update)
     return update
 
-
-def outer_update_bound(lr: float, mu: float) -> float:
-    """How much one error ``e`` in an averaged pseudo-gradient moves the anchor over all later steps.
-
-    With Nesterov momentum the error enters the step once as ``(1 + mu) e`` and then decays
-    through the momentum buffer: ``lr * (1 + mu + mu**2 / (1 - mu)) = lr / (1 - mu)``. Used to
-    state the tolerance that lossy compression allows between peers' anchors.
-    """
-    return lr / (1.0 - mu)

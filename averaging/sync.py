@@ -23,7 +23,7 @@ class SyncWorker:
         self.backend = backend  # only ever used from the worker's thread
         self.allreduce_timeout = allreduce_timeout
         self.matchmaking_grace = matchmaking_grace  # how long past a deadline a group may still form
-        # The thread starts on the first submit, after hivemind's forks (HIVEMIND_NOTES).
+        # The thread starts on the first submit, after hivemind's forks (docs/hivemind.md).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-sync")
 
     @property

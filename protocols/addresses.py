@@ -130,15 +130,6 @@ def parse_listen_multiaddr(text: str, flag: str = "--listen") -> str:
     return normalized
 
 
-def peer_id_of(maddr: str) -> str:
-    """The peer id an address dials: its last /p2p/ value (the target, for relayed addresses)."""
-    _, parts = _parse(maddr, "address", _PEER_FIX)
-    peer_ids = [value for name, value in parts if name == "p2p" and value]
-    if not peer_ids:
-        raise AddressError(f"address {maddr!r}: has no /p2p/<peer id> part; {_PEER_FIX}")
-    return peer_ids[-1]
-
-
 def _is_loopback(maddr: str) -> bool:
     try:
         parts = Multiaddr(maddr).items()

@@ -29,9 +29,6 @@ MAX_KEY_CHARS = 64
 MAX_VALUE_CHARS = 256
 MAX_ROUND_SECONDS = 7 * 24 * 3600.0
 
-Scalar = bool | int | float | str | None
-
-
 def fields_hash(fields: dict[str, Any]) -> str:
     """A stable hash of the agreed fields (canonical JSON: sorted keys, no whitespace)."""
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -172,7 +172,6 @@ class SwarmSummary:
     peers: int
     tokens_per_s: float  # sum over peers
     round: int | None  # the round most peers are in (ties: the latest); None without records
-    max_round: int | None
     tokens: int  # contributed so far, all peers
     loss: float | None  # mean of the peers' reported training losses
     eval_loss: float | None
@@ -189,7 +188,6 @@ class SwarmSummary:
             peers=len(records),
             tokens_per_s=total,
             round=common,
-            max_round=max(rounds) if rounds else None,
             tokens=sum(r.tokens for r in records),
             loss=_mean(r.loss for r in records),
             eval_loss=_mean(r.eval_loss for r in records),

@@ -17,7 +17,6 @@ import typer
 from protocols.errors import ShoalError
 
 EXIT_OK = 0
-EXIT_INTERNAL_ERROR = 1
 
 
 def fail(error: ShoalError) -> NoReturn:

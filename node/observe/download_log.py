@@ -14,16 +14,10 @@ logger = logging.getLogger(__name__)
 class DownloadLog:
     def __init__(self) -> None:
         self._logged_quarter = -1
-        self.done = self.total = 0
 
     def __call__(self, done: int, total: int) -> None:
-        self.done, self.total = done, total
         quarter = 4 * done // max(total, 1)
         if quarter > self._logged_quarter:
             self._logged_quarter = quarter
             logger.info(f"downloading the swarm's state: {100 * done / max(total, 1):.0f}% "
                         f"of {total / 2**20:.1f} MiB")
-
-    @property
-    def fraction(self) -> float:
-        return self.done / self.total if self.total else 0.0

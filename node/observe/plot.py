@@ -26,7 +26,6 @@ class PeerRounds:
     """One peer's round records, in order, with the file they came from."""
 
     peer: str
-    source: Path
     rounds: tuple[dict, ...]
 
     @property
@@ -47,7 +46,6 @@ def load_rounds(paths: list[Path]) -> tuple[list[PeerRounds], float]:
     if not paths:
         raise ConfigError("shoal plot needs at least one metrics file (written by shoal run --metrics-file)")
     by_peer: dict[str, list[dict]] = {}
-    sources: dict[str, Path] = {}
     origin = math.inf
     for path in paths:
         path = Path(path)
@@ -76,11 +74,10 @@ def load_rounds(paths: list[Path]) -> tuple[list[PeerRounds], float]:
                 raise ConfigError(f"{path}: round record {number} has no valid {', '.join(bad)}")
             peer = str(record.get("peer") or path.stem)
             by_peer.setdefault(peer, []).append(record)
-            sources.setdefault(peer, path)
             rounds += 1
         if rounds == 0:
             raise ConfigError(f"metrics file {path} has no round records yet (a peer writes one per finished round)")
-    peers = [PeerRounds(peer, sources[peer], tuple(sorted(records, key=lambda r: r["time"])))
+    peers = [PeerRounds(peer, tuple(sorted(records, key=lambda r: r["time"])))
              for peer, records in sorted(by_peer.items())]
     return peers, origin
 

@@ -1,12 +1,10 @@
 import base58
 import pytest
-from hivemind.p2p import PeerID
 
 from protocols.addresses import (
     format_join_command,
     parse_listen_multiaddr,
     parse_peer_multiaddr,
-    peer_id_of,
 )
 from protocols.errors import AddressError, ShoalError
 
@@ -39,17 +37,11 @@ def assert_one_line_error(excinfo: pytest.ExceptionInfo, *needles: str) -> str:
 )
 def test_good_peer_addresses_round_trip(maddr):
     assert parse_peer_multiaddr(maddr) == maddr
-    assert PeerID.from_base58(peer_id_of(maddr)).to_base58() == peer_id_of(maddr)
 
 
 def test_peer_address_is_normalized_and_stripped():
     text = f"  ip4/127.0.0.1//tcp/31337/p2p/{ED25519_ID}\n"
     assert parse_peer_multiaddr(text) == f"/ip4/127.0.0.1/tcp/31337/p2p/{ED25519_ID}"
-
-
-def test_relayed_address_peer_id_is_the_target():
-    maddr = f"/ip4/203.0.113.5/tcp/4001/p2p/{RSA_ID}/p2p-circuit/p2p/{ED25519_ID}"
-    assert peer_id_of(maddr) == ED25519_ID
 
 
 @pytest.mark.parametrize(
@@ -117,11 +109,6 @@ def test_bad_listen_addresses_name_the_flag(text, reason):
     with pytest.raises(AddressError) as excinfo:
         parse_listen_multiaddr(text, flag="--announce")
     assert_one_line_error(excinfo, "--announce", repr(text), reason)
-
-
-def test_peer_id_of_requires_a_peer_id():
-    with pytest.raises(AddressError):
-        peer_id_of("/ip4/127.0.0.1/tcp/1")
 
 
 def test_join_command_puts_remote_addresses_first_and_keeps_loopback():

@@ -117,7 +117,7 @@ def test_the_thread_starts_on_the_first_submit_not_before():
     before = len(sync_threads())
     worker = SyncWorker(RecordingBackend(), allreduce_timeout=1.0, matchmaking_grace=0.1)
     try:
-        assert len(sync_threads()) == before  # hivemind forks after construction (HIVEMIND_NOTES)
+        assert len(sync_threads()) == before  # hivemind forks after construction (docs/hivemind.md)
         worker.submit(lambda: None).result(timeout=WAIT)
         worker.submit(lambda: None).result(timeout=WAIT)
         assert len(sync_threads()) == before + 1
