@@ -233,56 +233,91 @@ def download_slices(
     if not donors:
         return None
     book = _Book(donors, lengths, count)
-    budget = default_max_fetches(count, len(donors)) if max_fetches is None else max_fetches
-    total_bytes, reported = STATE_BYTES_PER_VALUE * total, 0
-    _report(progress, 0, total_bytes)
-    # One thread per donor is enough: a donor has at most one fetch in flight, and a fetch that
-    # outlives slice_timeout has its donor dropped, so its thread is never needed again.
-    pool = ThreadPoolExecutor(max_workers=len(donors), thread_name_prefix="shoal-slice")
-    in_flight: dict[Future, tuple[str, int, float]] = {}
-    issued = 0
+    fetches = _Fetches(fetch, count, workers=len(donors), slice_timeout=slice_timeout,
+                       budget=default_max_fetches(count, len(donors)) if max_fetches is None else max_fetches)
+    progress_bytes = _MonotoneProgress(progress, STATE_BYTES_PER_VALUE * total)
     try:
         while not book.complete():
-            # 1. Give every idle donor that serves the target round a pending slice.
-            for donor, index in book.assign(limit=budget - issued):
-                in_flight[pool.submit(fetch, donor, index, count)] = (donor, index, time.monotonic())
-                issued += 1
-            if not in_flight:
+            if not fetches.issue(book):
                 logger.warning(f"state download gave up: {len(book.live)} of {len(donors)} donors left, "
-                               f"{issued} of {budget} fetches used, target round {book.target()}")
+                               f"{fetches.issued} of {fetches.budget} fetches used, target round {book.target()}")
                 return None
-            # 2. Wait for the first fetch to end, or for the oldest one to run out of time.
-            wait_s = None
-            if slice_timeout is not None:
-                wait_s = max(0.0, min(started for _, _, started in in_flight.values()) + slice_timeout
-                             - time.monotonic())
-            finished, _ = wait(in_flight, timeout=wait_s, return_when=FIRST_COMPLETED)
-            for future in finished:
-                donor, index, _ = in_flight.pop(future)
+            for future, donor, index in fetches.wait_any():
                 _settle(book, future, donor, index)
-                # 3. Report progress after each slice, never backwards.
-                done = book.done_bytes()
-                if done > reported:
-                    reported = done
-                    _report(progress, reported, total_bytes)
-            # 4. Abandon fetches past their time (their threads finish on their own; results ignored).
-            if slice_timeout is not None:
-                now = time.monotonic()
-                for future, (donor, index, started) in list(in_flight.items()):
-                    if now - started >= slice_timeout:
-                        del in_flight[future]
-                        book.fail(donor, index)
-                        logger.warning(f"slice {index}/{count} from {donor}: timed out after {slice_timeout:.1f}s;"
-                                       " donor dropped")
-        if reported < total_bytes:
-            _report(progress, total_bytes, total_bytes)
+                progress_bytes(book.done_bytes())
+            for donor, index in fetches.abandon_expired():
+                book.fail(donor, index)
+                logger.warning(f"slice {index}/{count} from {donor}: timed out after {slice_timeout:.1f}s;"
+                               " donor dropped")
+        progress_bytes.finish()
         result = book.assembled()
         logger.info(f"state of round {result.metadata['round']} assembled from {count} slices: {result.served}")
         return result
     finally:
+        fetches.close()
+
+
+class _Fetches:
+    """The fetches in flight: one per donor at most, each with its start time, within a budget.
+
+    One thread per donor is enough: a donor has at most one fetch in flight, and a fetch that
+    outlives ``slice_timeout`` has its donor dropped, so its thread is never needed again."""
+
+    def __init__(self, fetch: Fetch, count: int, *, workers: int, slice_timeout: float | None, budget: int):
+        self.fetch, self.count, self.slice_timeout, self.budget = fetch, count, slice_timeout, budget
+        self.issued = 0
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shoal-slice")
+        self._in_flight: dict[Future, tuple[str, int, float]] = {}
+
+    def issue(self, book: _Book) -> bool:
+        """Give every idle donor that serves the target round a pending slice; False when nothing
+        is in flight any more (no donor, slice or budget left)."""
+        for donor, index in book.assign(limit=self.budget - self.issued):
+            self._in_flight[self._pool.submit(self.fetch, donor, index, self.count)] = (donor, index, time.monotonic())
+            self.issued += 1
+        return bool(self._in_flight)
+
+    def wait_any(self) -> list[tuple[Future, str, int]]:
+        """Wait for the first fetch to end, or for the oldest one to run out of time."""
+        wait_s = None
+        if self.slice_timeout is not None:
+            oldest = min(started for _, _, started in self._in_flight.values())
+            wait_s = max(0.0, oldest + self.slice_timeout - time.monotonic())
+        finished, _ = wait(self._in_flight, timeout=wait_s, return_when=FIRST_COMPLETED)
+        return [(future, *self._in_flight.pop(future)[:2]) for future in finished]
+
+    def abandon_expired(self) -> list[tuple[str, int]]:
+        """Fetches past their time: forgotten (their threads finish on their own, results ignored)."""
+        if self.slice_timeout is None:
+            return []
+        now, expired = time.monotonic(), []
+        for future, (donor, index, started) in list(self._in_flight.items()):
+            if now - started >= self.slice_timeout:
+                del self._in_flight[future]
+                expired.append((donor, index))
+        return expired
+
+    def close(self) -> None:
         # Hazard: never wait here for a fetch we abandoned; it may still be hanging (interpreter exit
         # will wait for its thread, so a fetch must be bounded by its own timeout, as HivemindBackend's is).
-        pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _MonotoneProgress:
+    """``progress(done_bytes, total_bytes)`` from 0 to the total, never backwards."""
+
+    def __init__(self, progress: Progress | None, total_bytes: int):
+        self.progress, self.total_bytes, self.reported = progress, total_bytes, 0
+        _report(progress, 0, total_bytes)
+
+    def __call__(self, done: int) -> None:
+        if done > self.reported:
+            self.reported = done
+            _report(self.progress, done, self.total_bytes)
+
+    def finish(self) -> None:
+        if self.reported < self.total_bytes:
+            _report(self.progress, self.total_bytes, self.total_bytes)
 
 
 def _settle(book: _Book, future: Future, donor: str, index: int) -> None:

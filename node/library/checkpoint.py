@@ -131,52 +131,61 @@ def save_checkpoint(
     final = checkpoint_dir / round_dir_name(round)
 
     with _SAVE_LOCK:
-        # 1. Start clean: a crash in an earlier save leaves only .tmp- entries behind.
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        _clean_stale_tmp(checkpoint_dir)
-
-        # 2. Write and fsync everything inside a private temp dir.
+        _clean_stale_tmp(checkpoint_dir)  # a crash in an earlier save leaves only .tmp- entries behind
         staging = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=checkpoint_dir))
         try:
-            files = {
-                MODEL_FILE: _write_tensors(staging / MODEL_FILE, params),
-                OUTER_FILE: _write_tensors(staging / OUTER_FILE, outer_state),
-            }
-            record = {
-                "round": round,
-                "run_id": meta.get("run_id"),
-                "created": time.time(),
-                "shoal_version": shoal_version(),
-                "files": files,
-                **{key: value for key, value in meta.items() if key != "run_id"},
-            }
-            meta_path = staging / META_FILE
-            meta_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-            _fsync_path(meta_path)
-            _fsync_path(staging)
-
-            # 3. Publish. rename() cannot replace a non-empty dir, so an existing checkpoint of
-            # this round is first moved aside under .tmp-: a crash between the two renames
-            # loses only this round's old copy (cleaned up later), never leaves a torn one.
-            if final.exists():
-                displaced = final.with_name(f"{TMP_PREFIX}old-{final.name}-{time.monotonic_ns()}")
-                os.rename(final, displaced)
-                os.rename(staging, final)
-                shutil.rmtree(displaced, ignore_errors=True)
-            else:
-                os.rename(staging, final)
-            _fsync_path(checkpoint_dir)
+            _write_staged(staging, round=round, params=params, outer_state=outer_state, meta=meta)
+            _publish(staging, final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-
-        # 4. Prune the oldest; never the one just written, even if newer rounds exist (e.g.
-        # after resuming from an older checkpoint because the newer ones were corrupt).
-        for old in list_checkpoints(checkpoint_dir)[keep_last:]:
-            if old != final:
-                _remove_dir(old)
+        _prune(checkpoint_dir, keep_last=keep_last, keep=final)
     log.info("saved checkpoint %s", final)
     return final
+
+
+def _write_staged(staging: Path, *, round: int, params: dict[str, Tensor], outer_state: dict[str, Tensor],
+                  meta: dict) -> None:
+    """Write and fsync every file of the checkpoint inside its private temp dir."""
+    files = {
+        MODEL_FILE: _write_tensors(staging / MODEL_FILE, params),
+        OUTER_FILE: _write_tensors(staging / OUTER_FILE, outer_state),
+    }
+    record = {
+        "round": round,
+        "run_id": meta.get("run_id"),
+        "created": time.time(),
+        "shoal_version": shoal_version(),
+        "files": files,
+        **{key: value for key, value in meta.items() if key != "run_id"},
+    }
+    meta_path = staging / META_FILE
+    meta_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    _fsync_path(meta_path)
+    _fsync_path(staging)
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Rename the staged dir to its final name. rename() cannot replace a non-empty dir, so an
+    existing checkpoint of this round is first moved aside under .tmp-: a crash between the two
+    renames loses only this round's old copy (cleaned up later), never leaves a torn one."""
+    if final.exists():
+        displaced = final.with_name(f"{TMP_PREFIX}old-{final.name}-{time.monotonic_ns()}")
+        os.rename(final, displaced)
+        os.rename(staging, final)
+        shutil.rmtree(displaced, ignore_errors=True)
+    else:
+        os.rename(staging, final)
+    _fsync_path(final.parent)
+
+
+def _prune(checkpoint_dir: Path, *, keep_last: int, keep: Path) -> None:
+    """Remove the oldest beyond ``keep_last``; never ``keep`` (the one just written), even if newer
+    rounds exist (e.g. after resuming from an older checkpoint because the newer ones were corrupt)."""
+    for old in list_checkpoints(checkpoint_dir)[keep_last:]:
+        if old != keep:
+            _remove_dir(old)
 
 
 def _bad(path: Path, problem: str) -> CheckpointError:

@@ -23,6 +23,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from averaging.diloco import Applied
 from node.observe.fmt import human_bytes, number, short_id
 from protocols.progress import ProgressRecord, SwarmSummary
 
@@ -81,7 +82,7 @@ def sync_state(status: NodeStatus) -> str:
         return "averaging"
     if status.finished_round == 0:
         return "-"
-    if status.last_sync == "averaged":
+    if status.last_sync == Applied.AVERAGED:
         return "merged"
     if status.peers <= 1:
         return "alone (own update)"
@@ -120,62 +121,73 @@ class LiveView:
     def render(self) -> Panel:
         s, now = self.status, time.time()
         records = list(s.peer_records)
-        summary = SwarmSummary.of(records, me=s.peer_id)
+        others = [r for r in records if r.peer_id != s.peer_id]
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold cyan", justify="right", no_wrap=True)
         grid.add_column()
-
-        # swarm
-        others = [r for r in records if r.peer_id != s.peer_id]
-        if s.peers <= 1 and not others:
-            grid.add_row("swarm", Text("alone: waiting for other peers to join", style="bold yellow"))
-        else:
-            online = max(s.peers, summary.peers)
-            total = summary.tokens_per_s if records else s.tokens_per_s
-            line = Text(f"{online} peers online", style="bold green")
-            line.append(f"   {total:,.0f} tokens/s total")
-            if summary.share is not None:
-                line.append(f"   this peer {summary.share:.0%}")
-            grid.add_row("swarm", line)
-
-        # round (or joining)
+        _swarm_rows(grid, s, records, alone=not others)
         if s.phase == "joining":
-            fraction = s.download_fraction
-            label = "joining: downloading state" + (f" {fraction:.0%}" if fraction is not None else "")
-            grid.add_row("state", Text(label, style="bold yellow"))
-            if fraction is not None:
-                grid.add_row("", ProgressBar(total=1.0, completed=min(max(fraction, 0.0), 1.0), width=40))
+            _joining_rows(grid, s)
         else:
-            rounds = f"{s.round}" + (f" / {s.max_rounds}" if s.max_rounds else "")
-            grid.add_row("round", f"{rounds}   ({s.phase})   sync: {sync_state(s)}")
-            span = max(s.round_end - s.round_start, 1e-9)
-            done = min(max(now - s.round_start, 0.0), span)
-            left = max(s.round_end - now, 0.0) if s.round_end else 0.0
-            bar = Table.grid(padding=(0, 1))
-            bar.add_row(ProgressBar(total=span, completed=done, width=40), f"{left:.0f}s to deadline")
-            grid.add_row("", bar)
-
-        # training
-        loss = Text(f"{number(s.loss)} ")
-        loss.append(sparkline(self.loss_history), style="magenta")
-        loss.append(f"   eval {number(s.eval_loss)} ")
-        loss.append(sparkline(self.eval_history), style="green")
-        grid.add_row("loss", loss)
-        util = f"   utilization {s.utilization:.0%}" if s.utilization is not None else ""
-        grid.add_row("tokens/s", f"{s.tokens_per_s:,.0f}{util}")
-
-        # network
-        # Averaging traffic comes in bursts (one all-reduce per round): the rate during the last
-        # sync says more about the link than a per-second rate that is zero most of the time.
-        bandwidth = f"   {human_bytes(s.sync_bytes_per_s)}/s while syncing" if s.sync_bytes_per_s else ""
-        bandwidth += f"   total ↑ {human_bytes(s.bytes_sent)} ↓ {human_bytes(s.bytes_received)}"
-        grid.add_row("network", f"group {s.group_size}   sync {s.sync_s:.2f}s   last {s.last_sync}{bandwidth}")
-
+            _round_rows(grid, s, now)
+        _training_rows(grid, s, self.loss_history, self.eval_history)
+        _network_rows(grid, s)
         parts: list = [grid]
         if others:
             parts.append(peer_table(records, me=s.peer_id, now=now, limit=MAX_PEER_ROWS))
         title = f"shoal · run {s.run_id} · peer {short_id(s.peer_id)}" + (f" · {s.device}" if s.device else "")
         return Panel(Group(*parts), title=title, expand=False)
+
+
+def _swarm_rows(grid: Table, s: NodeStatus, records: list[ProgressRecord], *, alone: bool) -> None:
+    if s.peers <= 1 and alone:
+        grid.add_row("swarm", Text("alone: waiting for other peers to join", style="bold yellow"))
+        return
+    summary = SwarmSummary.of(records, me=s.peer_id)
+    online = max(s.peers, summary.peers)
+    total = summary.tokens_per_s if records else s.tokens_per_s
+    line = Text(f"{online} peers online", style="bold green")
+    line.append(f"   {total:,.0f} tokens/s total")
+    if summary.share is not None:
+        line.append(f"   this peer {summary.share:.0%}")
+    grid.add_row("swarm", line)
+
+
+def _joining_rows(grid: Table, s: NodeStatus) -> None:
+    fraction = s.download_fraction
+    label = "joining: downloading state" + (f" {fraction:.0%}" if fraction is not None else "")
+    grid.add_row("state", Text(label, style="bold yellow"))
+    if fraction is not None:
+        grid.add_row("", ProgressBar(total=1.0, completed=min(max(fraction, 0.0), 1.0), width=40))
+
+
+def _round_rows(grid: Table, s: NodeStatus, now: float) -> None:
+    rounds = f"{s.round}" + (f" / {s.max_rounds}" if s.max_rounds else "")
+    grid.add_row("round", f"{rounds}   ({s.phase})   sync: {sync_state(s)}")
+    span = max(s.round_end - s.round_start, 1e-9)
+    done = min(max(now - s.round_start, 0.0), span)
+    left = max(s.round_end - now, 0.0) if s.round_end else 0.0
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(ProgressBar(total=span, completed=done, width=40), f"{left:.0f}s to deadline")
+    grid.add_row("", bar)
+
+
+def _training_rows(grid: Table, s: NodeStatus, loss_history: Sequence[float], eval_history: Sequence[float]) -> None:
+    loss = Text(f"{number(s.loss)} ")
+    loss.append(sparkline(loss_history), style="magenta")
+    loss.append(f"   eval {number(s.eval_loss)} ")
+    loss.append(sparkline(eval_history), style="green")
+    grid.add_row("loss", loss)
+    util = f"   utilization {s.utilization:.0%}" if s.utilization is not None else ""
+    grid.add_row("tokens/s", f"{s.tokens_per_s:,.0f}{util}")
+
+
+def _network_rows(grid: Table, s: NodeStatus) -> None:
+    # Averaging traffic comes in bursts (one all-reduce per round): the rate during the last
+    # sync says more about the link than a per-second rate that is zero most of the time.
+    bandwidth = f"   {human_bytes(s.sync_bytes_per_s)}/s while syncing" if s.sync_bytes_per_s else ""
+    bandwidth += f"   total ↑ {human_bytes(s.bytes_sent)} ↓ {human_bytes(s.bytes_received)}"
+    grid.add_row("network", f"group {s.group_size}   sync {s.sync_s:.2f}s   last {s.last_sync}{bandwidth}")
 
 
 def _cell(value: str, width: int, right: bool) -> str:
