@@ -18,6 +18,9 @@ unless it must:
 Threads: ``after_step``/``begin_sync``/``try_merge`` run on the training thread; the sync job runs
 on the worker's thread and is the only code that changes the anchor; the two meet through the
 job's future (the training thread reads the anchor only while no job is in flight).
+
+Time: every clock read and every wait goes through a ``Clock`` (the real one unless a test passes
+a fake whose time moves only when the test says so; ``tests/unit/fake_clock.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -43,6 +47,50 @@ from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    """Where the round engine reads time and waits. Both threads use it: ``now``/``monotonic`` on
+    the training thread and the worker's; ``sleep``/``sleep_until`` only on the worker's;
+    ``wait`` only on the training thread, for a job on the worker. Waiting on a job goes through
+    the clock too, so that a fake one knows the loop is idle and can let the worker's sleeps pass."""
+
+    def now(self) -> float:
+        """Unix seconds: the run's schedule (round deadlines) is in these."""
+
+    def monotonic(self) -> float:
+        """Seconds from an arbitrary origin, for durations."""
+
+    def sleep(self, seconds: float) -> None: ...
+
+    def sleep_until(self, when: float) -> None:
+        """Return once ``now() >= when`` (at once if it already is)."""
+
+    def wait(self, job: Future[T]) -> T:
+        """Block until a worker job is done; its result (or its exception, raised)."""
+
+
+class SystemClock:
+    """The real clock."""
+
+    def now(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def sleep_until(self, when: float) -> None:
+        time.sleep(max(0.0, when - time.time()))
+
+    def wait(self, job: Future[T]) -> T:
+        return job.result()
+
+
+SYSTEM_CLOCK = SystemClock()
 
 
 class SyncMode(StrEnum):
@@ -150,10 +198,12 @@ def validate_sync(mode: str, inner_steps: int) -> SyncMode:
 class OuterLoop:
     def __init__(self, *, outer: OuterState, worker: SyncWorker, layout: FlatLayout,
                  params: Callable[[], dict[str, torch.Tensor]], schedule: Callable[[], RoundSchedule],
-                 config: LoopConfig, peer_id: str, alone: Callable[[], bool], device: torch.device):
+                 config: LoopConfig, peer_id: str, alone: Callable[[], bool], device: torch.device,
+                 clock: Clock = SYSTEM_CLOCK):
         self.outer, self.worker, self.layout = outer, worker, layout
         self._params, self._schedule, self.config = params, schedule, config
         self.peer_id, self._alone, self.device = peer_id, alone, device
+        self.clock = clock  # read on both threads (see Clock)
         cuda = device.type == "cuda"
         # Host staging for the parameter snapshot: pinned so device→host copies are async.
         self._host_params = layout.new_buffer(pin_memory=cuda)
@@ -178,7 +228,7 @@ class OuterLoop:
         return self._job is not None
 
     def start(self) -> None:
-        now = time.time()
+        now = self.clock.now()
         self.window = _Window(max(1, self._schedule().round_at(now)), started=now)
         self._maybe_prepare(now)
 
@@ -186,8 +236,8 @@ class OuterLoop:
         """Adopt the shared state of a running swarm (blocking: before training starts), unless
         it is not newer than ``newer_than`` (a peer resumed from a checkpoint keeps its own).
         ``progress(done_bytes, total_bytes)`` is called on the worker thread."""
-        state = self.worker.submit(self.worker.backend.download_state, donors,
-                                   timeout=self.config.download_timeout, progress=progress).result()
+        state = self.clock.wait(self.worker.submit(self.worker.backend.download_state, donors,
+                                                   timeout=self.config.download_timeout, progress=progress))
         if state is None:
             return None
         offered = state.metadata.get("round") if isinstance(state.metadata, dict) else None
@@ -207,7 +257,7 @@ class OuterLoop:
 
     def progress(self, now: float | None = None) -> float:
         """Global progress in rounds, for the inner learning-rate schedule."""
-        return self._schedule().progress(time.time() if now is None else now)
+        return self._schedule().progress(self.clock.now() if now is None else now)
 
     def finish(self) -> list[RoundStats]:
         """Leaving: let a sync in flight land (bounded by the all-reduce timeout)."""
@@ -224,7 +274,7 @@ class OuterLoop:
             window.loss_sum += loss
         self._timer.add(seconds)
         finished = self.try_merge()
-        self._maybe_prepare(time.time())
+        self._maybe_prepare(self.clock.now())
         if self._round_over():
             finished += self.begin_sync()
         return finished
@@ -242,12 +292,12 @@ class OuterLoop:
     def _round_over(self) -> bool:
         if self.config.mode == SyncMode.BLOCKING and self.window.steps >= self.config.inner_steps:
             return True  # then wait, idle, for the all-reduce at the deadline: lockstep
-        return not self._timer.fits_before(self._schedule().round_end(self.window.round), time.time())
+        return not self._timer.fits_before(self._schedule().round_end(self.window.round), self.clock.now())
 
     def begin_sync(self) -> list[RoundStats]:
         """End the current round: snapshot, hand it to the worker, start the next window."""
         finished = self.try_merge(wait=True)  # the previous sync must land before a new snapshot
-        window, now = self.window, time.time()
+        window, now = self.window, self.clock.now()
         window.ended = now
         if self._prepared_round < window.round:  # blocking mode can finish its steps early
             self._prepared_round = window.round
@@ -261,7 +311,7 @@ class OuterLoop:
         self.window = _Window(next_round, started=now)
         if self.config.mode == SyncMode.BLOCKING:
             finished += self.try_merge(wait=True)
-            self.window.started = time.time()  # the wait belongs to the round that ended
+            self.window.started = self.clock.now()  # the wait belongs to the round that ended
         return finished
 
     def try_merge(self, wait: bool = False) -> list[RoundStats]:
@@ -269,9 +319,9 @@ class OuterLoop:
         job = self._job
         if job is None or (not wait and not job.future.done()):
             return []
-        already_done, waited_from = job.future.done(), time.perf_counter()
-        result: _SyncResult = job.future.result()
-        stall_s = 0.0 if already_done else time.perf_counter() - waited_from
+        already_done, waited_from = job.future.done(), self.clock.monotonic()
+        result: _SyncResult = self.clock.wait(job.future)
+        stall_s = 0.0 if already_done else self.clock.monotonic() - waited_from
         self._job = None
         self._merge(result.correction)
         # In blocking mode the round's own wait is part of the round; in overlap mode a stall
@@ -282,7 +332,7 @@ class OuterLoop:
         contributed = conclusion.applied == Applied.AVERAGED
         self._carried_tokens = 0 if contributed or conclusion.applied == Applied.LOCAL else int(job.weight)
         window = job.window
-        end = time.time() if self.config.mode == SyncMode.BLOCKING else window.ended
+        end = self.clock.now() if self.config.mode == SyncMode.BLOCKING else window.ended
         return [RoundStats(
             round=window.round, inner_steps=window.steps, tokens=window.tokens, compute_s=window.compute_s,
             wait_s=window.wait_s, sync_s=result.sync_s, allreduce_s=result.allreduce_s, wall_s=end - window.started,
@@ -327,11 +377,11 @@ class OuterLoop:
     # -- the worker thread's side ------------------------------------------------------------
     def _prepare(self, round: int, not_before: float = 0.0) -> None:
         # Waiting here is free: in blocking mode the worker has nothing else to do until then.
-        time.sleep(max(0.0, not_before - time.time()))
+        self.clock.sleep_until(not_before)
         deadline = self._schedule().round_end(round)
         self.worker.backend.prepare(round=round, scheduled_time=deadline,
                                     gather=self.outer.round_report(round=round).encode(),
-                                    timeout=deadline - time.time() + self.worker.matchmaking_grace)
+                                    timeout=deadline - self.clock.now() + self.worker.matchmaking_grace)
 
     def _sync_round(self, round: int, weight: float, event: torch.cuda.Event | None) -> _SyncResult:
         # 1. The pseudo-gradient, once the snapshot has reached the host.
@@ -339,11 +389,11 @@ class OuterLoop:
             event.synchronize()
         pseudo_grad = pseudo_gradient(self.outer.anchor, self._host_params, out=self._pseudo_grad)
         # 2. The all-reduce at the round's deadline (our own pseudo-gradient stays as the fallback).
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         averaged = pseudo_grad.clone()
-        timeout = max(0.0, self._schedule().round_end(round) - time.time()) + self.worker.matchmaking_grace
+        timeout = max(0.0, self._schedule().round_end(round) - self.clock.now()) + self.worker.matchmaking_grace
         outcome = self.worker.backend.average(averaged, weight=weight, timeout=timeout + self.worker.allreduce_timeout)
-        sync_s = time.perf_counter() - started
+        sync_s = self.clock.monotonic() - started
         # 3. Outer step, consistency check, re-sync if our anchor diverged.
         old_anchor = self.outer.anchor.clone()
         conclusion = self.outer.conclude(outcome, pseudo_grad, round=round, averaged=averaged if outcome.ok else None,
@@ -368,7 +418,7 @@ class OuterLoop:
                 continue
             if adopted >= round:
                 break
-            time.sleep(0.2)  # the donor has not applied this round's outer step yet
+            self.clock.sleep(0.2)  # the donor has not applied this round's outer step yet
         if adopted is not None and adopted < round and averaged is not None and conclusion.applied == Applied.AVERAGED:
             self.outer.apply(averaged, round=round)  # catch the donor's state up to this round
         return adopted is not None

@@ -1,12 +1,15 @@
-"""OuterLoop: three peers on threads over one LocalHub, each with its own tiny model, outer state and
-sync worker, driven by fake inner steps. Overlap rounds on the wall clock, blocking rounds in lockstep,
-the weighting, the merge of an update into a model that kept training, and a failed round folded
-into the next contribution."""
+"""OuterLoop: three peers on threads over one LocalHub, each with its own tiny model, outer state,
+sync worker and fake clock, driven by fake inner steps. Overlap rounds on the clock (and a stall when
+a sync outlasts a round), blocking rounds in lockstep, the weighting, the merge of an update into a
+model that kept training, and a failed round folded into the next contribution.
+
+Time is fake (``tests.unit.fake_clock``): an inner step advances its peer's clock, so every figure
+the engine reports is exact and no test sleeps. What stays real is the concurrency: each peer's
+training thread and sync worker, and the peers meeting in the hub."""
 
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -21,6 +24,7 @@ from averaging.outer import outer_step_
 from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
 from averaging.sync import SyncWorker
 from protocols.schedule import RoundSchedule
+from tests.unit.fake_clock import WALL_START, FakeClock
 
 pytestmark = pytest.mark.timeout(60)  # a deadlock fails the test instead of hanging the suite
 
@@ -28,7 +32,8 @@ PEERS = ("peer-a", "peer-b", "peer-c")
 TOKENS = {"peer-a": 100, "peer-b": 300, "peer-c": 700}  # per inner step: the weights differ
 OUTER = OuterConfig(lr=0.7, momentum=0.9, nesterov=True)
 STEP_SIZE = 0.01
-WAIT = 20.0  # generous bound on anything one peer waits for; the happy paths take milliseconds
+WAIT = 20.0  # generous bound (real seconds) on anything one peer waits for; the happy paths take milliseconds
+EXACT = 1e-6  # the resolution of a unix time (the fake clock's now()) is ~2e-7 s
 # Manual driving: rounds never end on the clock, and each round is prepared as soon as it begins,
 # so the test decides when a round ends by calling begin_sync itself.
 MANUAL = dict(mode="overlap", matchmaking_seconds=0.1, prepare_lead=1e6)
@@ -37,21 +42,32 @@ MANUAL_ROUND_SECONDS = 1e3
 
 class FaultyBackend(LocalBackend):
     """A LocalBackend that records what it sends, and misses the rounds in ``fail_rounds`` (it never
-    joins their group, as after failed matchmaking), so the others average without it."""
+    joins their group, as after failed matchmaking), so the others average without it.
 
-    def __init__(self, hub: LocalHub, peer_id: str, state_provider, fail_rounds=()):
+    With ``allreduce_seconds`` set it takes time on its peer's clock like hivemind's averager: the
+    all-reduce starts at the round's scheduled time and ends ``allreduce_seconds`` later. Without,
+    it averages as soon as the group is there, in no time."""
+
+    def __init__(self, hub: LocalHub, peer_id: str, state_provider, fail_rounds=(), *,
+                 clock: FakeClock, allreduce_seconds: float | None = None):
         super().__init__(hub, peer_id, state_provider)
         self.fail_rounds = set(fail_rounds)
+        self.clock, self.allreduce_seconds = clock, allreduce_seconds
         self.sent: dict[int, tuple[torch.Tensor, float]] = {}  # round -> (pseudo-gradient, weight)
-        self._round: int | None = None
+        self.prepared_at: dict[int, float] = {}  # round -> when matchmaking began, on the peer's clock
+        self._round: tuple[int, float] | None = None  # the prepared round and its scheduled time
 
-    def prepare(self, *, round: int, **kwargs) -> None:
-        self._round = round
+    def prepare(self, *, round: int, scheduled_time: float, **kwargs) -> None:
+        self._round = (round, scheduled_time)
+        self.prepared_at[round] = self.clock.now()
         if round not in self.fail_rounds:
-            super().prepare(round=round, **kwargs)
+            super().prepare(round=round, scheduled_time=scheduled_time, **kwargs)
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float) -> AverageOutcome:
-        round, self._round = self._round, None
+        (round, scheduled_time), self._round = self._round, None
+        if self.allreduce_seconds is not None:
+            # One sleep to a fixed instant: when it ends does not depend on when the worker got here.
+            self.clock.sleep_until(scheduled_time + self.allreduce_seconds)
         self.sent[round] = (vector.clone(), weight)
         if round in self.fail_rounds:
             return AverageOutcome(ok=False, error="injected")
@@ -93,6 +109,7 @@ class Peer:
     outer: OuterState
     backend: FaultyBackend
     worker: SyncWorker
+    clock: FakeClock
     loop: OuterLoop
     tokens: int
     loss: float
@@ -105,18 +122,18 @@ class Peer:
         return self.layout.pack(dict(self.model.named_parameters()), self.layout.new_buffer())
 
     @torch.no_grad()
-    def inner_step(self, sleep: float) -> float:
-        started = time.perf_counter()
+    def inner_step(self, step_seconds: float) -> float:
+        started = self.clock.monotonic()
         delta = torch.randn(self.layout.numel, generator=self.generator) * -STEP_SIZE
         params = dict(self.model.named_parameters())
         for name, view in self.layout.views(delta).items():
             params[name].add_(view)
         self.work += delta
-        time.sleep(sleep)  # the step takes time, as a real one would
-        return time.perf_counter() - started
+        self.clock.advance(step_seconds)  # the step takes time, as a real one would
+        return self.clock.monotonic() - started
 
-    def train_step(self, sleep: float = 0.0) -> None:
-        seconds = self.inner_step(sleep)
+    def train_step(self, step_seconds: float = 0.0) -> None:
+        seconds = self.inner_step(step_seconds)
         self.stats += self.loop.after_step(tokens=self.tokens, seconds=seconds, loss=self.loss)
 
     def stats_of(self, round: int) -> RoundStats:
@@ -128,10 +145,11 @@ class Peer:
 def make_swarm():
     workers: list[SyncWorker] = []
 
-    def make(config: LoopConfig, *, round_seconds: float, start_in: float = 0.0, hub: LocalHub | None = None,
-             fail_at: dict[str, set[int]] | None = None) -> list[Peer]:
+    def make(config: LoopConfig, *, round_seconds: float, hub: LocalHub | None = None,
+             fail_at: dict[str, set[int]] | None = None, allreduce_seconds: float | None = None) -> list[Peer]:
         hub = hub or LocalHub()
-        schedule = RoundSchedule(start_time=time.time() + start_in, round_seconds=round_seconds)
+        # Every peer's clock starts at the schedule's start: round 1 begins as the peers start.
+        schedule = RoundSchedule(start_time=WALL_START, round_seconds=round_seconds)
         peers = []
         for index, peer_id in enumerate(PEERS):
             with torch.random.fork_rng():
@@ -139,14 +157,16 @@ def make_swarm():
                 model = torch.nn.Linear(8, 4)
             layout = FlatLayout.of(model.named_parameters())
             outer = OuterState(layout, layout.pack(dict(model.named_parameters()), layout.new_buffer()), OUTER)
-            backend = FaultyBackend(hub, peer_id, outer.shared_state, (fail_at or {}).get(peer_id, ()))
+            clock = FakeClock(WALL_START)
+            backend = FaultyBackend(hub, peer_id, outer.shared_state, (fail_at or {}).get(peer_id, ()),
+                                    clock=clock, allreduce_seconds=allreduce_seconds)
             worker = SyncWorker(backend, allreduce_timeout=5.0, matchmaking_grace=1.0)
             workers.append(worker)
             loop = OuterLoop(outer=outer, worker=worker, layout=layout,
                              params=lambda model=model: dict(model.named_parameters()),
                              schedule=lambda: schedule, config=config, peer_id=peer_id,
-                             alone=lambda: False, device=torch.device("cpu"))
-            peers.append(Peer(peer_id, model, layout, outer, backend, worker, loop, TOKENS[peer_id],
+                             alone=lambda: False, device=torch.device("cpu"), clock=clock)
+            peers.append(Peer(peer_id, model, layout, outer, backend, worker, clock, loop, TOKENS[peer_id],
                               loss=2.0 + index, generator=torch.Generator().manual_seed(100 + index),
                               work=layout.new_buffer()))
         assert all(torch.equal(p.outer.anchor, peers[0].outer.anchor) for p in peers)
@@ -164,25 +184,24 @@ def on_threads(peers: list[Peer], train) -> list:
         return [future.result(timeout=3 * WAIT) for future in futures]
 
 
-def run_on_the_clock(peers: list[Peer], *, last_round: int, sleeps: dict[str, float]) -> dict[str, int]:
+def run_on_the_clock(peers: list[Peer], *, last_round: int, step_seconds: dict[str, float]) -> dict[str, int]:
     """Train until every peer has ended ``last_round``; returns, per peer, how many steps ran while
     a sync was in flight."""
-    barrier = threading.Barrier(len(peers), timeout=WAIT)
 
     def train(peer: Peer) -> int:
-        barrier.wait()
         peer.loop.start()
         overlapped = 0
         while peer.loop.round <= last_round:
             overlapped += peer.loop.syncing
-            peer.train_step(sleeps[peer.id])
+            peer.train_step(step_seconds[peer.id])
         peer.stats += peer.loop.finish()
         return overlapped
 
     return dict(zip([p.id for p in peers], on_threads(peers, train)))
 
 
-def run_by_hand(peers: list[Peer], *, rounds: int, steps_before: int = 3, steps_after: int = 2) -> None:
+def run_by_hand(peers: list[Peer], *, rounds: int, steps_before: int = 3, steps_after: int = 2,
+                step_seconds: float = 0.0) -> None:
     """Each round: ``steps_before`` steps, begin_sync, ``steps_after`` steps while it is in flight,
     then try_merge(wait=True); ``peer.rounds`` records what the test needs around each."""
     barrier = threading.Barrier(len(peers), timeout=WAIT)
@@ -191,7 +210,7 @@ def run_by_hand(peers: list[Peer], *, rounds: int, steps_before: int = 3, steps_
         peer.loop.start()
         for round in range(1, rounds + 1):
             for _ in range(steps_before):
-                peer.train_step()
+                peer.train_step(step_seconds)
             # Our own matchmaking for this round is done once the worker has run every job before
             # this one; the barrier then makes sure nobody averages before the group is known.
             peer.worker.submit(lambda: None).result(timeout=WAIT)
@@ -200,7 +219,7 @@ def run_by_hand(peers: list[Peer], *, rounds: int, steps_before: int = 3, steps_
             record = Snapshot(peer.outer.anchor.clone(), peer.flat_params(), peer.work.clone())
             peer.stats += peer.loop.begin_sync()
             for _ in range(steps_after):
-                peer.train_step()
+                peer.train_step(step_seconds)
             peer.stats += peer.loop.try_merge(wait=True)
             assert not peer.loop.syncing
             record.anchor_after, record.params_after = peer.outer.anchor.clone(), peer.flat_params()
@@ -229,18 +248,38 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-
     assert torch.allclose(actual, expected, rtol=0, atol=atol), (actual - expected).abs().max().item()
 
 
-# -- overlap mode on the wall clock --------------------------------------------------------------
+def assert_overlap_timeline(peer: Peer, *, round_seconds: float, step_seconds: float,
+                            allreduce_seconds: float) -> None:
+    """Overlap mode to the exact figure: a round is its inner steps, which end at the last step
+    boundary before its deadline, plus a stall if the previous round's sync was still in flight
+    then (it ends ``allreduce_seconds`` after that round's deadline); the next round starts there."""
+    schedule = RoundSchedule(start_time=WALL_START, round_seconds=round_seconds)
+    started = WALL_START
+    for s in peer.stats:
+        deadline = schedule.round_end(s.round)
+        assert s.compute_s == pytest.approx(s.inner_steps * step_seconds, abs=EXACT), s
+        steps_ended = started + s.compute_s
+        assert deadline - step_seconds < steps_ended <= deadline, s
+        previous_sync_ends = schedule.round_end(s.round - 1) + allreduce_seconds if s.round > 1 else WALL_START
+        assert s.wait_s == pytest.approx(max(0.0, previous_sync_ends - steps_ended), abs=EXACT), s
+        assert s.wall_s == pytest.approx(s.compute_s + s.wait_s, abs=EXACT), s
+        started = steps_ended + s.wait_s
+
+
+# -- overlap mode on the clock -------------------------------------------------------------------
+OVERLAP_STEPS = {"peer-a": 0.037, "peer-b": 0.041, "peer-c": 0.053}  # no step boundary falls on a deadline
+
+
 def test_overlap_rounds_average_in_the_background_while_training_goes_on(make_swarm):
-    # A healthy swarm where every round's group is all three peers. With the plain hub (a group of
-    # whoever prepared when the first member arrives) a thread stalled for prepare_lead misses the
-    # round, which happened on a loaded 2-core box; with the full-group hub such a stall only delays
-    # the others' sync threads, never their training. Round 1 starts 0.1 s in the future so that
-    # every peer starts in it.
+    # A healthy swarm where every round's group is all three peers, and each all-reduce takes 0.1 s
+    # after the round's deadline, a fifth of a round. The full-group hub, because the plain one (a group
+    # of whoever prepared when the first member arrives) depends on which worker thread prepares first,
+    # in real time: a loaded 2-core box once left a peer out of a round.
     config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2)
-    peers = make_swarm(config, round_seconds=0.5, start_in=0.1, hub=FullGroupHub(PEERS))
+    peers = make_swarm(config, round_seconds=0.5, hub=FullGroupHub(PEERS), allreduce_seconds=0.1)
     init = peers[0].outer.anchor.clone()
     last_round = 4
-    overlapped = run_on_the_clock(peers, last_round=last_round, sleeps=dict.fromkeys(PEERS, 0.004))
+    overlapped = run_on_the_clock(peers, last_round=last_round, step_seconds=OVERLAP_STEPS)
 
     rounds = list(range(1, last_round + 1))
     for peer in peers:
@@ -249,11 +288,14 @@ def test_overlap_rounds_average_in_the_background_while_training_goes_on(make_sw
         for s in peer.stats:
             assert (s.applied, s.group_size, s.group, s.error) == ("averaged", 3, list(PEERS), None), s
             assert (s.diverged, s.bad_reports, s.resynced) == ([], 0, False), s
-            assert s.wait_s < 0.2, s  # the training loop did not wait for the network
-            assert s.inner_steps >= 5 and s.compute_s > 0, s
+            assert s.wait_s == 0.0, s  # the training loop did not wait for the network
+            assert s.inner_steps >= 9, s
             assert s.tokens == s.inner_steps * peer.tokens and s.loss == pytest.approx(peer.loss)
-        # The loop went on training while each round but the last (merged by finish) was in flight.
-        assert overlapped[peer.id] >= last_round - 1
+        # Each round is its inner steps, back to back, ending at the last step boundary before the deadline.
+        assert_overlap_timeline(peer, round_seconds=0.5, step_seconds=OVERLAP_STEPS[peer.id], allreduce_seconds=0.1)
+        # The loop went on training while each round but the last (merged by finish) was in flight:
+        # at least the two steps (of 0.053 s at most) that the 0.1 s all-reduce outlasts.
+        assert overlapped[peer.id] >= 2 * (last_round - 1)
         assert peer.outer.rounds_done == peer.outer.last_round == last_round
     # LocalBackend averages exactly: every anchor is bit-identical, and it moved.
     anchor = peers[0].outer.anchor
@@ -263,6 +305,30 @@ def test_overlap_rounds_average_in_the_background_while_training_goes_on(make_sw
     assert_close(anchor, replay(init, peers, dict.fromkeys(rounds, list(PEERS))))
     # The loop stops right after its last snapshot and finish() merges it: the live parameters are
     # the shared anchor, nothing of the last round's work is counted twice.
+    for peer in peers:
+        assert_close(peer.flat_params(), anchor)
+
+
+def test_a_sync_longer_than_a_round_stalls_the_next_round_until_it_lands(make_swarm):
+    # Each all-reduce ends 0.6 s after its deadline, past the next round's: at its last step boundary
+    # the loop must wait for the previous sync before it can snapshot again. The wait is charged to
+    # the round that waited, and the next round starts when it ends.
+    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2)
+    peers = make_swarm(config, round_seconds=0.5, hub=FullGroupHub(PEERS), allreduce_seconds=0.6)
+    init = peers[0].outer.anchor.clone()
+    last_round = 4
+    run_on_the_clock(peers, last_round=last_round, step_seconds=OVERLAP_STEPS)
+
+    rounds = list(range(1, last_round + 1))
+    for peer in peers:
+        assert [s.round for s in peer.stats] == rounds  # stalled, but no round skipped
+        assert all(s.applied == "averaged" and s.group_size == 3 for s in peer.stats), peer.stats
+        assert peer.stats[0].wait_s == 0.0  # round 1 had nothing to wait for
+        assert all(s.wait_s > 0.05 for s in peer.stats[1:]), peer.stats
+        assert_overlap_timeline(peer, round_seconds=0.5, step_seconds=OVERLAP_STEPS[peer.id], allreduce_seconds=0.6)
+    anchor = peers[0].outer.anchor
+    assert all(torch.equal(p.outer.anchor, anchor) for p in peers)
+    assert_close(anchor, replay(init, peers, dict.fromkeys(rounds, list(PEERS))))
     for peer in peers:
         assert_close(peer.flat_params(), anchor)
 
@@ -297,7 +363,8 @@ def test_the_outer_step_uses_the_token_weighted_mean_of_the_pseudo_gradients(mak
 def test_a_merge_keeps_the_progress_made_since_the_snapshot(make_swarm):
     peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS)
     init = peers[0].outer.anchor.clone()
-    run_by_hand(peers, rounds=2, steps_before=3, steps_after=4)
+    step_seconds = 0.25
+    run_by_hand(peers, rounds=2, steps_before=3, steps_after=4, step_seconds=step_seconds)
 
     for round in (1, 2):
         anchor = peers[0].rounds[round].anchor_after
@@ -317,21 +384,28 @@ def test_a_merge_keeps_the_progress_made_since_the_snapshot(make_swarm):
                 assert_close(sent_vector, anchor - peer.rounds[2].params_at_snapshot)
                 assert_close(sent_vector, -(peer.rounds[2].work_at_snapshot - peer.rounds[1].work_at_snapshot),
                              atol=1e-5)
-    # Windows after the first hold the steps after the previous snapshot too (4 + 3).
-    assert [s.inner_steps for s in peers[0].stats] == [3, 7]
+    # Windows after the first hold the steps after the previous snapshot too (4 + 3), and their time:
+    # a window runs from one snapshot to the next. The syncs took no time, so nothing else did.
+    for peer in peers:
+        assert [s.inner_steps for s in peer.stats] == [3, 7]
+        assert [s.compute_s for s in peer.stats] == pytest.approx([3 * step_seconds, 7 * step_seconds], abs=EXACT)
+        assert [s.wall_s for s in peer.stats] == pytest.approx([3 * step_seconds, 7 * step_seconds], abs=EXACT)
+        assert [s.wait_s for s in peer.stats] == [0.0, 0.0]
     assert_close(peers[0].rounds[2].anchor_after, replay(init, peers, {1: list(PEERS), 2: list(PEERS)}))
 
 
 # -- blocking mode -------------------------------------------------------------------------------
 @pytest.mark.parametrize("full_group", [True, False], ids=["full-group-hub", "min-group-hub"])
 def test_blocking_rounds_are_lockstep_with_a_fixed_number_of_inner_steps(make_swarm, full_group):
-    inner_steps, last_round = 5, 3
+    inner_steps, last_round, round_seconds = 5, 3, 0.5
+    # The all-reduce starts at the round's deadline (and takes no time here).
     peers = make_swarm(LoopConfig(mode="blocking", inner_steps=inner_steps, matchmaking_seconds=0.1),
-                       round_seconds=0.5, hub=FullGroupHub(PEERS) if full_group else LocalHub(min_group_size=len(PEERS)))
+                       round_seconds=round_seconds, allreduce_seconds=0.0,
+                       hub=FullGroupHub(PEERS) if full_group else LocalHub(min_group_size=len(PEERS)))
     init = peers[0].outer.anchor.clone()
     # Different speeds: the fast peers must wait for the slow one at every round.
-    overlapped = run_on_the_clock(peers, last_round=last_round,
-                                  sleeps={"peer-a": 0.0, "peer-b": 0.002, "peer-c": 0.008})
+    step_seconds = {"peer-a": 0.011, "peer-b": 0.023, "peer-c": 0.067}
+    overlapped = run_on_the_clock(peers, last_round=last_round, step_seconds=step_seconds)
 
     rounds = list(range(1, last_round + 1))
     for peer in peers:
@@ -342,12 +416,41 @@ def test_blocking_rounds_are_lockstep_with_a_fixed_number_of_inner_steps(make_sw
         assert all(s.applied == "averaged" and s.group_size == 3 for s in peer.stats), peer.stats
         assert all(peer.backend.sent[r][1] == inner_steps * peer.tokens for r in rounds)
         assert overlapped[peer.id] == 0  # after_step never returns with a sync in flight
+        # After its steps the loop waits, idle, exactly until the deadline, where the all-reduce
+        # starts: every round lasts exactly round_seconds, the wait and the sync the rest of it.
+        compute_s = inner_steps * step_seconds[peer.id]
+        for s in peer.stats:
+            assert s.compute_s == pytest.approx(compute_s, abs=EXACT), s
+            assert s.wait_s == pytest.approx(round_seconds - compute_s, abs=EXACT), s
+            assert s.sync_s == pytest.approx(round_seconds - compute_s, abs=EXACT), s
+            assert s.wall_s == pytest.approx(round_seconds, abs=EXACT), s
     anchor = peers[0].outer.anchor
     assert all(torch.equal(p.outer.anchor, anchor) for p in peers)
     assert not torch.allclose(anchor, init, atol=STEP_SIZE)
     assert_close(anchor, replay(init, peers, dict.fromkeys(rounds, list(PEERS))))
     for peer in peers:
         assert_close(peer.flat_params(), anchor)  # no step happens between the snapshot and the merge
+
+
+def test_blocking_mode_starts_matchmaking_prepare_lead_before_the_deadline(make_swarm):
+    # Five steps end long before the deadline; matchmaking must still not begin before
+    # deadline - prepare_lead (a step prepared early waits where the previous round's late peers
+    # could find it). The worker waits for that instant while the loop waits for the round.
+    inner_steps, round_seconds, prepare_lead = 5, 0.5, 0.2
+    peers = make_swarm(LoopConfig(mode="blocking", inner_steps=inner_steps, matchmaking_seconds=0.1,
+                                  prepare_lead=prepare_lead),
+                       round_seconds=round_seconds, allreduce_seconds=0.0, hub=FullGroupHub(PEERS))
+    step_seconds = {"peer-a": 0.011, "peer-b": 0.023, "peer-c": 0.057}  # 5 steps < round - lead
+    run_on_the_clock(peers, last_round=2, step_seconds=step_seconds)
+
+    for peer in peers:
+        assert all(s.applied == "averaged" and s.group_size == 3 for s in peer.stats), peer.stats
+        for r in (1, 2):
+            assert peer.backend.prepared_at[r] == pytest.approx(WALL_START + r * round_seconds - prepare_lead,
+                                                                abs=EXACT)
+        for s in peer.stats:
+            assert s.wait_s == pytest.approx(round_seconds - inner_steps * step_seconds[peer.id], abs=EXACT), s
+            assert s.wall_s == pytest.approx(round_seconds, abs=EXACT), s
 
 
 # -- a failed round is folded into the next ------------------------------------------------------
@@ -384,7 +487,9 @@ def test_a_peer_that_misses_a_round_folds_its_work_into_the_next_and_resyncs(mak
     assert_close(sent_vector, -(a.rounds[3].work_at_snapshot - a.rounds[1].work_at_snapshot), atol=1e-5)
     for peer in (b, c):
         assert peer.backend.sent[3][1] == peer.stats_of(3).tokens == (steps_after + steps_before) * peer.tokens
-    # Its anchor was a round behind: the group's check flags it, and it takes peer-b's state.
+    # Its anchor was a round behind: the group's check flags it, and it takes peer-b's state. (If
+    # peer-b has not applied round 3 yet, peer-a's retry pause is fake time: it passes when peer-a's
+    # loop waits for the sync, and after the last retry peer-a applies the round's average itself.)
     for peer in peers:
         s = peer.stats_of(3)
         assert (s.applied, s.group_size, s.diverged) == ("averaged", 3, ["peer-a"]), s
