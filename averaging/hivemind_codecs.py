@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
 
 import torch
 from hivemind.averaging import allreduce, partition
@@ -151,29 +150,29 @@ class HivemindChanged(RuntimeError):
     """hivemind no longer looks like the version this module hooks into."""
 
 
-def _source(obj: Callable) -> str:
+def _source(owner: object, attribute: str) -> str:
     try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
+        return inspect.getsource(getattr(owner, attribute))
+    except (AttributeError, OSError, TypeError):
         return ""
 
 
-# Lines of hivemind this module relies on (facts 2-4 above); whitespace-insensitive.
-RELIED_ON: tuple[tuple[str, Callable, str], ...] = (
-    ("receivers look codecs up by enum name", serialization.deserialize_torch_tensor,
+# Lines of hivemind this module relies on (facts 1-4 above), looked up when checked; whitespace-insensitive.
+RELIED_ON: tuple[tuple[str, object, str, str], ...] = (
+    ("receivers look codecs up by enum name", serialization, "deserialize_torch_tensor",
      "_BASE_COMPRESSION_TYPES[runtime_pb2.CompressionType.Name(serialized_tensor.compression)]"),
-    ("senders of serialize_torch_tensor look codecs up by enum name", serialization.serialize_torch_tensor,
+    ("serialize_torch_tensor looks codecs up by enum name", serialization, "serialize_torch_tensor",
      "_BASE_COMPRESSION_TYPES[runtime_pb2.CompressionType.Name(compression_type)]"),
-    ("reducers decode parts through the registry", allreduce.AllReduceRunner._accumulate_parts_streaming,
+    ("reducers decode parts through the registry", allreduce.AllReduceRunner, "_accumulate_parts_streaming",
      "deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression"),
-    ("reducers re-encode deltas with the sender's type", allreduce.AllReduceRunner._accumulate_parts_streaming,
+    ("reducers re-encode deltas with the sender's type", allreduce.AllReduceRunner, "_accumulate_parts_streaming",
      "serialize_torch_tensor(averaged_part - tensor_part, part_compression)"),
-    ("senders decode returned deltas through the registry", allreduce.AllReduceRunner._communicate_with_peer,
+    ("senders decode returned deltas through the registry", allreduce.AllReduceRunner, "_communicate_with_peer",
      "deserialize_torch_tensor(msg.tensor_part)"),
-    ("part sizes come from estimate_compression_ratio", partition.TensorPartContainer.__init__,
+    ("part sizes come from estimate_compression_ratio", partition.TensorPartContainer, "__init__",
      "part_size_values = int(part_size_bytes / bytes_per_value)"),
-    ("senders compress parts with the averager's compression", partition.TensorPartContainer.iterate_input_parts_for,
-     "self.compression.compress(*x_and_info)"),
+    ("senders compress parts with the averager's compression", partition.TensorPartContainer,
+     "iterate_input_parts_for", "self.compression.compress(*x_and_info)"),
 )
 
 
@@ -182,9 +181,9 @@ def check_hivemind() -> None:
     def squash(text: str) -> str:
         return "".join(text.split())
 
-    for what, function, line in RELIED_ON:
-        if squash(line) not in squash(_source(function)):
-            raise HivemindChanged(f"hivemind changed: {what} (expected `{line}` in {function.__qualname__}); "
+    for what, owner, attribute, line in RELIED_ON:
+        if squash(line) not in squash(_source(owner, attribute)):
+            raise HivemindChanged(f"hivemind changed: {what} (expected `{line}` in {attribute}); "
                                   "re-check averaging/hivemind_codecs.py before upgrading")
     if not isinstance(getattr(serialization, "_BASE_COMPRESSION_TYPES", None), dict):
         raise HivemindChanged("hivemind changed: compression._BASE_COMPRESSION_TYPES is no longer a dict")
