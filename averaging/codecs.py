@@ -146,6 +146,10 @@ def _exponent_for(peak: torch.Tensor, top: int) -> torch.Tensor:
     return (exponent - SCALE_TOP_BINADE).clamp(MIN_EXPONENT, top)
 
 
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    return torch.ldexp(torch.ones((), device=exponent.device), exponent)
+
+
 def _peak(values: torch.Tensor) -> torch.Tensor:
     return values.max() if values.numel() else values.new_zeros(())
 
@@ -162,21 +166,26 @@ def _quantize(tensor: torch.Tensor, spec: Code, block: int) -> _Quantized:
         peak = _peak(flat.abs())
         # e <= 112 and saturating at 65504 keep 65504 * 2**e finite in fp32 (2**15 * 2**113 is not).
         exponent = _exponent_for(peak, FP16_MAX_EXPONENT)
-        half = torch.ldexp(flat, -exponent).clamp_(-FP16_MAX, FP16_MAX).to(torch.float16)
-        return _Quantized(half, no_scales, exponent, torch.ldexp(flat.new_ones(()), exponent), torch.isfinite(peak))
+        # Scalar factors: ldexp on a whole vector is ~20x slower than a multiply.
+        half = (flat * _power_of_two(-exponent)).clamp_(-FP16_MAX, FP16_MAX).to(torch.float16)
+        return _Quantized(half, no_scales, exponent, _power_of_two(exponent), torch.isfinite(peak))
 
     numel = flat.numel()
     pad = -numel % block
     blocks = (F.pad(flat, (0, pad)) if pad else flat).view(-1, block)
     magnitude = blocks.abs()
     if spec.ternary:
-        counts = torch.full((blocks.shape[0], 1), float(block), dtype=torch.float64, device=flat.device)
+        # Sums of a block of magnitudes scaled by 2**-k >= 1/block cannot overflow fp32; the
+        # power-of-two scaling is exact, so v (and idempotence) do not change.
+        shrink = 2.0 ** -max(0, (block - 1).bit_length())
+        magnitude.mul_(shrink)
+        counts = torch.full((blocks.shape[0], 1), float(block), device=flat.device)
         if pad:
             counts[-1] = block - pad
-        totals = magnitude.sum(dim=1, keepdim=True, dtype=torch.float64)  # float64: no overflow near FP32_MAX
-        keep = magnitude > (TERNARY_THRESHOLD * totals / counts).float()
+        totals = magnitude.sum(dim=1, keepdim=True)
+        keep = magnitude > TERNARY_THRESHOLD * totals / counts
         kept = keep.sum(dim=1, keepdim=True)
-        raw = (torch.where(keep, magnitude, 0.0).sum(dim=1, keepdim=True, dtype=torch.float64) / kept.clamp(min=1)).float()
+        raw = magnitude.masked_fill_(~keep, 0.0).sum(dim=1, keepdim=True) / kept.clamp(min=1) / shrink
         finite = torch.isfinite(totals).all()
     else:
         raw = magnitude.amax(dim=1, keepdim=True) / spec.max_level
@@ -188,7 +197,8 @@ def _quantize(tensor: torch.Tensor, spec: Code, block: int) -> _Quantized:
     scales = torch.ldexp(raw, -exponent).to(torch.float16)
     step = torch.ldexp(scales.float(), exponent)  # exact: a power-of-two multiple of an fp16
     if spec.ternary:
-        levels = ((blocks > 0).to(torch.int8) * 2 - 1) * keep
+        kept_levels = keep.to(torch.int8)
+        levels = torch.where(blocks < 0, -kept_levels, kept_levels)
     else:
         # A zero step only occurs for an all-zero block (or one 2**28 below the largest): divide by 1.
         levels = torch.div(blocks, torch.where(step > 0, step, 1.0)).round_().clamp_(-spec.max_level, spec.max_level)
@@ -304,15 +314,11 @@ def decode(data: bytes | bytearray | memoryview, *, max_numel: int, device: torc
         else torch.empty(0, dtype=torch.uint8)
     body = body.to(device)
     if not spec.blockwise:
-        if spec.name == "fp32":
-            values = body.view(torch.float32)
-            if not bool(torch.isfinite(values).all()):
-                raise _fail("non-finite value")
-            return values
-        bits = body.view(torch.int16)
-        if bool(((bits & FP16_NONFINITE_BITS) == FP16_NONFINITE_BITS).any()):
+        values = body.view(torch.float32 if spec.name == "fp32" else torch.float16)
+        # amax propagates NaN and inf, and is much faster than isfinite(values).all().
+        if values.numel() and not bool(torch.isfinite(values.abs().amax())):
             raise _fail("non-finite value")
-        return torch.ldexp(body.view(torch.float16).float(), torch.tensor(exponent, device=body.device))
+        return values if spec.name == "fp32" else values.float().mul_(2.0**exponent)
 
     num_blocks = -(-numel // block)
     scale_bits = body[: 2 * num_blocks].view(torch.int16)
