@@ -1,0 +1,163 @@
+"""Three real hivemind averagers on loopback average error-fed int4 (fp16 returns) and int8 (int8
+returns) pseudo-gradients through ``averaging.hivemind_codecs``: every peer ends within the return
+code's bound of the exact weighted mean of what was sent, and shared counters (forked into the
+averager processes) show our codec encoded every part sent and every delta returned."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import time
+import uuid
+
+import hivemind
+import psutil
+import pytest
+import torch
+from hivemind.compression import serialization
+
+from averaging import codecs, hivemind_codecs
+from averaging.error_feedback import balanced_part_size, compensate
+from averaging.hivemind_codecs import ReturnCodec, ShoalCodec
+
+pytestmark = pytest.mark.integration
+
+NUMEL = 30_000
+PEERS = 3
+WEIGHTS = (1.0, 2.0, 0.5)
+CASES = {"int4": ("int4", "fp16"), "int8": ("int8", "int8")}
+
+
+class Counter:
+    """Calls and bytes, in shared memory: the averagers are forked processes."""
+
+    def __init__(self):
+        self.calls, self.bytes = mp.Value("q", 0), mp.Value("q", 0)
+
+    def add(self, nbytes: int) -> None:
+        with self.calls.get_lock():
+            self.calls.value += 1
+            self.bytes.value += nbytes
+
+
+def counting_codec(code: str, ret: str, part_values: int, sends: Counter) -> ShoalCodec:
+    class CountingShoalCodec(ShoalCodec):
+        def compress(self, tensor, info, allow_inplace=False):
+            message = super().compress(tensor, info, allow_inplace)
+            sends.add(len(message.buffer))
+            return message
+
+    return CountingShoalCodec(code, return_code=ret, part_values=part_values)
+
+
+class CountingReturnCodec(ReturnCodec):
+    counter: Counter
+
+    def compress(self, tensor, info, allow_inplace=False):
+        message = super().compress(tensor, info, allow_inplace)
+        self.counter.add(len(message.buffer))
+        return message
+
+
+def p2pd_descendants() -> set[int]:
+    found = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name() == "p2pd" and child.status() != psutil.STATUS_ZOMBIE:
+                found.add(child.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.timeout(90)
+def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
+    part_values = balanced_part_size(NUMEL, PEERS, 64, bytes_per_value=codecs.bytes_per_value("int4"))
+    part_lengths = [min(part_values, NUMEL - start) for start in range(0, NUMEL, part_values)]
+    assert len(part_lengths) == PEERS  # one part per reducer: every peer reduces
+
+    # 1. Count every returned delta: the registry is forked into the averagers with this module state.
+    returns = {}
+    for name, (code, ret) in CASES.items():
+        number = hivemind_codecs.wire_type(code, ret)
+        returns[name] = CountingReturnCodec(number, ret)
+        returns[name].counter = Counter()
+        monkeypatch.setitem(serialization._BASE_COMPRESSION_TYPES, hivemind_codecs.WIRE_NAMES[number], returns[name])
+    sends = {name: Counter() for name in CASES}
+
+    # 2. Error-fed pseudo-gradients: what each peer sends is on the codec's grid.
+    generator = torch.Generator().manual_seed(7)
+    pseudo_grads = [torch.randn(NUMEL, generator=generator) * (1 + i) for i in range(PEERS)]
+    to_send = {name: [compensate(g, torch.zeros(NUMEL), code).to_send for g in pseudo_grads]
+               for name, (code, _) in CASES.items()}
+
+    sigint = signal.getsignal(signal.SIGINT)  # every averager sets SIGINT to ignored in its parent
+    dhts, averagers = [], {name: [] for name in CASES}
+    prefix = f"codecs-{uuid.uuid4().hex[:8]}"
+    try:
+        for _ in range(PEERS):
+            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
+            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
+        p2pd = p2pd_descendants()
+        for name, (code, ret) in CASES.items():
+            for dht, vector in zip(dhts, to_send[name]):
+                averagers[name].append(hivemind.DecentralizedAverager(
+                    averaged_tensors=[vector.clone()], dht=dht, prefix=f"{prefix}-{name}", start=True,
+                    target_group_size=PEERS, min_group_size=PEERS, min_matchmaking_time=2.0, request_timeout=1.0,
+                    allreduce_timeout=30.0, compression=counting_codec(code, ret, part_values, sends[name])))
+
+        # 3. One round per codec, all three peers at once.
+        for name, (code, ret) in CASES.items():
+            controls = [averager.step(weight=weight, wait=False, timeout=40)
+                        for averager, weight in zip(averagers[name], WEIGHTS)]
+            groups = [control.result(timeout=60) for control in controls]
+            assert all(group is not None and len(group) == PEERS for group in groups), groups
+            results = []
+            for averager in averagers[name]:
+                with averager.get_tensors() as (tensor,):
+                    results.append(tensor.clone())
+
+            # 4. Within the return bound of the exact weighted mean of what was sent.
+            sent = [q.double() for q in to_send[name]]
+            exact = sum(w * q for w, q in zip(WEIGHTS, sent)) / sum(WEIGHTS)
+            bounds = []
+            for q, result in zip(sent, results):
+                delta = exact - q
+                if ret == "fp16":
+                    bound = 2**-11 * delta.abs()
+                else:  # int8 blocks of 64 of the delta, each part encoded on its own
+                    blocks = torch.cat([part.view(-1) for part in delta.split(part_values)])
+                    absmax = torch.stack([b.abs().max() for b in blocks.split(64)])
+                    bound = ((0.5 + 2**-11) / 127 * absmax).repeat_interleave(64)[:NUMEL]
+                bound = bound + 1e-6 * exact.abs().max()  # fp32 accumulation in the reducer
+                bounds.append(bound)
+                error = (result.double() - exact).abs()
+                assert bool((error <= bound).all()), f"{name}: max excess {(error - bound).max().item():.3g}"
+            for i in range(PEERS):
+                for j in range(i):
+                    gap = (results[i].double() - results[j].double()).abs()
+                    assert bool((gap <= bounds[i] + bounds[j]).all())
+            if ret == "fp16":  # the bound tells what was sent: the mean of the raw vectors is far outside it
+                raw = sum(w * g.double() for w, g in zip(WEIGHTS, pseudo_grads)) / sum(WEIGHTS)
+                assert (results[0].double() - raw).abs().max() > 10 * bounds[0].max()
+
+            # 5. Our codec was on the wire: each peer sent its 2 foreign parts in `code` and each
+            #    reducer returned 2 deltas in `ret` (a reducer's own part never leaves it).
+            expected_sends = sum(codecs.encoded_size(n, code) for n in part_lengths) * (PEERS - 1)
+            expected_returns = sum(codecs.encoded_size(n, ret) for n in part_lengths) * (PEERS - 1)
+            assert sends[name].calls.value == PEERS * (PEERS - 1)
+            assert sends[name].bytes.value == expected_sends
+            assert returns[name].counter.calls.value == PEERS * (PEERS - 1)
+            assert returns[name].counter.bytes.value == expected_returns
+    finally:
+        for group in averagers.values():
+            for averager in group:
+                averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        signal.signal(signal.SIGINT, sigint)
+    deadline = time.monotonic() + 10
+    while (leftover := p2pd_descendants()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftover, f"p2pd left running: {sorted(leftover)}"
+    assert p2pd, "expected a p2pd per DHT"
