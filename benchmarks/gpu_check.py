@@ -49,7 +49,7 @@ from averaging.local_backend import LocalBackend, LocalHub  # noqa: E402
 from averaging.merge import apply_correction_  # noqa: E402
 from averaging.outer_loop import LoopConfig, OuterLoop  # noqa: E402
 from averaging.sync import SyncWorker  # noqa: E402
-from examples.swarm_launcher import LocalSwarm  # noqa: E402
+from examples.swarm_launcher import LocalSwarm, write_toml  # noqa: E402
 from node.api import AveragingConfig, DiLoCoSwarm, RoundConfig  # noqa: E402
 from node.library.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
 from node.observe.metrics import read_metrics  # noqa: E402
@@ -147,15 +147,6 @@ def overhead(config: RunConfig, device: torch.device, *, blocks: int, steps: int
 
 
 # -- 2. several peers on one device ---------------------------------------------------------------
-def write_toml(data: dict, path: Path) -> Path:
-    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    for section, table in data.items():
-        if isinstance(table, dict):
-            lines += ["", f"[{section}]"] + [f"{k} = {json.dumps(v)}" for k, v in table.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def _averaged(metrics: Path) -> int:
     if not metrics.exists():
         return 0

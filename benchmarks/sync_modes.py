@@ -37,20 +37,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import netns  # noqa: E402
 
-from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
+from examples.swarm_launcher import LocalSwarm, kill_process_group, write_toml  # noqa: E402
 from node.observe.metrics import read_metrics  # noqa: E402
 
 MODES = ("overlap", "blocking", "ddp", "ceiling")
-
-
-def write_toml(data: dict, path: Path) -> Path:
-    """A flat two-level TOML writer for our configs (tomllib only reads)."""
-    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    for section, table in data.items():
-        if isinstance(table, dict):
-            lines += ["", f"[{section}]"] + [f"{k} = {json.dumps(v)}" for k, v in table.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def mode_config(base: Path, mode: str, peers: int, root: Path) -> Path:

@@ -7,6 +7,7 @@ leaves hivemind's children running otherwise).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -151,3 +152,13 @@ def session_members(sid: int) -> list[int]:
         except (ProcessLookupError, PermissionError):
             continue
     return members
+
+
+def write_toml(data: dict, path: Path) -> Path:
+    """A run config for the peers: a flat two-level TOML writer (tomllib only reads)."""
+    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for section, table in data.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{section}]"] + [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,18 +1,8 @@
 """``DiLoCoSwarm``: DiLoCo over a shoal swarm for your own model and training loop.
 
-    swarm = DiLoCoSwarm(model, run_id="my-run", initial_peers=[...])   # before model.cuda() if you can
-    model.cuda(); opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    swarm.start()
-    while swarm.round <= 100:
-        t0 = time.perf_counter()
-        loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
-        for finished in swarm.step(tokens=x.numel(), seconds=time.perf_counter() - t0, loss=loss.item()):
-            print(finished.round, finished.group_size)
-    swarm.close()
-
-One ``step`` call per inner step is all the loop does; averaging runs on a background thread
-and its result is merged into the model at a later ``step`` (overlap mode), or right away
-(blocking mode). ``shoal run`` drives its own model through exactly this class and nothing
+One ``step`` call per inner step is all the training loop does (usage: ``node.api``'s docstring);
+averaging runs on a background thread and its result is merged into the model at a later ``step``
+(overlap mode), or right away (blocking mode). ``shoal run`` drives its own model through exactly this class and nothing
 else of the library: everything it reads (rounds, peers, traffic, checkpoints) is a method or
 property here. Import it from ``node.api``.
 """
