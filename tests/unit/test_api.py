@@ -27,11 +27,10 @@ def swarm(hub: LocalSwarmHub, name: str, *, rounds: RoundConfig | None = None, *
                        rounds=rounds or RoundConfig(seconds=ROUND_S), **kwargs)
 
 
-def train(peer: DiLoCoSwarm, *, last_round: int, seed: int, finished: list) -> None:
+def train(peer: DiLoCoSwarm, optimizer: torch.optim.Optimizer, *, last_round: int, seed: int, finished: list) -> None:
     """A user's loop: fit a fixed linear map; one ``step`` per inner step."""
     generator = torch.Generator().manual_seed(seed)
     target = torch.arange(8, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(peer.model.parameters(), lr=1e-2)
     peer.start()
     while peer.round <= last_round:
         started = time.perf_counter()
@@ -45,9 +44,14 @@ def train(peer: DiLoCoSwarm, *, last_round: int, seed: int, finished: list) -> N
     finished += peer.finish()
 
 
-def run_together(peers: list[DiLoCoSwarm], last_round: int) -> list[list]:
+def run_together(peers: list[DiLoCoSwarm], rounds: int) -> list[list]:
+    """Train all ``peers`` (threads) until ``rounds`` rounds after the current one on the run's
+    schedule: relative, because building the swarms can take a round on a loaded machine."""
+    # The first AdamW of a process takes seconds to build (torch's lazy imports): before the clock starts.
+    optimizers = [torch.optim.AdamW(p.model.parameters(), lr=1e-2) for p in peers]
+    last_round = peers[0].schedule.round_at(time.time()) + rounds
     results: list[list] = [[] for _ in peers]
-    threads = [threading.Thread(target=train, args=(p, ), kwargs=dict(last_round=last_round, seed=i, finished=results[i]))
+    threads = [threading.Thread(target=train, args=(p, optimizers[i]), kwargs=dict(last_round=last_round, seed=i, finished=results[i]))
                for i, p in enumerate(peers)]
     for t in threads:
         t.start()
@@ -62,7 +66,7 @@ def test_two_peers_average_every_round_and_agree():
     a, b = swarm(hub, "a"), swarm(hub, "b", heartbeat=lambda: Heartbeat(loss=1.5, device="test-device"))
     try:
         assert a.manifest.config_hash == b.manifest.config_hash and a.peer_id != b.peer_id
-        finished_a, finished_b = run_together([a, b], last_round=3)
+        finished_a, finished_b = run_together([a, b], rounds=3)
         for finished in (finished_a, finished_b):
             averaged = [s for s in finished if s.applied == Applied.AVERAGED]
             assert len(averaged) >= 2, [(s.round, s.applied, s.error) for s in finished]
@@ -86,7 +90,7 @@ def test_two_peers_average_every_round_and_agree():
 def test_a_lone_peer_applies_its_own_update():
     peer = swarm(LocalSwarmHub(), "alone")
     try:
-        finished = run_together([peer], last_round=2)[0]
+        finished = run_together([peer], rounds=2)[0]
         assert finished and all(s.applied == Applied.LOCAL for s in finished)
         assert peer.rounds_done == len(finished) and peer.bytes_sent == 0
     finally:
@@ -107,7 +111,7 @@ def test_checkpoint_round_trip_resumes_the_shared_state(tmp_path):
     hub = LocalSwarmHub()
     peer = swarm(hub, "saver")
     try:
-        run_together([peer], last_round=2)
+        run_together([peer], rounds=2)
         path, saved_round = peer.save_checkpoint(tmp_path)
         assert path.parent == tmp_path and saved_round == peer.last_round
         saved = peer.anchor_params()
@@ -128,7 +132,7 @@ def test_checkpoint_round_trip_resumes_the_shared_state(tmp_path):
 def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     peer = swarm(LocalSwarmHub(), "saver")
     try:
-        run_together([peer], last_round=1)
+        run_together([peer], rounds=1)
         peer.save_checkpoint(tmp_path)
     finally:
         peer.close()
