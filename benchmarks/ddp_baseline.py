@@ -52,9 +52,10 @@ def main() -> int:
     if not args.no_sync:
         dist.init_process_group("gloo", rank=rank, world_size=world)
 
-    split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes)
-    lo, hi = shard_bounds(len(split.train), config.data.num_shards, rank % config.data.num_shards)
-    sampler = BatchSampler(split.train[lo:hi], config.model.seq_len, config.data.batch_size, seed=rank)
+    split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
+                         block_bytes=config.data.eval_block_bytes)
+    sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size, seed=rank, held_out=split.held_out,
+                           bounds=shard_bounds(len(split.tokens), config.data.num_shards, rank % config.data.num_shards))
     evals = eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches)
     model = build_model(config.model, seed=config.train.seed)
     if not args.no_sync:

@@ -81,8 +81,9 @@ def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x, y, *,
 
 def overhead(config: RunConfig, device: torch.device, *, blocks: int, steps: int, round_s: float) -> dict:
     """Tokens/s and peak memory: a bare loop and shoal's, alternating blocks of ``steps`` steps."""
-    split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes)
-    sampler = BatchSampler(split.train, config.model.seq_len, config.data.batch_size, seed=0)
+    split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
+                         block_bytes=config.data.eval_block_bytes)
+    sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size, seed=0, held_out=split.held_out)
     batch_tokens = config.data.batch_size * config.model.seq_len
     cpu_model = build_model(config.model, seed=config.train.seed)
     # The swarm first: hivemind forks its processes, which must happen before CUDA is initialised.
@@ -160,6 +161,7 @@ def peers_on_one_device(config_path: Path, device: str, *, peers: int, rounds: i
     data = tomllib.loads(config_path.read_text())
     data.setdefault("round", {}).update(seconds=round_s, sync_mode="overlap")
     data.setdefault("train", {}).update(checkpoint_every_rounds=1, torch_threads=1)
+    data.setdefault("data", {}).update(num_shards=peers)  # the default corpus is too small for 64 shards
     data.setdefault("averaging", {}).update(averaging or {})
     config_file = write_toml(data, root / f"peers-{peers}.toml")
     swarm = LocalSwarm(root / f"swarm-{peers}", run_id=f"gpu-check-{uuid.uuid4().hex[:8]}", cwd=REPO)

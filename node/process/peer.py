@@ -108,7 +108,8 @@ class Peer:
             torch.set_num_threads(config.train.torch_threads)
         self.device = resolve_device(config.train.device)
         model = build_model(config.model, seed=config.train.seed)
-        split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes)
+        split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
+                             block_bytes=config.data.eval_block_bytes)
         return model, split
 
     def _join(self, model: torch.nn.Module, network: Network | None) -> None:
@@ -129,9 +130,9 @@ class Peer:
         config = self.config
         self.trainer = Trainer(model, config.inner, config.train, self.device)
         self.shard = shard_for_peer(self.peer_id, config.data.num_shards)
-        lo, hi = shard_bounds(len(split.train), config.data.num_shards, self.shard)
-        self.sampler = BatchSampler(split.train[lo:hi], config.model.seq_len, config.data.batch_size,
-                                    seed=seed_for_peer(self.peer_id))
+        self.sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size,
+                                    seed=seed_for_peer(self.peer_id), held_out=split.held_out,
+                                    bounds=shard_bounds(len(split.tokens), config.data.num_shards, self.shard))
         self.eval_set = eval_batches(split.eval, config.model.seq_len, config.data.batch_size,
                                      config.train.eval_batches)
 

@@ -23,6 +23,9 @@ from protocols.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+MIN_EVAL_BLOCKS = 8
+"""A small held-out split is cut into at least this many blocks, so it still spans the corpus."""
+
 MIN_CORPUS_BYTES = 16 * 1024
 """Below this a corpus cannot fill a few batches, so a typo in data.paths fails early."""
 
@@ -47,7 +50,9 @@ class DataConfig:
     max_corpus_bytes: int = 64_000_000
     """Stop reading files once the corpus has this many bytes."""
     eval_fraction: float = 0.01
-    """Fraction of the corpus (its tail) held out for evaluation."""
+    """Fraction of the corpus held out for evaluation: every k-th block, spread over the whole corpus."""
+    eval_block_bytes: int = 8192
+    """Size of one held-out block (a few eval windows long), so eval text is the training distribution."""
     max_eval_bytes: int = 1_000_000
     """Cap on the held-out split, so big corpora do not waste training text."""
     num_shards: int = 16
@@ -64,7 +69,7 @@ class DataConfig:
             raise ConfigError(
                 f"data.cache_dir ({self.cache_dir!r}) must be a string path; use '' for the default"
             )
-        for name in ("max_corpus_bytes", "max_eval_bytes", "num_shards", "batch_size"):
+        for name in ("max_corpus_bytes", "max_eval_bytes", "num_shards", "batch_size", "eval_block_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"data.{name} ({value!r}) must be a positive integer")
@@ -73,11 +78,54 @@ class DataConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Split:
-    """Train and held-out views of one corpus; the held-out part is its tail."""
+class HeldOut:
+    """Which blocks of the corpus are held out: ``count`` blocks of ``block`` bytes, one every
+    ``period`` blocks starting at block ``phase``. Spread over the whole corpus (source code and
+    docs alike), so the eval loss measures the distribution peers train on; a pure function of the
+    corpus length and the config, so every peer holds out the same text."""
 
-    train: np.ndarray
+    block: int
+    period: int
+    phase: int
+    count: int
+
+    def is_held_out(self, block_index: np.ndarray) -> np.ndarray:
+        offset = block_index - self.phase
+        return (offset >= 0) & (offset % self.period == 0) & (offset // self.period < self.count)
+
+    def touches(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Which windows ``[start, start + length)`` overlap a held-out block."""
+        first, last = starts // self.block, (starts + length - 1) // self.block
+        touched = np.zeros(len(starts), dtype=bool)
+        for k in range(int((last - first).max(initial=0)) + 1):
+            touched |= (first + k <= last) & self.is_held_out(first + k)
+        return touched
+
+    def longest_gap(self, lo: int, hi: int) -> int:
+        """The longest run of training bytes in ``[lo, hi)``: the longest window a sampler can draw."""
+        edges = [lo]
+        for start in self.starts():
+            if start + self.block > lo and start < hi:
+                edges += [max(start, lo), min(start + self.block, hi)]
+        edges.append(hi)
+        return max(b - a for a, b in zip(edges[::2], edges[1::2]))
+
+    def starts(self) -> np.ndarray:
+        """First byte of every held-out block, in corpus order."""
+        return (self.phase + self.period * np.arange(self.count, dtype=np.int64)) * self.block
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """The corpus, which of its blocks are held out, and the held-out text (concatenated)."""
+
+    tokens: np.ndarray
+    held_out: HeldOut
     eval: np.ndarray
+
+    @property
+    def train_bytes(self) -> int:
+        return len(self.tokens) - len(self.eval)
 
 
 def default_corpus_files() -> list[Path]:
@@ -200,16 +248,25 @@ def _open_tokens(path: Path) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def split_corpus(tokens: np.ndarray, eval_fraction: float, max_eval_bytes: int) -> Split:
-    """Hold out the tail of the corpus; a pure function of its length, so identical on every peer."""
-    n_eval = min(int(len(tokens) * eval_fraction), max_eval_bytes)
-    if n_eval < 1 or n_eval >= len(tokens):
+def split_corpus(tokens: np.ndarray, eval_fraction: float, max_eval_bytes: int, *,
+                 block_bytes: int = 8192) -> Split:
+    """Hold out ``eval_fraction`` of the corpus (at most ``max_eval_bytes``) as blocks of
+    ``block_bytes`` spread evenly over it, the middle block of each stretch (smaller blocks when the
+    split is small, so it still spans the corpus). Never trained on: ``BatchSampler`` rejects
+    windows that touch a held-out block. A pure function of the corpus length and the config, so
+    every peer holds out the same text."""
+    wanted_bytes = min(int(len(tokens) * eval_fraction), max_eval_bytes)
+    block = max(1, min(block_bytes, wanted_bytes // MIN_EVAL_BLOCKS))
+    count, n_blocks = wanted_bytes // block, len(tokens) // block
+    if count < 1 or n_blocks < 2 * count:
         raise ConfigError(
-            f"held-out split of {n_eval} bytes from a {len(tokens)}-byte corpus is unusable; "
-            "raise data.eval_fraction or add more data"
+            f"held-out split of {wanted_bytes} bytes from a {len(tokens)}-byte corpus is unusable; "
+            "raise data.eval_fraction or data.max_eval_bytes, or add more data"
         )
-    cut = len(tokens) - n_eval
-    return Split(train=tokens[:cut], eval=tokens[cut:])
+    period = n_blocks // count
+    held_out = HeldOut(block=block, period=period, phase=period // 2, count=count)
+    eval_text = np.concatenate([tokens[start:start + block] for start in held_out.starts()])
+    return Split(tokens=tokens, held_out=held_out, eval=eval_text)
 
 
 def shard_bounds(n_tokens: int, num_shards: int, shard_index: int) -> tuple[int, int]:
@@ -247,27 +304,40 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torc
 
 
 class BatchSampler:
-    """Random windows of seq_len+1 bytes from one shard; seeded so a peer's stream is reproducible."""
+    """Random windows of seq_len+1 bytes from one shard of the corpus, never touching held-out
+    text; seeded so a peer's stream is reproducible. ``retarget`` moves it to another shard."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, *,
+                 bounds: tuple[int, int] | None = None, held_out: HeldOut | None = None) -> None:
         if seq_len <= 0 or batch_size <= 0:
             raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
-        if len(tokens) < seq_len + 1:
-            raise ConfigError(
-                f"shard has {len(tokens)} bytes but a window needs seq_len+1 = {seq_len + 1}; "
-                "use fewer data.num_shards or more data"
-            )
-        self.tokens = tokens
-        self.seq_len = seq_len
-        self.batch_size = batch_size
+        self.tokens, self.seq_len, self.batch_size, self.held_out = tokens, seq_len, batch_size, held_out
         self._rng = np.random.default_rng(seed)
         # Pinned host memory makes .to(device, non_blocking=True) truly asynchronous.
         self._pin = torch.cuda.is_available()
+        self.retarget(bounds or (0, len(tokens)))
+
+    def retarget(self, bounds: tuple[int, int]) -> None:
+        lo, hi = bounds
+        room = self.held_out.longest_gap(lo, hi) if self.held_out is not None else hi - lo
+        if room < self.seq_len + 1:
+            raise ConfigError(
+                f"shard has {hi - lo} bytes, at most {room} in a row between held-out blocks, but a window needs "
+                f"seq_len+1 = {self.seq_len + 1}; use fewer data.num_shards or more data"
+            )
+        self.lo, self.hi = lo, hi
+
+    def next_starts(self) -> np.ndarray:
+        """Window starts in the corpus; those touching held-out text are drawn again."""
+        starts = self._rng.integers(self.lo, self.hi - self.seq_len, size=self.batch_size)
+        if self.held_out is not None:
+            while (bad := self.held_out.touches(starts, self.seq_len + 1)).any():
+                starts[bad] = self._rng.integers(self.lo, self.hi - self.seq_len, size=int(bad.sum()))
+        return starts
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of shape (batch_size, seq_len) on CPU; y[:, t] is the byte after x[:, t]."""
-        starts = self._rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-        x, y = _windows(self.tokens, starts, self.seq_len)
+        x, y = _windows(self.tokens, self.next_starts(), self.seq_len)
         if self._pin:
             x, y = x.pin_memory(), y.pin_memory()
         return x, y

@@ -133,17 +133,41 @@ def test_tiny_corpus_is_rejected(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("corpus-*.bin"))  # a useless corpus is not cached
 
 
-def test_eval_split_is_the_fixed_tail_disjoint_from_train() -> None:
-    tokens = np.arange(10_000, dtype=np.int64)  # distinct values make overlap detectable
-    split = split_corpus(tokens, eval_fraction=0.05, max_eval_bytes=1_000_000)
-    assert len(split.eval) == 500
-    assert len(split.train) + len(split.eval) == len(tokens)
-    assert np.intersect1d(split.train, split.eval).size == 0
-    np.testing.assert_array_equal(split.eval, tokens[-500:])
-    again = split_corpus(tokens, eval_fraction=0.05, max_eval_bytes=1_000_000)
-    np.testing.assert_array_equal(again.eval, split.eval)
-    capped = split_corpus(tokens, eval_fraction=0.4, max_eval_bytes=123)
-    assert len(capped.eval) == 123
+def test_eval_split_is_spread_over_the_whole_corpus_and_fixed() -> None:
+    tokens = np.arange(100_000, dtype=np.int64)  # distinct values make overlap detectable
+    split = split_corpus(tokens, eval_fraction=0.05, max_eval_bytes=1_000_000, block_bytes=500)
+    held = split.held_out
+    assert len(split.eval) == 5000 and held.count == 10 and held.block == 500
+    np.testing.assert_array_equal(split.eval, np.concatenate([tokens[s:s + 500] for s in held.starts()]))
+    # Spread: one block in every tenth of the corpus (not the tail), the same on every call.
+    assert [int(s) // 10_000 for s in held.starts()] == list(range(10))
+    np.testing.assert_array_equal(split_corpus(tokens, 0.05, 1_000_000, block_bytes=500).eval, split.eval)
+    assert split.train_bytes == 95_000
+    capped = split_corpus(tokens, eval_fraction=0.4, max_eval_bytes=1234, block_bytes=500)
+    assert len(capped.eval) <= 1234 and capped.held_out.count >= 8  # small splits use smaller blocks
+
+
+def test_training_windows_never_touch_held_out_text() -> None:
+    tokens = np.arange(200_000, dtype=np.int64)
+    split = split_corpus(tokens, eval_fraction=0.02, max_eval_bytes=1_000_000, block_bytes=256)
+    held = set(split.eval.tolist())
+    for shard in range(4):
+        bounds = shard_bounds(len(tokens), 4, shard)
+        sampler = BatchSampler(split.tokens, seq_len=64, batch_size=256, seed=shard, held_out=split.held_out,
+                               bounds=bounds)
+        for _ in range(20):
+            x, y = sampler.next_batch()
+            window = torch.cat([x, y[:, -1:]], dim=1)
+            assert not held.intersection(window.flatten().tolist())  # no held-out byte, ever
+            assert bounds[0] <= int(window.min()) and int(window.max()) < bounds[1]
+
+
+def test_a_window_longer_than_the_gaps_between_held_out_blocks_is_refused() -> None:
+    tokens = np.arange(10_000, dtype=np.int64)
+    split = split_corpus(tokens, eval_fraction=0.3, max_eval_bytes=10_000, block_bytes=100)  # period 3 blocks
+    with pytest.raises(ValueError, match="in a row between held-out blocks"):
+        BatchSampler(split.tokens, seq_len=300, batch_size=2, seed=0, held_out=split.held_out, bounds=(0, 5000))
+    BatchSampler(split.tokens, seq_len=150, batch_size=2, seed=0, held_out=split.held_out, bounds=(0, 5000)).next_batch()
 
 
 def test_eval_split_too_small_is_rejected() -> None:
@@ -181,7 +205,7 @@ def test_batch_sampler_windows_are_slices_of_the_shard_and_y_is_x_shifted() -> N
     corpus = np.arange(4000, dtype=np.int64)  # distinct values: each window reveals where it came from
     start, end = shard_bounds(len(corpus), 4, 2)
     shard = corpus[start:end]
-    sampler = BatchSampler(shard, seq_len=16, batch_size=64, seed=3)
+    sampler = BatchSampler(corpus, seq_len=16, batch_size=64, seed=3, bounds=(start, end))
     seen_starts = set()
     for _ in range(10):
         x, y = sampler.next_batch()
