@@ -86,6 +86,14 @@ def decode(value: Any) -> RunManifest:
     return RunManifest(run_id, protocol, float(start), float(seconds), fields, hash_)
 
 
+# Fields whose fix is not "use the run's config": they describe this machine's data, not the file.
+FIXES = {
+    key: ("this peer's training text differs from the run's; point data.paths at the same files as the run's "
+          "peers (and the same data.max_corpus_bytes), or set data.heterogeneous = true on every peer")
+    for key in ("data.corpus_bytes", "data.corpus_sha256")
+}
+
+
 def first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """The first differing field, as ``field=theirs (this peer: ours)``, or None."""
     for key in sorted(set(ours) | set(theirs)):
@@ -105,8 +113,8 @@ def check_compatible(ours: RunManifest, theirs: RunManifest) -> None:
                           f"{ours.protocol}; {newer} (pip install -U shoal) or pick another --run-id")
     if theirs.config_hash != ours.config_hash:
         difference = first_difference(ours.fields, theirs.fields) or "the config hash"
-        raise ConfigError(f"run '{ours.run_id}' is training with {difference}; use the run's config "
-                          "or pick another --run-id")
+        fix = FIXES.get(difference.split("=", 1)[0], "use the run's config or pick another --run-id")
+        raise ConfigError(f"run '{ours.run_id}' is training with {difference}; {fix}")
 
 
 def _checked_fields(fields: Any, *, error: type[Exception]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from node.process.options import PeerOptions
 from node.process.signals import Interrupts
 from node.training.data import (
     BatchSampler,
+    corpus_fingerprint,
     eval_batches,
     load_corpus,
     seed_for_peer,
@@ -108,14 +109,16 @@ class Peer:
             torch.set_num_threads(config.train.torch_threads)
         self.device = resolve_device(config.train.device)
         model = build_model(config.model, seed=config.train.seed)
-        split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
+        tokens = load_corpus(config.data)
+        # What every peer must agree on: the config's fields, and (unless the run allows other text) the corpus.
+        self.shared = {**shared_fields(config), **({} if config.data.heterogeneous else corpus_fingerprint(tokens))}
+        split = split_corpus(tokens, config.data.eval_fraction, config.data.max_eval_bytes,
                              block_bytes=config.data.eval_block_bytes)
         return model, split
 
     def _join(self, model: torch.nn.Module, network: Network | None) -> None:
         """The swarm: DHT, run record, averager (forked processes), peer monitor, round engine."""
         config, options = self.config, self.options
-        self.shared = shared_fields(config)
         self.swarm = DiLoCoSwarm(
             model, run_id=config.run_id, outer=config.outer, averaging=config.averaging, rounds=config.round,
             initial_peers=options.initial_peers, listen=options.listen, announce=options.announce,

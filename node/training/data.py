@@ -59,6 +59,9 @@ class DataConfig:
     """The train split is cut into this many contiguous shards; each peer trains on one."""
     batch_size: int = 16
     """Sequences per training batch."""
+    heterogeneous: bool = False
+    """Peers may train on different text: the corpus fingerprint is then not compared at join (and
+    eval losses of different peers measure different text)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str) or not all(isinstance(p, str) for p in self.paths):
@@ -208,6 +211,16 @@ def load_corpus(config: DataConfig) -> np.ndarray:
     write_atomically(cache_path, corpus)
     logger.info("cached %d corpus bytes from %d files at %s", len(corpus), len(fingerprint), cache_path)
     return _open_tokens(cache_path)
+
+
+def corpus_fingerprint(tokens: np.ndarray) -> dict[str, int | str]:
+    """Size and sha256 of the token bytes: what the run manifest compares, so a peer training on
+    other text is refused at join instead of silently pulling the model elsewhere."""
+    digest = hashlib.sha256()
+    view = np.asarray(tokens)
+    for start in range(0, len(view), 1 << 24):
+        digest.update(view[start:start + (1 << 24)].tobytes())
+    return {"data.corpus_bytes": int(len(view)), "data.corpus_sha256": digest.hexdigest()[:32]}
 
 
 def _fingerprint(files: list[Path]) -> list[tuple[str, int, int]]:

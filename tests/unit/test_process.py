@@ -15,7 +15,7 @@ from node.library.local_network import LocalNetwork, LocalSwarmHub
 from node.observe.metrics import ROUND_FIELDS, read_metrics
 from node.process.config import load_config
 from node.process.options import PeerOptions
-from node.process.peer import run_peer
+from node.process.peer import Peer, run_peer
 from protocols.errors import ConfigError
 
 TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}  # some text to learn\n" for i in range(900))
@@ -107,3 +107,31 @@ def test_the_cli_keeps_a_bug_as_a_bug(tmp_path, monkeypatch):
     assert result.exit_code == 1
     assert isinstance(result.exception, ValueError) and not isinstance(result.exception, ConfigError)
     assert "internal check failed" in str(result.exception)
+
+
+def test_a_peer_with_other_text_is_refused_naming_the_corpus(tmp_path, config_for):
+    hub = LocalSwarmHub()
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT.replace("function", "procedure"))
+    first = Peer(config_for(), PeerOptions(ui=False), threading.Event(), network=LocalNetwork(hub, "a"))
+    try:
+        with pytest.raises(ConfigError, match=r"data\.corpus_\w+=.*point data.paths at the same files"):
+            Peer(config_for(**{"data.paths": [str(other)]}), PeerOptions(ui=False), threading.Event(),
+                 network=LocalNetwork(hub, "b"))
+    finally:
+        first.close("max_rounds")
+
+
+def test_a_heterogeneous_run_accepts_other_text(tmp_path, config_for):
+    hub = LocalSwarmHub()
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT.replace("function", "procedure"))
+    peers = [Peer(config_for(**{"data.heterogeneous": True, **({"data.paths": [str(other)]} if i else {})}),
+                  PeerOptions(ui=False), threading.Event(), network=LocalNetwork(hub, name))
+             for i, name in enumerate("ab")]
+    try:
+        assert peers[0].swarm.manifest.config_hash == peers[1].swarm.manifest.config_hash
+        assert "data.corpus_sha256" not in peers[0].swarm.manifest.fields
+    finally:
+        for peer in peers:
+            peer.close("max_rounds")
