@@ -24,7 +24,7 @@ from averaging.outer_loop import RoundStats, SyncMode
 from node.library.bootstrap import expand_initial_peers
 from node.library.config import AveragingConfig, RoundConfig
 from node.library.network import Network
-from node.library.swarm import DiLoCoSwarm, Heartbeat, LiveRound
+from node.library.swarm import DiLoCoSwarm, Heartbeat, LiveRound, Resumed
 from protocols.errors import AddressError, CheckpointError, ConfigError, NetworkError, ShoalError
 from protocols.progress import ProgressRecord
 
@@ -41,6 +41,7 @@ __all__ = [
     "NetworkError",
     "OuterConfig",
     "ProgressRecord",
+    "Resumed",
     "RoundConfig",
     "RoundStats",
     "ShoalError",

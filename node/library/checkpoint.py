@@ -1,7 +1,8 @@
 """Atomic, self-verifying checkpoints of the shared (anchor) state.
 
 Layout: ``<checkpoint_dir>/round-<NNNNNNNN>/`` holding ``model.safetensors`` (anchor params by
-name), ``outer.safetensors`` (outer optimizer state) and ``meta.json`` (round, run_id, created,
+name), ``outer.safetensors`` (outer optimizer state), optionally ``local.safetensors`` (this
+peer's own state, e.g. its inner AdamW moments) and ``meta.json`` (round, run_id, created,
 shoal_version, sha256 + size of each tensor file, then the caller's extras).
 
 Why so careful: a node is killed whenever its owner closes a laptop. A checkpoint directory
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
 OUTER_FILE = "outer.safetensors"
+LOCAL_FILE = "local.safetensors"  # optional: this peer's own state (e.g. inner AdamW), never shared
 META_FILE = "meta.json"
 TMP_PREFIX = ".tmp-"
 _ROUND_DIR = re.compile(r"round-(\d{8,})")
@@ -55,6 +57,7 @@ class Checkpoint:
     params: dict[str, Tensor]
     outer_state: dict[str, Tensor]
     meta: dict
+    local_state: dict[str, Tensor]  # empty when the checkpoint holds none (older checkpoints)
 
 
 def round_dir_name(round: int) -> str:
@@ -115,6 +118,7 @@ def save_checkpoint(
     outer_state: dict[str, Tensor],
     meta: dict,
     keep_last: int = 3,
+    local_state: dict[str, Tensor] | None = None,
 ) -> Path:
     """Write checkpoint ``round`` atomically and prune to the newest ``keep_last``; return its path.
 
@@ -135,7 +139,8 @@ def save_checkpoint(
         _clean_stale_tmp(checkpoint_dir)  # a crash in an earlier save leaves only .tmp- entries behind
         staging = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=checkpoint_dir))
         try:
-            _write_staged(staging, round=round, params=params, outer_state=outer_state, meta=meta)
+            _write_staged(staging, round=round, params=params, outer_state=outer_state, meta=meta,
+                          local_state=local_state)
             _publish(staging, final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -146,12 +151,14 @@ def save_checkpoint(
 
 
 def _write_staged(staging: Path, *, round: int, params: dict[str, Tensor], outer_state: dict[str, Tensor],
-                  meta: dict) -> None:
+                  meta: dict, local_state: dict[str, Tensor] | None) -> None:
     """Write and fsync every file of the checkpoint inside its private temp dir."""
     files = {
         MODEL_FILE: _write_tensors(staging / MODEL_FILE, params),
         OUTER_FILE: _write_tensors(staging / OUTER_FILE, outer_state),
     }
+    if local_state:
+        files[LOCAL_FILE] = _write_tensors(staging / LOCAL_FILE, local_state)
     record = {
         "round": round,
         "run_id": meta.get("run_id"),
@@ -208,7 +215,7 @@ def _read_meta(path: Path) -> dict:
     files = meta.get("files")
     if not isinstance(files, dict):
         raise _bad(meta_path, "corrupt (no 'files' map)")
-    for name in (MODEL_FILE, OUTER_FILE):
+    for name in (MODEL_FILE, OUTER_FILE, *([LOCAL_FILE] if LOCAL_FILE in files else [])):
         entry = files.get(name)
         if not (
             isinstance(entry, dict)
@@ -243,7 +250,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
     meta = _read_meta(path)
     params = _load_verified(path / MODEL_FILE, meta["files"][MODEL_FILE])
     outer_state = _load_verified(path / OUTER_FILE, meta["files"][OUTER_FILE])
-    return Checkpoint(path=path, round=meta["round"], params=params, outer_state=outer_state, meta=meta)
+    local_state = _load_verified(path / LOCAL_FILE, meta["files"][LOCAL_FILE]) if LOCAL_FILE in meta["files"] else {}
+    return Checkpoint(path=path, round=meta["round"], params=params, outer_state=outer_state, meta=meta,
+                      local_state=local_state)
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[Path]:

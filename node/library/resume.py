@@ -36,14 +36,16 @@ def outer_meta(metadata: dict) -> dict:
 
 
 def save_shared_state(checkpoint_dir: Path, layout: FlatLayout, state: tuple[dict, list[torch.Tensor]], *,
-                      meta: dict) -> tuple[Path, int]:
+                      meta: dict, local_state: dict[str, torch.Tensor] | None = None) -> tuple[Path, int]:
     """Write one consistent copy of the shared state (``OuterState.shared_state()``: metadata,
-    [anchor, momentum]) as a checkpoint; returns its path and round."""
+    [anchor, momentum]) as a checkpoint, with the peer's own ``local_state`` if given; returns its
+    path and round."""
     metadata, (anchor, momentum) = state
     params = dict(layout.views(anchor))
     outer_state = {f"{MOMENTUM_PREFIX}{k}": v for k, v in layout.views(momentum).items()}
     path = save_checkpoint(checkpoint_dir, round=metadata["round"], params=params, outer_state=outer_state,
-                           meta={**meta, "rounds_done": metadata["rounds_done"], "outer": outer_meta(metadata)})
+                           meta={**meta, "rounds_done": metadata["rounds_done"], "outer": outer_meta(metadata)},
+                           local_state=local_state)
     return path, metadata["round"]
 
 

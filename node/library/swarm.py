@@ -47,7 +47,7 @@ from protocols.version import shoal_version
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiLoCoSwarm", "Heartbeat", "LiveRound", "RoundStats"]
+__all__ = ["DiLoCoSwarm", "Heartbeat", "LiveRound", "Resumed", "RoundStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,15 @@ class Heartbeat:
     tokens_per_s: float = 0.0
     device: str | None = None  # default: the model's device
     phase: str | None = None  # default: training / averaging
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """The checkpoint a swarm resumed from."""
+
+    path: Path
+    round: int
+    local_state: dict[str, torch.Tensor]  # what the caller saved beside the shared state (may be empty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,11 +194,12 @@ class DiLoCoSwarm:
         return self._resumed_round
 
     def resume_from_checkpoints(self, checkpoint_dir: str | Path, *, config_hash: str | None = None,
-                                on_invalid: Callable[[CheckpointError], None] | None = None) -> tuple[Path, int] | None:
+                                on_invalid: Callable[[CheckpointError], None] | None = None) -> Resumed | None:
         """Resume from the newest checkpoint in ``checkpoint_dir`` that verifies (call before
-        ``start``); each newer broken one is passed to ``on_invalid``. Returns (path, round), or
-        None when the folder holds no checkpoint. A checkpoint of another run or config is refused
-        (``ConfigError``); one whose values are invalid raises ``CheckpointError``."""
+        ``start``); each newer broken one is passed to ``on_invalid``. Returns what was resumed (with
+        the ``local_state`` saved beside it, e.g. your inner optimizer's), or None when the folder
+        holds no checkpoint. A checkpoint of another run or config is refused (``ConfigError``); one
+        whose values are invalid raises ``CheckpointError``."""
         checkpoint = find_resume_point(Path(checkpoint_dir), on_invalid=on_invalid or (lambda error: None))
         if checkpoint is None:
             return None
@@ -197,17 +207,20 @@ class DiLoCoSwarm:
                                       config_hash=config_hash or self.manifest.config_hash,
                                       also_accept=(legacy_config_hash(self.shared),))
         try:
-            return checkpoint.path, self.resume(state)
+            return Resumed(path=checkpoint.path, round=self.resume(state), local_state=checkpoint.local_state)
         except MessageError as e:
             raise CheckpointError(f"checkpoint {checkpoint.path} holds an invalid state ({e}); delete it or use "
                                   "an older checkpoint") from None
 
-    def save_checkpoint(self, checkpoint_dir: str | Path, *, meta: dict | None = None) -> tuple[Path, int]:
-        """Write the shared state (anchor, outer momentum, counters) as an atomic, verified checkpoint;
+    def save_checkpoint(self, checkpoint_dir: str | Path, *, meta: dict | None = None,
+                        local_state: dict[str, torch.Tensor] | None = None) -> tuple[Path, int]:
+        """Write the shared state (anchor, outer momentum, counters) as an atomic, verified checkpoint,
+        with this peer's own ``local_state`` tensors if given (e.g. ``Trainer.inner_state()``);
         returns (path, round). Safe while a sync is in flight: the state is copied under its lock."""
         return save_shared_state(Path(checkpoint_dir), self._layout, self._outer.shared_state(),
                                  meta={"run_id": self.run_id, "peer": self.peer_id,
-                                       "config_hash": self.manifest.config_hash, **(meta or {})})
+                                       "config_hash": self.manifest.config_hash, **(meta or {})},
+                                 local_state=local_state)
 
     def start(self, progress: Progress | None = None) -> dict | None:
         """Catch up with a running swarm (download its state), then begin the first round.

@@ -159,10 +159,14 @@ class Peer:
             self.metrics.write("error", kind="checkpoint", message=str(error))
 
         resumed = self.swarm.resume_from_checkpoints(checkpoint_dir, on_invalid=broken)
-        if resumed is not None:
-            path, round = resumed
-            logger.info(f"resumed from {path} (round {round})")
-            self.metrics.write("resume", path=str(path), round=round)
+        if resumed is None:
+            return
+        if resumed.local_state:
+            self.trainer.load_inner_state(resumed.local_state)
+        logger.info(f"resumed from {resumed.path} (round {resumed.round}"
+                    f"{', with the inner optimizer' if resumed.local_state else ''})")
+        self.metrics.write("resume", path=str(resumed.path), round=resumed.round,
+                           inner_optimizer=bool(resumed.local_state))
 
     # -- lifecycle -----------------------------------------------------------------------------
     def announce(self) -> None:
@@ -308,7 +312,7 @@ class Peer:
 
     # -- helpers -------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        path, round = self.swarm.save_checkpoint(self.options.checkpoint_dir)
+        path, round = self.swarm.save_checkpoint(self.options.checkpoint_dir, local_state=self.trainer.inner_state())
         self.metrics.write("checkpoint", round=round, path=str(path))
         return path
 

@@ -13,7 +13,9 @@ import math
 import torch
 
 from node.training.config import InnerConfig, TrainConfig
-from protocols.errors import ConfigError
+from protocols.errors import CheckpointError, ConfigError
+
+INNER_SLOTS = ("step", "exp_avg", "exp_avg_sq")  # AdamW's per-parameter state
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,6 +86,44 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    # -- the inner optimizer's state, for checkpoints ---------------------------------------------
+    def inner_state(self) -> dict[str, torch.Tensor]:
+        """AdamW's per-parameter state by parameter name (``<name>.exp_avg``, ``.exp_avg_sq``,
+        ``.step``), on the CPU: saved beside the shared state so a resumed peer continues its
+        inner optimizer instead of restarting it (warm moments, the bias correction's step)."""
+        names = self._names_by_index()
+        return {f"{names[index]}.{slot}": value.detach().to("cpu", copy=True)
+                for index, slots in self.optimizer.state_dict()["state"].items()
+                for slot, value in slots.items() if torch.is_tensor(value)}
+
+    def load_inner_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore ``inner_state()`` through torch's own ``load_state_dict`` (which puts each slot on
+        the device and dtype its optimizer uses). A state that does not fit this model raises
+        ``CheckpointError`` and changes nothing."""
+        index_of = {name: index for index, name in self._names_by_index().items()}
+        params = dict(self.model.named_parameters())
+        slots: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            name, _, slot = key.rpartition(".")
+            if name not in index_of or slot not in INNER_SLOTS:
+                raise CheckpointError(f"inner optimizer state {key!r} does not belong to this model")
+            if slot != "step" and value.shape != params[name].shape:
+                raise CheckpointError(f"inner optimizer state {key!r} has shape {tuple(value.shape)}, "
+                                      f"the parameter {tuple(params[name].shape)}")
+            if not torch.isfinite(value).all():
+                raise CheckpointError(f"inner optimizer state {key!r} holds NaN/inf")
+            slots.setdefault(index_of[name], {})[slot] = value
+        if len(slots) != len(index_of) or any(set(v) != set(INNER_SLOTS) for v in slots.values()):
+            raise CheckpointError("inner optimizer state is incomplete: every parameter needs "
+                                  f"{', '.join(INNER_SLOTS)}")
+        self.optimizer.load_state_dict({**self.optimizer.state_dict(), "state": slots})
+
+    def _names_by_index(self) -> dict[int, str]:
+        """torch numbers the optimizer's parameters in param-group order."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        ordered = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return {index: names[id(p)] for index, p in enumerate(ordered)}
 
     @torch.no_grad()
     def _evaluate(self, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

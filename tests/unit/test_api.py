@@ -119,8 +119,8 @@ def test_checkpoint_round_trip_resumes_the_shared_state(tmp_path):
         peer.close()
     again = swarm(LocalSwarmHub(), "saver")
     try:
-        resumed_path, round = again.resume_from_checkpoints(tmp_path)
-        assert resumed_path == path and round == saved_round and again.rounds_done == peer.rounds_done
+        resumed = again.resume_from_checkpoints(tmp_path)
+        assert resumed.path == path and resumed.round == saved_round and resumed.local_state == {} and again.rounds_done == peer.rounds_done
         restored = again.anchor_params()
         assert all(torch.equal(restored[n], saved[n]) for n in saved)
         live = dict(again.model.named_parameters())
