@@ -24,6 +24,7 @@ from averaging.outer_loop import RoundStats, SyncMode
 from node.library.bootstrap import expand_initial_peers
 from node.library.config import AveragingConfig, RoundConfig
 from node.library.network import Network
+from node.library.shards import choose_shard
 from node.library.swarm import DiLoCoSwarm, Heartbeat, LiveRound, Resumed
 from protocols.errors import AddressError, CheckpointError, ConfigError, NetworkError, ShoalError
 from protocols.progress import ProgressRecord
@@ -46,5 +47,6 @@ __all__ = [
     "RoundStats",
     "ShoalError",
     "SyncMode",
+    "choose_shard",
     "expand_initial_peers",
 ]

@@ -31,6 +31,7 @@ MAX_RATE = 1e12  # tokens/s: a million times a large GPU
 MAX_LOSS = 1e6
 MAX_TIME = 2.0**40  # unix seconds, ~36 800 years
 MAX_SUBKEY_BYTES = 64
+MAX_SHARDS = 2**16
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,7 @@ class ProgressRecord:
     tokens: int  # tokens this peer has contributed to the run
     time: float  # DHT time at which the record was published
     phase: str  # training | averaging | joining | leaving | ...
+    shard: int | None = None  # the data shard it trains on (None: not claimed, e.g. an older peer)
 
 
 def encode(record: ProgressRecord) -> dict[str, Any]:
@@ -73,6 +75,7 @@ def encode(record: ProgressRecord) -> dict[str, Any]:
         "tokens": record.tokens,
         "time": record.time,
         "phase": record.phase,
+        **({"shard": record.shard} if record.shard is not None else {}),
     }
 
 
@@ -124,6 +127,7 @@ def decode(peer_id: str, value: Any) -> ProgressRecord:
         tokens=bounded_int(value, "tokens", 0, MAX_COUNT),
         time=_number(value, "time", 0.0, MAX_TIME),
         phase=_text(value, "phase"),
+        shard=bounded_int(value, "shard", 0, MAX_SHARDS - 1) if value.get("shard") is not None else None,
     )
 
 

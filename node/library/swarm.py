@@ -61,6 +61,7 @@ class Heartbeat:
     tokens_per_s: float = 0.0
     device: str | None = None  # default: the model's device
     phase: str | None = None  # default: training / averaging
+    shard: int | None = None  # the data shard this peer trains on (``node.library.shards``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,4 +367,5 @@ class DiLoCoSwarm:
             mode=self.reachability.mode, version=shoal_version(), utilization=self.utilization or 0.0,
             bytes_sent=self._traffic.sent, bytes_received=self._traffic.received, tokens=self.tokens_contributed,
             time=self._directory.now(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
+            shard=beat.shard,
         )

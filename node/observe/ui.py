@@ -199,9 +199,9 @@ def _cell(value: str, width: int, right: bool) -> str:
     return set_cell_size(value, width)
 
 
-PEER_COLUMNS = (  # header, width in cells, right-aligned; 85 cells in all, fits a 100-column panel
+PEER_COLUMNS = (  # header, width in cells, right-aligned; 91 cells in all, fits a 100-column panel
     ("peer", 14, False), ("device", 16, False), ("tokens/s", 9, True), ("round", 6, True), ("loss", 6, True),
-    ("util", 4, True), ("phase", 14, False), ("last seen", 9, True),
+    ("util", 4, True), ("shard", 5, True), ("phase", 14, False), ("last seen", 9, True),
 )
 
 
@@ -221,7 +221,7 @@ def peer_table(records: Sequence[ProgressRecord], *, me: str = "", now: float, l
     for r in shown:
         you = r.peer_id == me
         row = cells([short_id(r.peer_id) + (" (you)" if you else ""), r.device, f"{r.tokens_per_s:,.0f}",
-                     str(r.round), number(r.loss, ".3f"), f"{r.utilization:.0%}", r.phase,
+                     str(r.round), number(r.loss, ".3f"), f"{r.utilization:.0%}", number(r.shard, "d"), r.phase,
                      f"{max(now - r.time, 0.0):.0f}s ago"])
         table.append(row + "\n", style="bold" if you else "")
     if len(ordered) > len(shown):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from node.api import Applied, DiLoCoSwarm, Heartbeat, Network, RoundStats
+from node.api import Applied, DiLoCoSwarm, Heartbeat, Network, RoundStats, choose_shard
 from node.observe.download_log import DownloadLog
 from node.observe.exporter import MetricsExporter
 from node.observe.metrics import MetricsWriter, RoundRecord
@@ -32,7 +32,6 @@ from node.training.data import (
     load_corpus,
     seed_for_peer,
     shard_bounds,
-    shard_for_peer,
     split_corpus,
 )
 from node.training.model import build_model, count_parameters
@@ -132,7 +131,7 @@ class Peer:
         """The model on its device with its inner optimizer, and this peer's shard of the data."""
         config = self.config
         self.trainer = Trainer(model, config.inner, config.train, self.device)
-        self.shard = shard_for_peer(self.peer_id, config.data.num_shards)
+        self.shard = choose_shard(config.data.num_shards, self.peer_id, {}, None)  # revised once we see the swarm
         self.sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size,
                                     seed=seed_for_peer(self.peer_id), held_out=split.held_out,
                                     bounds=shard_bounds(len(split.tokens), config.data.num_shards, self.shard))
@@ -227,6 +226,7 @@ class Peer:
                 self.exporter.touch()  # a long download is not a hung node
 
         joined = self.swarm.start(progress=progress)
+        self._claim_shard()  # a joiner has seen the swarm's records by now
         self.status.download_fraction, self.status.phase = None, "training"
         if joined is not None:
             self.metrics.write("state_download", adopted_round=joined["round"], seconds=joined["seconds"],
@@ -253,6 +253,7 @@ class Peer:
     # -- rounds --------------------------------------------------------------------------------
     def _round_finished(self, stats: RoundStats) -> None:
         self._report_problems(stats)
+        self._claim_shard()
         evaluated = stats.round % self.config.train.eval_every_rounds == 0 and self._eval_fits()
         if evaluated:
             started = time.perf_counter()
@@ -266,6 +267,19 @@ class Peer:
         self._show_round(stats)
         if self.options.checkpoint_dir is not None and stats.round % self.config.train.checkpoint_every_rounds == 0:
             self.save_checkpoint()
+
+    def _claim_shard(self) -> None:
+        """Move to the least-used shard if ours is shared while another has fewer peers."""
+        claims = {r.peer_id: r.shard for r in self.swarm.peers}
+        shard = choose_shard(self.config.data.num_shards, self.peer_id, claims, self.shard)
+        if shard == self.shard:
+            return
+        sharing = sorted(p for p, s in claims.items() if s == self.shard and p != self.peer_id)
+        logger.info(f"training on data shard {shard}/{self.config.data.num_shards} "
+                    f"(shard {self.shard} is also trained by {', '.join(sharing) or 'nobody'})")
+        self.metrics.write("shard", shard=shard, previous=self.shard, sharing=sharing)
+        self.sampler.retarget(shard_bounds(len(self.sampler.tokens), self.config.data.num_shards, shard))
+        self.shard = shard
 
     def _report_problems(self, stats: RoundStats) -> None:
         if stats.error:
@@ -321,7 +335,7 @@ class Peer:
         s = self.status
         finite = lambda v: v if v is not None and math.isfinite(v) and v >= 0 else None  # noqa: E731
         return Heartbeat(loss=finite(s.loss), eval_loss=finite(s.eval_loss), tokens_per_s=float(s.tokens_per_s),
-                         device=self.device_label, phase=s.phase[:64])
+                         device=self.device_label, phase=s.phase[:64], shard=self.shard)
 
     def _peers_changed(self, joined: set[str], left: set[str]) -> None:
         if self.metrics is None:

@@ -294,14 +294,6 @@ def shard_bounds(n_tokens: int, num_shards: int, shard_index: int) -> tuple[int,
     return n_tokens * shard_index // num_shards, n_tokens * (shard_index + 1) // num_shards
 
 
-def shard_for_peer(peer_id: str, num_shards: int) -> int:
-    """Stable shard of a peer: sha256-based, unlike hash(), which is salted per process."""
-    if num_shards <= 0:
-        raise ValueError(f"data.num_shards ({num_shards}) must be a positive integer")
-    digest = hashlib.sha256(peer_id.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % num_shards
-
-
 def seed_for_peer(peer_id: str) -> int:
     """This peer's batch-order seed: stable across restarts with the same identity, different
     between peers (so two peers on one shard do not draw the same batches)."""

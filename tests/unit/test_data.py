@@ -1,6 +1,5 @@
 """Corpus loading and caching, held-out split, shards and batches."""
 
-import hashlib
 import os
 from itertools import pairwise
 from pathlib import Path
@@ -18,7 +17,6 @@ from node.training.data import (
     load_corpus,
     resolve_files,
     shard_bounds,
-    shard_for_peer,
     split_corpus,
 )
 
@@ -189,16 +187,6 @@ def test_shards_are_contiguous_disjoint_and_cover_everything(n_tokens: int, num_
 def test_shard_index_out_of_range_is_rejected() -> None:
     with pytest.raises(ValueError):
         shard_bounds(100, 4, 4)
-
-
-def test_shard_for_peer_is_stable_and_in_range() -> None:
-    # A fixed expectation catches an accidental switch to the process-salted hash().
-    expected = int.from_bytes(hashlib.sha256(b"peer-a").digest()[:8], "big") % 1_000_003
-    assert shard_for_peer("peer-a", 1_000_003) == expected
-    shards = [shard_for_peer(f"peer-{i}", 16) for i in range(200)]
-    assert all(0 <= s < 16 for s in shards)
-    assert shards == [shard_for_peer(f"peer-{i}", 16) for i in range(200)]
-    assert len(set(shards)) > 8  # spreads peers over shards
 
 
 def test_batch_sampler_windows_are_slices_of_the_shard_and_y_is_x_shifted() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from node.cli import app
@@ -17,6 +18,9 @@ from node.process.config import load_config
 from node.process.options import PeerOptions
 from node.process.peer import Peer, run_peer
 from protocols.errors import ConfigError
+
+# The first AdamW a process builds takes seconds (torch's lazy imports): pay it before any round clock runs.
+torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}  # some text to learn\n" for i in range(900))
 
@@ -40,7 +44,7 @@ def test_two_peers_train_average_checkpoint_and_leave(tmp_path, config_for):
     reasons: dict[str, str] = {}
 
     def peer(name: str) -> None:
-        options = PeerOptions(max_rounds=4, ui=False, metrics_file=tmp_path / f"{name}.jsonl",
+        options = PeerOptions(max_rounds=6, ui=False, metrics_file=tmp_path / f"{name}.jsonl",
                               checkpoint_dir=tmp_path / f"ckpt-{name}")
         reasons[name] = run_peer(config, options, handle_signals=False, network=LocalNetwork(hub, name))
 
@@ -61,6 +65,12 @@ def test_two_peers_train_average_checkpoint_and_leave(tmp_path, config_for):
         assert "checkpoint" in events and list_checkpoints(tmp_path / f"ckpt-{name}")
         start = records[0]
         assert start["config_hash"] and start["sync_mode"] == "overlap" and start["parameters"] > 0
+    # Each peer ends on its own shard (2 shards, 2 peers): a shared one is resolved by the larger id moving.
+    final = {}
+    for name in ("a", "b"):
+        records = read_metrics(tmp_path / f"{name}.jsonl")
+        final[name] = [r["shard"] for r in records if r["event"] in ("start", "shard")][-1]
+    assert sorted(final.values()) == [0, 1], final
 
 
 def test_a_data_mistake_is_a_config_error_before_any_network(tmp_path, config_for):

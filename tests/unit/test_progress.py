@@ -66,6 +66,14 @@ def test_an_int_where_a_float_is_expected_is_accepted():
     assert decode(ED25519_ID, encoded(tokens_per_s=7, utilization=1)).tokens_per_s == 7.0
 
 
+def test_the_shard_claim_round_trips_and_is_optional():
+    assert decode(ED25519_ID, encode(record(shard=5))).shard == 5
+    assert "shard" not in encode(record()) and decode(ED25519_ID, encode(record())).shard is None  # older peers
+    for bad in (-1, 2**16, "3", 2.5, True):
+        with pytest.raises(MessageError, match="shard"):
+            decode(ED25519_ID, encoded(shard=bad))
+
+
 def test_unknown_keys_are_ignored():
     assert decode(ED25519_ID, encoded(gpu_temp=71)) == record()
 

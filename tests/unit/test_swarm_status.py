@@ -51,7 +51,7 @@ def test_json_has_the_documented_keys():
     assert first["peer_id"] == A and second["peer_id"] == B
     assert first == {"peer_id": A, "round": 7, "tokens_per_s": 3000.0, "loss": 2.0, "eval_loss": 2.5,
                      "device": "cuda:0", "utilization": 0.8, "mode": "full", "phase": "training", "version": "0.1.0",
-                     "tokens": 100, "bytes_sent": 5, "bytes_received": 6, "last_seen_s": 2.0}
+                     "tokens": 100, "bytes_sent": 5, "bytes_received": 6, "shard": None, "last_seen_s": 2.0}
 
 
 def test_without_a_manifest_the_round_comes_from_the_peers():
