@@ -15,6 +15,7 @@ from pathlib import Path
 from hivemind import DHT
 
 from node.library.cleanup import close_hivemind, hivemind_sockets
+from protocols import safe_decoding
 from protocols.errors import ConfigError, NetworkError
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,9 @@ def _is_private(maddr: str) -> bool:
 
 def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str], timeout: float,
               identity: Path | None = None, reachability: Reachability = Reachability()) -> DHT:
-    """Start our DHT node; an unreachable bootstrap peer is a one-line error after ``timeout`` s."""
+    """Start our DHT node; an unreachable bootstrap peer is a one-line error after ``timeout`` s.
+    hivemind's decoders are bounded first: the DHT process and the averager, forked later, inherit it."""
+    safe_decoding.install()
     if reachability.client_mode and not initial_peers:
         raise ConfigError("--client-mode needs --initial-peer: a peer nobody can connect to cannot start a swarm")
     identity_path = prepare_identity(identity) if identity is not None else None
