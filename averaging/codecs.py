@@ -275,7 +275,18 @@ def decode(data: bytes | bytearray | memoryview, *, max_numel: int, device: torc
     """The flat fp32 tensor in ``data``. Hostile-input safe: anything malformed, truncated, longer
     than ``max_numel`` values, inconsistent or non-finite raises ``MessageError``; nothing is
     allocated before the header has been checked against ``max_numel`` and the exact length."""
-    # 1. The header, and the exact length it implies, before any allocation.
+    view, spec, block, exponent, numel = _checked_header(data, max_numel)
+    # Scales and payload, copied once: bytes are read-only, torch wants writable memory.
+    body = torch.frombuffer(bytearray(view[HEADER.size:]), dtype=torch.uint8) if len(view) > HEADER.size \
+        else torch.empty(0, dtype=torch.uint8)
+    body = body.to(device)
+    if not spec.blockwise:
+        return _decode_float(body, spec, exponent)
+    return _decode_blocks(body, spec, block, exponent, numel)
+
+
+def _checked_header(data: bytes | bytearray | memoryview, max_numel: int):
+    """The header's fields, and the exact length they imply, checked before any allocation."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise _fail(f"expected bytes, got {type(data).__name__}")
     try:
@@ -308,18 +319,19 @@ def decode(data: bytes | bytearray | memoryview, *, max_numel: int, device: torc
     expected = encoded_size(numel, spec.name, block or None)
     if len(view) != expected:
         raise _fail(f"{len(view)} bytes, expected {expected} for {numel} {spec.name} values")
+    return view, spec, block, exponent, numel
 
-    # 2. Scales and payload (copied once: bytes are read-only, torch wants writable memory).
-    body = torch.frombuffer(bytearray(view[HEADER.size:]), dtype=torch.uint8) if expected > HEADER.size \
-        else torch.empty(0, dtype=torch.uint8)
-    body = body.to(device)
-    if not spec.blockwise:
-        values = body.view(torch.float32 if spec.name == "fp32" else torch.float16)
-        # amax propagates NaN and inf, and is much faster than isfinite(values).all().
-        if values.numel() and not bool(torch.isfinite(values.abs().amax())):
-            raise _fail("non-finite value")
-        return values if spec.name == "fp32" else values.float().mul_(2.0**exponent)
 
+def _decode_float(body: torch.Tensor, spec, exponent: int) -> torch.Tensor:
+    values = body.view(torch.float32 if spec.name == "fp32" else torch.float16)
+    # amax propagates NaN and inf, and is much faster than isfinite(values).all().
+    if values.numel() and not bool(torch.isfinite(values.abs().amax())):
+        raise _fail("non-finite value")
+    return values if spec.name == "fp32" else values.float().mul_(2.0**exponent)
+
+
+def _decode_blocks(body: torch.Tensor, spec, block: int, exponent: int, numel: int) -> torch.Tensor:
+    """fp16 scales, then packed levels; every scale and level is range-checked before use."""
     num_blocks = -(-numel // block)
     scale_bits = body[: 2 * num_blocks].view(torch.int16)
     if bool(((scale_bits & FP16_NONFINITE_BITS) == FP16_NONFINITE_BITS).any()):
