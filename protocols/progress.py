@@ -31,6 +31,7 @@ MAX_RATE = 1e12  # tokens/s: a million times a large GPU
 MAX_LOSS = 1e6
 MAX_TIME = 2.0**40  # unix seconds, ~36 800 years
 MAX_SUBKEY_BYTES = 64
+ROUND_BYTES = ("round_bytes_sent", "round_bytes_received")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,9 @@ class ProgressRecord:
     tokens: int  # tokens this peer has contributed to the run
     time: float  # DHT time at which the record was published
     phase: str  # training | averaging | joining | leaving | ...
+    # The last finished round's all-reduce payload (0: none ran); None in records of older peers.
+    round_bytes_sent: int | None = None
+    round_bytes_received: int | None = None
 
 
 def encode(record: ProgressRecord) -> dict[str, Any]:
@@ -73,6 +77,8 @@ def encode(record: ProgressRecord) -> dict[str, Any]:
         "tokens": record.tokens,
         "time": record.time,
         "phase": record.phase,
+        # New keys, optional: older readers ignore them, and older records lack them.
+        **{key: getattr(record, key) for key in ROUND_BYTES if getattr(record, key) is not None},
     }
 
 
@@ -124,6 +130,7 @@ def decode(peer_id: str, value: Any) -> ProgressRecord:
         tokens=bounded_int(value, "tokens", 0, MAX_COUNT),
         time=_number(value, "time", 0.0, MAX_TIME),
         phase=_text(value, "phase"),
+        **{key: bounded_int(value, key, 0, MAX_COUNT) for key in ROUND_BYTES if value.get(key) is not None},
     )
 
 
