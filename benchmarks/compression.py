@@ -50,9 +50,12 @@ VARIANTS = (("fp16", "fp16", False), ("int8+EF", "int8", True), ("int8", "int8",
 MODEL = {"d_model": 256, "n_layer": 4, "n_head": 4, "seq_len": 64}
 
 
-def variant_config(base: Path, compression: str, feedback: bool, root: Path, name: str) -> Path:
+def variant_config(base: Path, compression: str, feedback: bool, root: Path, name: str, round_seconds: float) -> Path:
     data = tomllib.loads(base.read_text())
     data["model"].update(MODEL)
+    # A re-sync downloads anchor + momentum (26 MB: ~11 s at 20 Mbit/s); in a shorter round the peer
+    # misses the next round while downloading, lags one outer step, diverges again: a re-sync loop.
+    data["round"]["seconds"] = round_seconds
     data["data"]["batch_size"] = 8
     averaging = data.setdefault("averaging", {})
     averaging["compression"] = compression
@@ -144,7 +147,7 @@ def report(results: dict, args, capped: bool, numel: int, load: tuple[float, flo
         f"# Compression: {args.peers} peers, "
         + (f"links capped at {args.mbit:g} Mbit/s (tc tbf, network namespaces)" if capped else "loopback, NO cap (not root)"),
         "", f"Command: `sudo .venv/bin/python benchmarks/compression.py --peers {args.peers} --mbit {args.mbit:g} "
-        f"--budget {args.budget:g} --throttle {args.throttle:g}`; model {numel:,} parameters ({numel * 4 / 1e6:.1f} MB "
+        f"--budget {args.budget:g} --throttle {args.throttle:g} --round-seconds {args.round_seconds:g}`; model {numel:,} parameters ({numel * 4 / 1e6:.1f} MB "
         f"fp32); {args.budget:g} s of overlap-mode training per variant, all variants in one run; returns in fp16. "
         f"Load average at the end: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (2 cores, shared with other work).", "",
         "| variant | bytes sent / round | received / round | vs fp16 | median all-reduce (s) | vs fp16 | "
@@ -184,6 +187,7 @@ def main() -> int:
     parser.add_argument("--mbit", type=float, default=20.0)
     parser.add_argument("--budget", type=float, default=110.0)
     parser.add_argument("--throttle", type=float, default=2.0)
+    parser.add_argument("--round-seconds", type=float, default=24.0)
     parser.add_argument("--variants", type=lambda s: s.split(","), default=[v[0] for v in VARIANTS])
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "bench.toml")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compression")
@@ -197,7 +201,8 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="shoal-compression-"))
     os.environ.setdefault("SHOAL_CACHE_DIR", str(root / "cache"))
     chosen = [v for v in VARIANTS if v[0] in args.variants]
-    configs = {name: variant_config(args.config, code, feedback, root, name) for name, code, feedback in chosen}
+    configs = {name: variant_config(args.config, code, feedback, root, name, args.round_seconds)
+               for name, code, feedback in chosen}
     numel = count_parameters(build_model(load_config(next(iter(configs.values()))).model, seed=0))
     results = {}
     with netns.Network(args.peers, mbit=args.mbit) if capped else nullcontext() as net:
