@@ -172,6 +172,7 @@ def report(results: dict, args, capped: bool, numel: int, load: tuple[float, flo
             f"{'-' if at_tokens is None else f'{at_tokens:.4f}'} | {loss_ratio} | "
             f"{'-' if at_wall is None else f'{at_wall:.4f}'} | {drift} | {r['diverged_rounds']} / {r['resyncs']} | "
             f"{r['full_group_rounds']} | {r['cpu_cores_used']:.2f} of 2 |")
+    lines += ["", "Summary (the README's table):", "", *summary_table(lines)]
     lines += ["", f"Equal tokens: {equal_tokens:,.0f} swarm tokens (the fewest any variant reached); equal "
               f"wall-clock: {equal_wall:.0f} s after the last peer started. Eval loss is peer-0's held-out loss of the "
               "shared model (linear interpolation between rounds).",
@@ -179,6 +180,17 @@ def report(results: dict, args, capped: bool, numel: int, load: tuple[float, flo
               "(`averaging.traffic.round_payload`: sends in the codec, returns in fp16, headers excluded).",
               "CPU cores used: all peer processes with their DHT, averager and p2pd, over the training window.", ""]
     return "\n".join(lines)
+
+
+def summary_table(lines: list[str]) -> list[str]:
+    """The full table's rows, cut to the columns the README shows."""
+    out = ["| variant | bytes sent / round | median all-reduce (s) | eval loss at equal tokens | at equal wall-clock "
+           "| flagged / resyncs |", "|---|---|---|---|---|---|"]
+    for line in lines:
+        if line.startswith("| ") and not line.startswith("| variant"):
+            c = [cell.strip() for cell in line.strip("|").split("|")]
+            out.append(f"| {c[0]} | {c[1]} ({c[3]}) | {c[4]} ({c[5]}) | {c[6]} ({c[7]}) | {c[8]} | {c[10]} |")
+    return out
 
 
 def main() -> int:
