@@ -23,6 +23,10 @@ when every chunk's estimated RMS difference is below ``rel_tol`` (default 0.25) 
 the last averaged pseudo-gradient on that chunk, plus ``abs_tol`` for float32 noise: fp16 drift
 needs thousands of rounds to reach it (and a resync then resets it), a failed part crosses it at
 once.
+
+With shoal's int codecs (``averaging.wire``) the same tolerance holds: error-fed sends are on the
+codec's grid, so every reducer averages identical values, and returns are fp16 (the bound above);
+int8 returns (opt-in) are off by up to ``1/254`` of a block's ``|avg - local|`` and drift faster.
 """
 
 from __future__ import annotations

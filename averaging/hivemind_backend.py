@@ -48,12 +48,25 @@ from averaging.download import (
     slice_bounds,
     slice_deadline_s,
 )
+from averaging.hivemind_codecs import ShoalCodec
 from averaging.traffic import STATE_BYTES_PER_VALUE
+from averaging.wire import WireFormat
 from protocols.state_slices import decode_slice_request, encode_slice_request
 
 logger = logging.getLogger(__name__)
 
-COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {"fp16": Float16Compression, "none": NoCompression}
+FLOAT_COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {"fp16": Float16Compression, "fp32": NoCompression}
+
+
+def averager_compression(wire: WireFormat, *, numel: int, target_group_size: int | None) -> CompressionBase:
+    """The averager's ``compression``: hivemind's own for fp16/fp32, else shoal's codec with parts
+    balanced for the target group and cut on block boundaries (``WireFormat.part_values``), so the
+    reducers' re-encoding of an error-fed send is lossless. Importing ``averaging.hivemind_codecs``
+    (above) registered the codecs in this process; the averager forks after, and inherits them."""
+    if not wire.quantized:
+        return FLOAT_COMPRESSIONS[wire.code]()
+    return ShoalCodec(wire.code, return_code=wire.return_code, block_size=wire.block_size,
+                      part_values=wire.part_values(numel, target_group_size))
 
 StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
 FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
@@ -178,7 +191,7 @@ class HivemindBackend:
         numel: int,
         prefix: str,
         state_provider: StateProvider,
-        compression: str = "fp16",
+        wire: WireFormat | None = None,
         target_group_size: int | None = None,
         min_group_size: int = 2,
         min_matchmaking_time: float = 3.0,
@@ -202,7 +215,7 @@ class HivemindBackend:
             allreduce_timeout=allreduce_timeout,
             sender_timeout=allreduce_timeout * 0.4,  # hivemind requires sender < reducer timeout
             reducer_timeout=allreduce_timeout / 2,
-            compression=COMPRESSIONS[compression](),
+            compression=averager_compression(wire or WireFormat(), numel=numel, target_group_size=target_group_size),
             state_compression=NoCompression(),  # shared state must arrive exact
             client_mode=client_mode,
             shutdown_timeout=3,

@@ -2,7 +2,10 @@
 
 It averages exactly (weighted mean) and gathers every member's report, like a healthy
 butterfly all-reduce without compression, so tests of the worker and of round logic run in
-milliseconds. Integration tests always use the real hivemind backend.
+milliseconds. With ``return_code`` each member gets ``own + R(mean - own)`` instead, as from
+hivemind's reducers returning deltas in that code (``averaging.wire.returned``): the per-member
+error that makes anchors drift apart. Sends arrive as given (the round engine quantizes them).
+Integration tests always use the real hivemind backend.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from typing import Any
 import torch
 
 from averaging.backend import AverageOutcome, DownloadedState, Progress
+from averaging.wire import returned
 
 
 class LocalHub:
     """Where local peers meet: a round completes when every peer that prepared it has arrived."""
 
-    def __init__(self, min_group_size: int = 1, matchmaking_s: float | None = None):
+    def __init__(self, min_group_size: int = 1, matchmaking_s: float | None = None, return_code: str | None = None):
+        self.return_code = return_code  # None: exact results, the same on every member
         self.min_group_size = min_group_size  # like hivemind's: a smaller group keeps waiting...
         # ...until matchmaking gives up (hivemind's min_matchmaking_time): a lone peer then fails
         # fast instead of waiting out the all-reduce timeout. None: wait for the whole timeout.
@@ -28,6 +33,7 @@ class LocalHub:
         self._cond = threading.Condition()
         self._prepared: dict[int, set[str]] = {}
         self._arrived: dict[int, dict[str, tuple[torch.Tensor, float, Any]]] = {}
+        self._own: dict[tuple[int, str], torch.Tensor] = {}  # what each member sent, for its return error
         self._results: dict[int, tuple[torch.Tensor, dict[str, Any]] | None] = {}
         self.state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]] = {}
 
@@ -43,6 +49,8 @@ class LocalHub:
                 result = self._results[round]
                 return result if result is not None and peer in result[1] else None
             self._arrived.setdefault(round, {})[peer] = (vector.clone(), weight, gather)
+            if self.return_code is not None:
+                self._own[round, peer] = self._arrived[round][peer][0]
             arrived = self._arrived[round]
             if set(arrived) >= self._prepared.get(round, set()) and len(arrived) >= self.min_group_size:
                 total = sum(w for _, w, _ in arrived.values())
@@ -59,7 +67,11 @@ class LocalHub:
                     self._results.setdefault(round, None)
                     self._cond.notify_all()
                     return None
-            return self._results[round]
+            result = self._results[round]
+            own = self._own.pop((round, peer), None)
+            if result is not None and own is not None:
+                return returned(result[0], own, self.return_code), result[1]
+            return result
 
 
 class LocalBackend:

@@ -24,12 +24,15 @@ from __future__ import annotations
 import torch
 
 
-def merge_correction(new_anchor: torch.Tensor, old_anchor: torch.Tensor, snapshot_pseudo_grad: torch.Tensor,
+def merge_correction(new_anchor: torch.Tensor, old_anchor: torch.Tensor, snapshot_pseudo_grad: torch.Tensor | None,
                      *, contributed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """What to add to the live parameters (flat, CPU): ``new_anchor - params_snapshot`` if our
-    pseudo-gradient went into the new anchor, else ``new_anchor - old_anchor`` (fold it into the next)."""
+    pseudo-gradient went into the new anchor, else ``new_anchor - old_anchor`` (fold it into the next).
+    With error feedback ``snapshot_pseudo_grad`` is what was sent (``averaging.wire.accounted_for``):
+    the parameters then keep the residual."""
     correction = torch.sub(new_anchor, old_anchor, out=out)
     if contributed:
+        assert snapshot_pseudo_grad is not None
         correction += snapshot_pseudo_grad
     return correction
 

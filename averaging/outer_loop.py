@@ -41,6 +41,8 @@ from averaging.flat import FlatLayout
 from averaging.merge import apply_correction_, merge_correction
 from averaging.outer import pseudo_gradient
 from averaging.sync import SyncWorker
+from averaging.traffic import round_payload
+from averaging.wire import WireFormat, accounted_for
 from protocols.errors import ConfigError
 from protocols.messages import MessageError
 from protocols.schedule import RoundSchedule
@@ -125,6 +127,8 @@ class RoundStats:
     bad_reports: int
     resynced: bool
     rounds_done: int
+    bytes_sent: int = 0  # this round's all-reduce payload (``averaging.traffic.round_payload``); 0 if none ran
+    bytes_received: int = 0
 
 
 @dataclass(slots=True)
@@ -149,6 +153,8 @@ class _SyncResult:
     allreduce_s: float
     group: tuple[str, ...]
     resynced: bool
+    bytes_sent: int = 0
+    bytes_received: int = 0
 
 
 @dataclass(slots=True)
@@ -199,8 +205,11 @@ class OuterLoop:
     def __init__(self, *, outer: OuterState, worker: SyncWorker, layout: FlatLayout,
                  params: Callable[[], dict[str, torch.Tensor]], schedule: Callable[[], RoundSchedule],
                  config: LoopConfig, peer_id: str, alone: Callable[[], bool], device: torch.device,
-                 clock: Clock = SYSTEM_CLOCK):
+                 clock: Clock = SYSTEM_CLOCK, wire: WireFormat | None = None, client_mode: bool = False):
         self.outer, self.worker, self.layout = outer, worker, layout
+        # The payload's codec (error feedback: the residual lives in the live parameters, see
+        # averaging.wire) and, for the byte counts, whether we reduce nothing (client mode).
+        self.wire, self.client_mode = wire or WireFormat(), client_mode
         self._params, self._schedule, self.config = params, schedule, config
         self.peer_id, self._alone, self.device = peer_id, alone, device
         self.clock = clock  # read on both threads (see Clock)
@@ -340,6 +349,7 @@ class OuterLoop:
             group_size=conclusion.group_size, group=list(result.group), applied=conclusion.applied,
             error=conclusion.error, diverged=sorted(conclusion.verdict.diverged) if conclusion.verdict else [],
             bad_reports=conclusion.bad_reports, resynced=result.resynced, rounds_done=self.outer.rounds_done,
+            bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
         )]
 
     @torch.no_grad()
@@ -388,9 +398,11 @@ class OuterLoop:
         if event is not None:
             event.synchronize()
         pseudo_grad = pseudo_gradient(self.outer.anchor, self._host_params, out=self._pseudo_grad)
-        # 2. The all-reduce at the round's deadline (our own pseudo-gradient stays as the fallback).
+        # 2. The all-reduce at the round's deadline, of what the codec can carry exactly (our own
+        #    full pseudo-gradient stays as the fallback of a local round).
         started = self.clock.monotonic()
-        averaged = pseudo_grad.clone()
+        sent = self.wire.to_send(pseudo_grad)
+        averaged = sent.clone()
         timeout = max(0.0, self._schedule().round_end(round) - self.clock.now()) + self.worker.matchmaking_grace
         outcome = self.worker.backend.average(averaged, weight=weight, timeout=timeout + self.worker.allreduce_timeout)
         sync_s = self.clock.monotonic() - started
@@ -399,9 +411,18 @@ class OuterLoop:
         conclusion = self.outer.conclude(outcome, pseudo_grad, round=round, averaged=averaged if outcome.ok else None,
                                          self_id=self.peer_id, alone=self._alone())
         resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
-        correction = merge_correction(self.outer.anchor, old_anchor, pseudo_grad, out=self._host_correction,
-                                      contributed=conclusion.applied in (Applied.AVERAGED, Applied.LOCAL))
-        return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced)
+        # 4. What the new anchor accounts for: with error feedback only what was sent, so the
+        #    residual stays in the parameters for the next round (averaging.wire).
+        accounted = accounted_for(pseudo_grad, sent, averaged=conclusion.applied == Applied.AVERAGED,
+                                  local=conclusion.applied == Applied.LOCAL, error_feedback=self.wire.error_feedback)
+        correction = merge_correction(self.outer.anchor, old_anchor, accounted, out=self._host_correction,
+                                      contributed=accounted is not None)
+        sent_bytes, received_bytes = round_payload(
+            self.layout.numel, len(outcome.group) if outcome.ok else 0, client_mode=self.client_mode,
+            send_bytes_per_value=self.wire.send_bytes_per_value(),
+            return_bytes_per_value=self.wire.return_bytes_per_value())
+        return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
+                           sent_bytes, received_bytes)
 
     def _resync(self, round: int, conclusion: RoundConclusion, averaged: torch.Tensor | None) -> bool:
         """Our anchor disagrees with the group's: take the state of a peer that agrees."""

@@ -10,17 +10,36 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-# What one value of the pseudo-gradient costs on the wire, per ``averaging.compression``: the one
-# definition of it. "none" is fp32, as the shared state is stored and downloaded.
-BYTES_PER_VALUE = {"fp16": 2, "none": 4}
-STATE_BYTES_PER_VALUE = BYTES_PER_VALUE["none"]
+from averaging import codecs
+from averaging.wire import canonical
+
+STATE_BYTES_PER_VALUE = 4  # the shared state is stored and downloaded as fp32
 
 
-def bytes_per_value(compression: str) -> int:
-    return BYTES_PER_VALUE[compression]
+def bytes_per_value(compression: str) -> float:
+    """What one value of the pseudo-gradient costs on the wire, per ``averaging.compression`` (block
+    scales included, at the code's default block size): the one definition of it. "none" is fp32."""
+    return codecs.bytes_per_value(canonical(compression))
 
 
-def allreduce_payload(numel: int, group_size: int, *, bytes_per_value: int, client_mode: bool = False) -> int:
+def round_payload(numel: int, group_size: int, *, send_bytes_per_value: float, return_bytes_per_value: float,
+                  client_mode: bool = False) -> tuple[int, int]:
+    """(sent, received) bytes of one member's all-reduce payload, sends and returns each in their code.
+
+    A full member reduces 1/n of the vector: it sends the other (n-1)/n to their reducers in the send
+    code and returns the averaged deltas of its 1/n to the n-1 others in the return code; it
+    receives the same amounts. A client (it reduces nothing) sends its whole vector in the send code
+    and receives the whole average back in the return code. Message headers (24 bytes a part for
+    shoal's codecs) are not counted."""
+    if group_size <= 1:
+        return 0, 0
+    if client_mode:
+        return round(numel * send_bytes_per_value), round(numel * return_bytes_per_value)
+    each_way = round((group_size - 1) * numel * (send_bytes_per_value + return_bytes_per_value) / group_size)
+    return each_way, each_way
+
+
+def allreduce_payload(numel: int, group_size: int, *, bytes_per_value: float, client_mode: bool = False) -> int:
     """Bytes one member sends (and, symmetrically, receives) in a butterfly all-reduce.
 
     A full member reduces 1/n of the vector: it sends the other (n-1)/n to their reducers and
@@ -28,10 +47,9 @@ def allreduce_payload(numel: int, group_size: int, *, bytes_per_value: int, clie
     (it reduces nothing) sends its whole vector once and receives the whole average once."""
     if group_size <= 1:
         return 0
-    vector = numel * bytes_per_value
-    if client_mode:
-        return vector
-    return 2 * (group_size - 1) * vector // group_size
+    sent, _ = round_payload(numel, group_size, send_bytes_per_value=bytes_per_value,
+                            return_bytes_per_value=bytes_per_value, client_mode=client_mode)
+    return sent
 
 
 @dataclass

@@ -95,8 +95,11 @@ FIXES = {
 
 
 def first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
-    """The first differing field, as ``field=theirs (this peer: ours)``, or None."""
-    for key in sorted(set(ours) | set(theirs)):
+    """The first differing field, as ``field=theirs (this peer: ours)``, or None. Fields both sides
+    have come first: one only a side has usually follows from another (an int codec's block size
+    is only shared when ``averaging.compression`` is an int codec), and the cause is the better name."""
+    both = set(ours) & set(theirs)
+    for key in sorted(set(ours) | set(theirs), key=lambda key: (key not in both, key)):
         if ours.get(key) != theirs.get(key):
             return f"{key}={theirs.get(key, '<missing>')!r} (this peer: {ours.get(key, '<missing>')!r})"
     return None

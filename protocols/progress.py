@@ -32,6 +32,7 @@ MAX_LOSS = 1e6
 MAX_TIME = 2.0**40  # unix seconds, ~36 800 years
 MAX_SUBKEY_BYTES = 64
 MAX_SHARDS = 2**16
+ROUND_BYTES = ("round_bytes_sent", "round_bytes_received")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,9 @@ class ProgressRecord:
     time: float  # DHT time at which the record was published
     phase: str  # training | averaging | joining | leaving | ...
     shard: int | None = None  # the data shard it trains on (None: not claimed, e.g. an older peer)
+    # The last finished round's all-reduce payload (0: none ran); None in records of older peers.
+    round_bytes_sent: int | None = None
+    round_bytes_received: int | None = None
 
 
 def encode(record: ProgressRecord) -> dict[str, Any]:
@@ -76,6 +80,8 @@ def encode(record: ProgressRecord) -> dict[str, Any]:
         "time": record.time,
         "phase": record.phase,
         **({"shard": record.shard} if record.shard is not None else {}),
+        # New keys, optional: older readers ignore them, and older records lack them.
+        **{key: getattr(record, key) for key in ROUND_BYTES if getattr(record, key) is not None},
     }
 
 
@@ -128,6 +134,7 @@ def decode(peer_id: str, value: Any) -> ProgressRecord:
         time=_number(value, "time", 0.0, MAX_TIME),
         phase=_text(value, "phase"),
         shard=bounded_int(value, "shard", 0, MAX_SHARDS - 1) if value.get("shard") is not None else None,
+        **{key: bounded_int(value, key, 0, MAX_COUNT) for key in ROUND_BYTES if value.get(key) is not None},
     )
 
 

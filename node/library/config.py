@@ -15,6 +15,7 @@ from typing import Any
 from averaging.consistency import DEFAULT_ABS_TOL, DEFAULT_REL_TOL
 from averaging.diloco import OuterConfig
 from averaging.outer_loop import SyncMode, validate_sync
+from averaging.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat
 from protocols.errors import ConfigError
 
 
@@ -36,7 +37,10 @@ class RoundConfig:
 class AveragingConfig:
     """How pseudo-gradients are averaged (hivemind butterfly all-reduce)."""
 
-    compression: str = "fp16"  # fp16 | none
+    compression: str = "fp16"  # fp32 (or none) | fp16 | int8 | int4 | int2 (docs/codecs.md)
+    block_size: int = 0  # int codes: values per fp16 scale; 0 = the code's default (64 int8/int4, 256 int2)
+    return_compression: str = "fp16"  # int codes: how reducers return averages, fp16 | int8 (drifts faster)
+    error_feedback: bool = True  # int codes: what quantization drops re-enters the next round (per peer)
     target_group_size: int = 0  # 0 = everybody; else the maximum group size (Moshpit sub-groups)
     min_group_size: int = 2
     matchmaking_seconds: float = 3.0  # hivemind min_matchmaking_time
@@ -46,8 +50,14 @@ class AveragingConfig:
     abs_tol: float = DEFAULT_ABS_TOL
 
     def __post_init__(self):
-        if self.compression not in ("fp16", "none"):
-            raise ConfigError(f"averaging.compression ({self.compression!r}) must be 'fp16' or 'none'")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"averaging.compression ({self.compression!r}) must be one of: {', '.join(COMPRESSIONS)}")
+        if self.return_compression not in RETURN_CODES:
+            raise ConfigError(f"averaging.return_compression ({self.return_compression!r}) must be one of: "
+                              f"{', '.join(RETURN_CODES)} (int4/int2 returns drift past the consistency tolerance)")
+        if not 0 <= self.block_size <= 2**16:
+            raise ConfigError(f"averaging.block_size ({self.block_size}) must be in [1, 65536], or 0 for the codec's "
+                              "default (64 for int8/int4, 256 for int2)")
         if self.target_group_size < 0 or self.min_group_size < 2:
             raise ConfigError("averaging.target_group_size must be >= 0 and averaging.min_group_size >= 2")
         if not 0 < self.request_timeout < self.matchmaking_seconds:
@@ -59,14 +69,29 @@ class AveragingConfig:
             raise ConfigError("averaging.allreduce_timeout and averaging.rel_tol must be > 0, averaging.abs_tol >= 0")
 
 
+    @property
+    def wire(self) -> WireFormat:
+        """The payload's codec, with the block size resolved."""
+        return WireFormat.of(self.compression, return_compression=self.return_compression,
+                             block_size=self.block_size, error_feedback=self.error_feedback)
+
+
 def sync_shared_fields(*, outer: OuterConfig, rounds: RoundConfig, averaging: AveragingConfig) -> dict[str, Any]:
     """What the sync protocol itself needs every peer to agree on (any model, any loop)."""
-    return {
+    shared = {
         **{f"outer.{f.name}": getattr(outer, f.name) for f in dataclasses.fields(outer)},
         **{f"round.{f.name}": _plain(getattr(rounds, f.name)) for f in dataclasses.fields(rounds)},
         # the consistency verdict must be the same on every member of a group
         **{f"averaging.{name}": getattr(averaging, name) for name in ("compression", "rel_tol", "abs_tol")},
     }
+    if averaging.compression not in (*FLOAT_CODES, "none"):
+        # hivemind cuts parts from the codec's block size and the group size it balances for, and
+        # re-encodes returns in the sender's return code: peers must cut and decode alike. Only for
+        # int codes, so the manifest (and config hash) of an fp16/fp32 run stays what it was.
+        wire = averaging.wire
+        shared.update({"averaging.block_size": wire.block_size, "averaging.return_compression": wire.return_code,
+                       "averaging.target_group_size": averaging.target_group_size})
+    return shared
 
 
 def _plain(value: Any) -> Any:

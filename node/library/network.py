@@ -67,7 +67,7 @@ class HivemindNetwork:
         avg = averaging
         self._backend = HivemindBackend(
             self.dht, numel=numel, prefix=averager_prefix(run_id), state_provider=state_provider,
-            compression=avg.compression, target_group_size=avg.target_group_size or None,
+            wire=avg.wire, target_group_size=avg.target_group_size or None,
             min_group_size=avg.min_group_size, min_matchmaking_time=avg.matchmaking_seconds,
             request_timeout=avg.request_timeout, allreduce_timeout=avg.allreduce_timeout, client_mode=client_mode,
         )

@@ -63,7 +63,8 @@ class SwarmSnapshot:
                 {"peer_id": r.peer_id, "round": r.round, "tokens_per_s": r.tokens_per_s, "loss": r.loss,
                  "eval_loss": r.eval_loss, "device": r.device, "utilization": r.utilization, "mode": r.mode,
                  "phase": r.phase, "version": r.version, "tokens": r.tokens, "bytes_sent": r.bytes_sent,
-                 "bytes_received": r.bytes_received, "shard": r.shard, "last_seen_s": max(self.time - r.time, 0.0)}
+                 "bytes_received": r.bytes_received, "round_bytes_sent": r.round_bytes_sent,
+                 "round_bytes_received": r.round_bytes_received, "shard": r.shard, "last_seen_s": max(self.time - r.time, 0.0)}
                 for r in peers
             ],
         }

@@ -25,7 +25,7 @@ from averaging.diloco import Applied, OuterConfig, OuterState
 from averaging.flat import FlatLayout
 from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
 from averaging.sync import SyncWorker
-from averaging.traffic import STATE_BYTES_PER_VALUE, Traffic, allreduce_payload, bytes_per_value
+from averaging.traffic import STATE_BYTES_PER_VALUE, Traffic, round_payload
 from node.library.cleanup import close_hivemind, hivemind_sockets
 from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.library.dht import Reachability
@@ -184,7 +184,7 @@ class DiLoCoSwarm:
                               matchmaking_seconds=avg.matchmaking_seconds, download_timeout=avg.allreduce_timeout,
                               prepare_lead=avg.matchmaking_seconds + avg.request_timeout),
             peer_id=self.peer_id, alone=lambda: self._monitor.peer_count <= 1,
-            device=self.device,
+            device=self.device, wire=avg.wire, client_mode=self.reachability.client_mode,
         )
 
     # -- the training loop's calls -------------------------------------------------------------
@@ -340,17 +340,19 @@ class DiLoCoSwarm:
             self.last_stats = stats
             if stats.applied != Applied.FOLDED:
                 self.tokens_contributed += stats.tokens
-            if stats.applied == Applied.AVERAGED:
-                payload = self.allreduce_payload(stats.group_size)
-                self._traffic.add(sent=payload, received=payload)
+            self._traffic.add(sent=stats.bytes_sent, received=stats.bytes_received)  # 0 unless an all-reduce ran
             if stats.resynced:
                 self._traffic.add(received=2 * self._layout.numel * STATE_BYTES_PER_VALUE)  # anchor + momentum
         return finished
 
     def allreduce_payload(self, group_size: int) -> int:
-        """Bytes this peer sends (and receives) in one all-reduce with ``group_size`` members."""
-        return allreduce_payload(self._layout.numel, group_size, client_mode=self.reachability.client_mode,
-                                 bytes_per_value=bytes_per_value(self.averaging.compression))
+        """Bytes this peer sends in one all-reduce with ``group_size`` members (sends and returns,
+        each in its code; about what it receives)."""
+        wire = self.averaging.wire
+        sent, _ = round_payload(self._layout.numel, group_size, client_mode=self.reachability.client_mode,
+                                send_bytes_per_value=wire.send_bytes_per_value(),
+                                return_bytes_per_value=wire.return_bytes_per_value())
+        return sent
 
     @property
     def utilization(self) -> float | None:
@@ -366,6 +368,8 @@ class DiLoCoSwarm:
             loss=beat.loss, eval_loss=beat.eval_loss, device=beat.device or str(self.device),
             mode=self.reachability.mode, version=shoal_version(), utilization=self.utilization or 0.0,
             bytes_sent=self._traffic.sent, bytes_received=self._traffic.received, tokens=self.tokens_contributed,
+            round_bytes_sent=self.last_stats.bytes_sent if self.last_stats else None,
+            round_bytes_received=self.last_stats.bytes_received if self.last_stats else None,
             time=self._directory.now(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
             shard=beat.shard,
         )

@@ -61,6 +61,8 @@ class NodeStatus:
     bytes_sent: int = 0  # cumulative, for the bandwidth figure
     bytes_received: int = 0
     sync_bytes_per_s: float | None = None  # this peer's payload (each way) over the last all-reduce's duration
+    round_bytes_sent: int | None = None  # the last finished round's all-reduce payload (None: no round yet)
+    round_bytes_received: int | None = None
     peer_records: Sequence[ProgressRecord] = ()  # the swarm's progress records (replace, never mutate)
 
 
@@ -186,6 +188,8 @@ def _network_rows(grid: Table, s: NodeStatus) -> None:
     # Averaging traffic comes in bursts (one all-reduce per round): the rate during the last
     # sync says more about the link than a per-second rate that is zero most of the time.
     bandwidth = f"   {human_bytes(s.sync_bytes_per_s)}/s while syncing" if s.sync_bytes_per_s else ""
+    if s.round_bytes_sent is not None and s.round_bytes_received is not None:
+        bandwidth += f"   round ↑ {human_bytes(s.round_bytes_sent)} ↓ {human_bytes(s.round_bytes_received)}"
     bandwidth += f"   total ↑ {human_bytes(s.bytes_sent)} ↓ {human_bytes(s.bytes_received)}"
     grid.add_row("network", f"group {s.group_size}   sync {s.sync_s:.2f}s   last {s.last_sync}{bandwidth}")
 
@@ -199,9 +203,9 @@ def _cell(value: str, width: int, right: bool) -> str:
     return set_cell_size(value, width)
 
 
-PEER_COLUMNS = (  # header, width in cells, right-aligned; 91 cells in all, fits a 100-column panel
-    ("peer", 14, False), ("device", 16, False), ("tokens/s", 9, True), ("round", 6, True), ("loss", 6, True),
-    ("util", 4, True), ("shard", 5, True), ("phase", 14, False), ("last seen", 9, True),
+PEER_COLUMNS = (  # header, width in cells, right-aligned; 94 cells in all, fits a 100-column panel
+    ("peer", 14, False), ("device", 16, False), ("tokens/s", 9, True), ("round", 5, True), ("loss", 6, True),
+    ("util", 4, True), ("shard", 5, True), ("round ↑", 8, True), ("phase", 9, False), ("last seen", 9, True),
 )
 
 
@@ -221,7 +225,8 @@ def peer_table(records: Sequence[ProgressRecord], *, me: str = "", now: float, l
     for r in shown:
         you = r.peer_id == me
         row = cells([short_id(r.peer_id) + (" (you)" if you else ""), r.device, f"{r.tokens_per_s:,.0f}",
-                     str(r.round), number(r.loss, ".3f"), f"{r.utilization:.0%}", number(r.shard, "d"), r.phase,
+                     str(r.round), number(r.loss, ".3f"), f"{r.utilization:.0%}", number(r.shard, "d"),
+                     human_bytes(r.round_bytes_sent) if r.round_bytes_sent is not None else "-", r.phase,
                      f"{max(now - r.time, 0.0):.0f}s ago"])
         table.append(row + "\n", style="bold" if you else "")
     if len(ordered) > len(shown):

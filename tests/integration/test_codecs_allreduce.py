@@ -161,3 +161,60 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
         time.sleep(0.2)
     assert not leftover, f"p2pd left running: {sorted(leftover)}"
     assert p2pd, "expected a p2pd per DHT"
+
+
+@pytest.mark.timeout(90)
+def test_a_malformed_part_bans_its_sender_and_the_others_average(monkeypatch):
+    """One peer's codec puts garbage on the wire (a broken or hostile peer). The reducers' decode
+    raises ``MessageError``; hivemind catches it as a failed sender (``_ban_sender``: its parts leave
+    the average) and the honest peers' round completes, with no crash in any averager process."""
+    from hivemind.averaging.allreduce import AllReduceRunner
+
+    bans = Counter()
+    original_ban = AllReduceRunner._ban_sender
+
+    async def counting_ban(self, peer_id):  # runs in the forked averager processes
+        bans.add(0)
+        await original_ban(self, peer_id)
+
+    monkeypatch.setattr(AllReduceRunner, "_ban_sender", counting_ban)
+    part_values = balanced_part_size(NUMEL, PEERS, 64, bytes_per_value=codecs.bytes_per_value("int4"))
+
+    class GarbageCodec(ShoalCodec):
+        def compress(self, tensor, info, allow_inplace=False):
+            message = super().compress(tensor, info, allow_inplace)
+            message.buffer = b"SHQ\x00" + bytes(len(message.buffer) - 4)  # version 0: refused by decode
+            return message
+
+    generator = torch.Generator().manual_seed(3)
+    vectors = [codecs.quantize(torch.randn(NUMEL, generator=generator), "int4") for _ in range(PEERS)]
+    sigint = signal.getsignal(signal.SIGINT)
+    dhts, averagers = [], []
+    prefix = f"garbage-{uuid.uuid4().hex[:8]}"
+    try:
+        for i in range(PEERS):
+            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
+            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
+            codec_type = GarbageCodec if i == PEERS - 1 else ShoalCodec
+            averagers.append(hivemind.DecentralizedAverager(
+                averaged_tensors=[vectors[i].clone()], dht=dhts[i], prefix=prefix, start=True,
+                target_group_size=PEERS, min_group_size=PEERS, min_matchmaking_time=2.0, request_timeout=1.0,
+                allreduce_timeout=30.0, compression=codec_type("int4", part_values=part_values)))
+        controls = [averager.step(wait=False, timeout=40) for averager in averagers]
+        honest = [control.result(timeout=60) for control in controls[:-1]]  # raises if the round crashed
+        assert all(group is not None and len(group) == PEERS for group in honest), honest
+        try:
+            controls[-1].result(timeout=60)  # the faulty peer's own round may fail; it must not hang
+        except Exception:  # noqa: BLE001 - either outcome is fine for the peer that sent garbage
+            pass
+        assert bans.calls.value >= PEERS - 1  # each honest reducer banned the garbage sender
+        assert all(averager.is_alive() for averager in averagers)
+        for averager in averagers[:-1]:
+            with averager.get_tensors() as (tensor,):
+                assert bool(torch.isfinite(tensor).all())  # the garbage never reached a result
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        signal.signal(signal.SIGINT, sigint)

@@ -1,5 +1,6 @@
 """Three real `shoal run` processes on loopback train the tiny model together (real DHT, real
-butterfly all-reduce with fp16 compression); one of them in client mode, as behind a NAT."""
+butterfly all-reduce with fp16 compression, or error-fed int4 sends with fp16 returns through
+shoal's codecs); one of them in client mode, as behind a NAT."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import pytest
 import torch
 
+from averaging.traffic import round_payload
+from averaging.wire import WireFormat
 from node.library.checkpoint import load_latest_valid
 from node.observe.metrics import read_metrics
 from node.process.config import load_config
@@ -27,12 +30,17 @@ def rounds_of(peer) -> dict[int, dict]:
 
 
 @pytest.mark.timeout(400)
-def test_three_peers_train_one_model(swarm):
-    first = swarm.start("a", "--max-rounds", str(ROUNDS), *FAST)
+@pytest.mark.parametrize("compression", ["fp16", "int4"])
+def test_three_peers_train_one_model(swarm, compression):
+    config_path = swarm.root / f"tiny-{compression}.toml"
+    config_path.write_text(TINY.read_text().replace('compression = "fp16"', f'compression = "{compression}"'))
+    assert load_config(config_path).averaging.compression == compression
+    first = swarm.start("a", "--max-rounds", str(ROUNDS), *FAST, config=config_path)
     address = first.wait_for_address()
     # c is behind a NAT as far as it knows: client mode, outgoing connections only.
-    others = [swarm.start("b", "--max-rounds", str(ROUNDS), *FAST, initial=address[:1]),
-              swarm.start("c", "--max-rounds", str(ROUNDS), *FAST, "--client-mode", initial=address[:1])]
+    others = [swarm.start("b", "--max-rounds", str(ROUNDS), *FAST, initial=address[:1], config=config_path),
+              swarm.start("c", "--max-rounds", str(ROUNDS), *FAST, "--client-mode", initial=address[:1],
+                          config=config_path)]
     peers = [first, *others]
     for peer in peers:
         assert peer.wait(timeout=300) == 0, peer.log()[-3000:]
@@ -42,8 +50,15 @@ def test_three_peers_train_one_model(swarm):
     # from the first round every peer took part in, every group must hold all three.
     common = range(max(min(rounds) for rounds in per_peer.values()) + 1, ROUNDS + 1)
     assert len(common) >= 3, {name: sorted(r) for name, r in per_peer.items()}
+    config = load_config(config_path)
+    init = torch.cat([p.detach().flatten() for p in build_model(config.model, seed=config.train.seed).parameters()])
+    wire = WireFormat.of(compression)
     for name, rounds in per_peer.items():
+        # Each round record says what the all-reduce moved, sends and returns each in their code.
+        expected = round_payload(init.numel(), 3, send_bytes_per_value=wire.send_bytes_per_value(),
+                                 return_bytes_per_value=wire.return_bytes_per_value(), client_mode=name == "c")
         for r in common:
+            assert (rounds[r]["bytes_sent"], rounds[r]["bytes_received"]) == expected, (name, r, rounds[r])
             assert rounds[r]["group_size"] == 3, (name, r, rounds[r])
             assert rounds[r]["applied"] == "averaged", (name, r, rounds[r])
             assert rounds[r]["diverged"] == [], (name, r, rounds[r])
@@ -63,13 +78,12 @@ def test_three_peers_train_one_model(swarm):
     evals = [per_peer["a"][r]["eval_loss"] for r in sorted(per_peer["a"]) if per_peer["a"][r]["eval_loss"] is not None]
     assert evals[-1] < evals[0], evals
 
-    # The anchors agree. fp16 compression makes each peer add fp16(avg - local) to its own
+    # The anchors agree. fp16 compression (or int4 sends with fp16 returns: every reducer averages
+    # the same int4 values, since error-fed sends are on the codec's grid) makes each peer add fp16(avg - local) to its own
     # local value, so the averaged pseudo-gradients differ by at most 2^-11 of |avg - local| per
     # element, and an error e in one round moves the anchor by lr/(1-mu) * e = 7e in total. Over
     # the common rounds that stays far below 1% of how far the anchor moved from its init; a
     # failed part (a peer keeping its own pseudo-gradient) would be of the order of that movement.
-    config = load_config(TINY)
-    init = torch.cat([p.detach().flatten() for p in build_model(config.model, seed=config.train.seed).parameters()])
     anchors = {}
     for peer in peers:
         checkpoint = load_latest_valid(peer.checkpoint_dir)

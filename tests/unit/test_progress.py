@@ -207,3 +207,21 @@ def test_swarm_summary_round_ties_go_to_the_latest_and_empty_is_none():
     assert (empty.peers, empty.tokens_per_s, empty.round, empty.loss, empty.share) == (0, 0.0, None, None, None)
     idle = SwarmSummary.of([record(tokens_per_s=0.0)], me=ED25519_ID)
     assert idle.share is None  # nothing measured yet: no share rather than a division by zero
+
+
+def test_per_round_bytes_round_trip_and_older_records_lack_them():
+    newer = record(round_bytes_sent=1_500_000, round_bytes_received=1_400_000)
+    value = msgpack.unpackb(msgpack.packb(encode(newer)), raw=False)
+    assert decode(ED25519_ID, value) == newer
+    assert {"bytes_sent", "bytes_received"} <= set(value)  # the cumulative counts keep their names
+    older = encode(record())
+    assert "round_bytes_sent" not in older  # nothing new is written when unknown
+    assert decode(ED25519_ID, older).round_bytes_sent is None
+
+
+@pytest.mark.parametrize("bad", [-1, 2**63, 1.5, True, "12"])
+def test_a_malformed_per_round_byte_count_is_refused(bad):
+    value = encode(record(round_bytes_sent=1))
+    value["round_bytes_sent"] = bad
+    with pytest.raises(MessageError, match="round_bytes_sent"):
+        decode(ED25519_ID, value)

@@ -34,7 +34,8 @@ def progress(peer_id: str, **changes) -> ProgressRecord:
 def snapshot(**changes) -> SwarmSnapshot:
     base = SwarmSnapshot(
         run_id="demo", time=NOW, schedule=RoundSchedule(start_time=NOW - 65.0, round_seconds=10.0),
-        records={A: progress(A, tokens_per_s=3000.0, loss=2.0, eval_loss=2.5, device="cuda:0"), B: progress(B)},
+        records={A: progress(A, tokens_per_s=3000.0, loss=2.0, eval_loss=2.5, device="cuda:0"),
+                 B: progress(B, round_bytes_sent=3, round_bytes_received=4)},
         malformed=2,
     )
     return dataclasses.replace(base, **changes)
@@ -51,7 +52,9 @@ def test_json_has_the_documented_keys():
     assert first["peer_id"] == A and second["peer_id"] == B
     assert first == {"peer_id": A, "round": 7, "tokens_per_s": 3000.0, "loss": 2.0, "eval_loss": 2.5,
                      "device": "cuda:0", "utilization": 0.8, "mode": "full", "phase": "training", "version": "0.1.0",
-                     "tokens": 100, "bytes_sent": 5, "bytes_received": 6, "shard": None, "last_seen_s": 2.0}
+                     "tokens": 100, "bytes_sent": 5, "bytes_received": 6, "shard": None, "round_bytes_sent": None,
+                     "round_bytes_received": None, "last_seen_s": 2.0}
+    assert second["round_bytes_sent"] == 3 and second["round_bytes_received"] == 4
 
 
 def test_without_a_manifest_the_round_comes_from_the_peers():

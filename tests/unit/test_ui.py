@@ -70,6 +70,16 @@ def test_network_shows_the_sync_rate_and_the_totals():
     assert "total ↑ 8.0 MB ↓ 2.0 MB" in text and "while syncing" not in text
     text = draw_status(status(bytes_sent=8_000_000, bytes_received=2_000_000, sync_bytes_per_s=1_500_000))
     assert "1.5 MB/s while syncing" in text
+    network = next(line for line in text.splitlines() if "total ↑" in line)
+    assert "round ↑" not in network  # no round finished yet
+
+
+def test_network_and_peer_table_show_the_last_rounds_payload():
+    text = draw_status(status(round_bytes_sent=1_560_000, round_bytes_received=1_540_000,
+                              peer_records=(progress(ME, round_bytes_sent=1_560_000), progress(OTHER))))
+    assert "round ↑ 1.6 MB ↓ 1.5 MB" in text
+    rows = [line for line in text.splitlines() if "…Uy56Sd" in line or "…TJwmv6" in line]
+    assert any("1.6 MB" in row for row in rows) and any(" - " in row for row in rows)  # older peers: unknown
 
 
 def test_alone_is_said_plainly():

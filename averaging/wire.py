@@ -1,0 +1,136 @@
+"""What goes on the wire each round: the codec settings of a run, and the pseudo-gradient made
+ready for them (error feedback).
+
+``WireFormat`` is what every peer of a run shares about the all-reduce payload (``averaging.compression``,
+its block size and return code; ``node.library.config.sync_shared_fields`` puts them in the run
+manifest) plus one per-peer switch, ``error_feedback``.
+
+Where the error-feedback residual lives: in the live parameters, not in a buffer. A peer sends
+``q = Q(g)`` of its pseudo-gradient ``g = anchor - params``; when that round is really averaged,
+the merge moves the parameters to ``new_anchor - (g - q)`` plus the work done since the snapshot
+(``accounted_for`` returns ``q`` instead of ``g`` for ``merge_correction``), so the next
+pseudo-gradient is ``(g - q) + new work``: exactly ``compensate(g', r)`` with ``r = g - q``. We
+pick that over a residual buffer committed on success because every case is then exact with no
+state of its own:
+
+- a **folded** round (failed, or averaged without us) accounts for nothing: the parameters keep
+  all of ``g``, the residual of earlier rounds included, for the next contribution;
+- a **local** round (alone in the swarm) applies the full ``g`` to the anchor: nothing was sent,
+  nothing is left over;
+- a **re-sync** replaces the anchor; the parameters keep their offset from it, residual included,
+  as they keep any local progress;
+- a **checkpoint** holds the shared state only (anchor, momentum), byte-identical on every peer
+  and independent of the codec. Like the progress made since the last round, the residual
+  (at most half a quantization step per element) is this peer's unsynced work and is not in it;
+- the residual is per peer and never sent: a state download carries anchor and momentum only.
+
+A buffer would need all of these as separate code paths (commit on success only, kept through a
+re-sync, saved in checkpoints, which would then differ between peers). The cost of our choice:
+the inner optimizer trains from ``new_anchor - r`` instead of ``new_anchor``, an offset of at most
+half a quantization step, which the next round sends anyway.
+
+fp16 and fp32 keep hivemind's own codecs (no error feedback: fp16's rounding is ~2**-11 relative).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from averaging import codecs
+from averaging.error_feedback import balanced_part_size
+
+FLOAT_CODES = ("fp32", "fp16")
+QUANTIZED_CODES = ("int8", "int4", "int2")
+RETURN_CODES = ("fp16", "int8")  # int4/int2 returns drift past the consistency tolerance (docs/codecs.md)
+# ``averaging.compression`` values; "none" is the older spelling of fp32.
+COMPRESSIONS = (*FLOAT_CODES, "none", *QUANTIZED_CODES)
+# Parts are balanced for this many members when the group size is open: a multiple of 12 near-equal
+# parts splits evenly over groups of 2, 3, 4, 6 and 12.
+OPEN_GROUP_PARTS = 12
+
+
+def canonical(compression: str) -> str:
+    return "fp32" if compression == "none" else compression
+
+
+@dataclass(frozen=True, slots=True)
+class WireFormat:
+    """The all-reduce payload's codec: sends in ``code``, returns from reducers in ``return_code``."""
+
+    code: str = "fp16"  # fp32 | fp16 | int8 | int4 | int2
+    return_code: str = "fp16"  # quantized codes: fp16 | int8; float codes return in their own code
+    block_size: int = 0  # values per scale (quantized codes); 0 for float codes
+    error_feedback: bool = True  # quantized codes: what a round drops re-enters the next one (per peer)
+
+    def __post_init__(self):
+        if self.code not in FLOAT_CODES + QUANTIZED_CODES:
+            raise ValueError(f"unknown code {self.code!r}")
+        if self.quantized:
+            if self.return_code not in RETURN_CODES:
+                raise ValueError(f"return code {self.return_code!r}: use one of {RETURN_CODES}")
+            if not 1 <= self.block_size <= codecs.MAX_BLOCK_SIZE:
+                raise ValueError(f"block size {self.block_size} out of range")
+        elif self.return_code != self.code or self.block_size:
+            raise ValueError(f"{self.code} returns in {self.code} and has no block size")
+
+    @classmethod
+    def of(cls, compression: str, *, return_compression: str = "fp16", block_size: int = 0,
+           error_feedback: bool = True) -> WireFormat:
+        """From the config's spelling (``none`` = fp32; block size 0 = the code's default)."""
+        code = canonical(compression)
+        if code in FLOAT_CODES:
+            return cls(code=code, return_code=code, block_size=0, error_feedback=False)
+        return cls(code=code, return_code=return_compression, error_feedback=error_feedback,
+                   block_size=block_size or codecs.get_code(code).default_block_size)
+
+    @property
+    def quantized(self) -> bool:
+        return self.code in QUANTIZED_CODES
+
+    def send_bytes_per_value(self) -> float:
+        return codecs.bytes_per_value(self.code, self.block_size or None)
+
+    def return_bytes_per_value(self) -> float:
+        return codecs.bytes_per_value(self.return_code)
+
+    def part_values(self, numel: int, target_group_size: int | None) -> int:
+        """Values per hivemind part: balanced and block-aligned (``error_feedback.balanced_part_size``).
+        Depends only on what peers share (the layout, the codec, ``target_group_size``)."""
+        assert self.quantized
+        return balanced_part_size(numel, target_group_size or OPEN_GROUP_PARTS, self.block_size,
+                                  bytes_per_value=self.send_bytes_per_value())
+
+    @torch.no_grad()
+    def to_send(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
+        """What this peer hands the all-reduce: ``Q(g)`` on the codec's grid (hivemind's re-encoding
+        of block-aligned parts then returns it bit-exactly), or ``g`` itself for float codes.
+        With error feedback ``g`` already carries the last residual (it lives in the parameters)."""
+        if not self.quantized:
+            return pseudo_grad
+        return codecs.quantize(pseudo_grad, self.code, block_size=self.block_size)
+
+
+def accounted_for(pseudo_grad: torch.Tensor, sent: torch.Tensor, *, averaged: bool, local: bool,
+                  error_feedback: bool) -> torch.Tensor | None:
+    """How much of the snapshot's pseudo-gradient the new anchor accounts for (``merge_correction``'s
+    ``snapshot_pseudo_grad``), or None if nothing (a folded round: the parameters keep it all).
+
+    Averaged with error feedback: only what was sent, so the parameters keep the residual ``g - q``
+    for the next round (see the module docstring). Averaged without it: all of ``g`` (the residual
+    is dropped). Local (alone): the anchor took the full ``g``."""
+    if averaged:
+        return sent if error_feedback else pseudo_grad
+    if local:
+        return pseudo_grad
+    return None
+
+
+def returned(average: torch.Tensor, own: torch.Tensor, return_code: str) -> torch.Tensor:
+    """What a member ends with when its reducers return ``average - own`` in ``return_code`` (as
+    hivemind does): the per-member error that error feedback cannot see. For the in-process backend."""
+    code = canonical(return_code)
+    if code == "fp32":
+        return average.clone()
+    return own + codecs.quantize(average - own, code)

@@ -1,0 +1,205 @@
+"""averaging.wire: error feedback with the residual in the live parameters is exact through folds,
+local rounds and re-syncs; fp16 returns keep anchors within the consistency tolerance over 100
+rounds; balanced block-aligned parts inside hivemind; honest per-round byte counts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hivemind.averaging.partition import TensorPartContainer
+from hivemind.compression import Float16Compression, NoCompression
+
+from averaging import codecs
+from averaging.consistency import consensus
+from averaging.diloco import OuterConfig, OuterState
+from averaging.error_feedback import compensate
+from averaging.flat import FlatLayout
+from averaging.hivemind_backend import averager_compression
+from averaging.hivemind_codecs import ShoalCodec
+from averaging.merge import merge_correction
+from averaging.outer import outer_step_
+from averaging.traffic import allreduce_payload, bytes_per_value, round_payload
+from averaging.wire import OPEN_GROUP_PARTS, WireFormat, accounted_for, returned
+from node.library.config import AveragingConfig, sync_shared_fields
+from node.library.local_network import LocalNetwork, LocalSwarmHub
+from protocols.errors import ConfigError
+
+
+def test_config_spellings_resolve_to_a_wire_format():
+    assert WireFormat.of("none") == WireFormat(code="fp32", return_code="fp32", error_feedback=False)
+    assert WireFormat.of("fp16").quantized is False and WireFormat.of("fp16").block_size == 0
+    assert WireFormat.of("int8").block_size == 64 and WireFormat.of("int4").block_size == 64
+    assert WireFormat.of("int2").block_size == 256  # the default the codec's measurements chose
+    assert WireFormat.of("int4", block_size=32, return_compression="int8").return_code == "int8"
+    assert AveragingConfig(compression="int2").wire.block_size == 256
+    assert AveragingConfig(compression="int4", error_feedback=False).wire.error_feedback is False
+    with pytest.raises(ValueError, match="return code"):
+        WireFormat.of("int4", return_compression="int4")  # drifts past the tolerance at once
+    with pytest.raises(ConfigError, match="averaging.compression"):
+        AveragingConfig(compression="int3")
+
+
+def test_int_codec_settings_join_the_manifest_and_fp16_runs_keep_theirs():
+    fp16 = sync_shared_fields(outer=OuterConfig(), rounds=_rounds(), averaging=AveragingConfig())
+    assert not any(key in fp16 for key in ("averaging.block_size", "averaging.return_compression"))  # hash unchanged
+    int4 = sync_shared_fields(outer=OuterConfig(), rounds=_rounds(), averaging=AveragingConfig(compression="int4"))
+    assert int4["averaging.compression"] == "int4" and int4["averaging.block_size"] == 64
+    assert int4["averaging.return_compression"] == "fp16" and int4["averaging.target_group_size"] == 0
+    # error feedback is per peer, never on the wire: not something peers must agree on
+    assert "averaging.error_feedback" not in int4
+
+
+def _rounds():
+    from node.library.config import RoundConfig
+    return RoundConfig()
+
+
+@pytest.mark.parametrize(("ours", "theirs", "field"), [
+    ({}, {"compression": "int4"}, "averaging.compression"),
+    ({"compression": "int4"}, {"compression": "int4", "block_size": 32}, "averaging.block_size"),
+    ({"compression": "int4"}, {"compression": "int4", "return_compression": "int8"}, "averaging.return_compression"),
+])
+def test_a_peer_with_another_codec_is_refused_at_join_naming_the_field(ours, theirs, field):
+    from node.api import DiLoCoSwarm
+    hub = LocalSwarmHub()
+    fast = AveragingConfig(matchmaking_seconds=0.4, request_timeout=0.2, allreduce_timeout=5.0)
+    model = torch.nn.Linear(4, 2)
+    first = DiLoCoSwarm(model, run_id="codec-test", network=LocalNetwork(hub, "first"),
+                        averaging=dataclasses.replace(fast, **ours))
+    try:
+        with pytest.raises(ConfigError, match=field):
+            DiLoCoSwarm(torch.nn.Linear(4, 2), run_id="codec-test", network=LocalNetwork(hub, "second"),
+                        averaging=dataclasses.replace(fast, **theirs))
+    finally:
+        first.close()
+
+
+def test_accounted_for_each_way_a_round_ends():
+    g, q = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.5])
+    assert accounted_for(g, q, averaged=True, local=False, error_feedback=True) is q
+    assert accounted_for(g, q, averaged=True, local=False, error_feedback=False) is g
+    assert accounted_for(g, q, averaged=False, local=True, error_feedback=True) is g  # nothing was sent
+    assert accounted_for(g, q, averaged=False, local=False, error_feedback=True) is None  # folded: keep it all
+
+
+# -- error feedback through folds, local rounds and re-syncs (pure, one peer's view) -----------------
+
+@pytest.mark.parametrize("code", ["int8", "int4", "int2"])
+def test_residual_in_the_parameters_is_error_feedback_committed_only_when_averaged(code):
+    """Drive the round engine's arithmetic by hand (pseudo-gradient, send, outer step, merge) over a
+    mix of round endings, and check it against the reference: a residual buffer that is committed
+    only when a round is averaged, cleared by a local round, kept through a fold and a re-sync."""
+    numel, wire = 64 * 7 + 5, WireFormat.of(code)
+    generator = torch.Generator().manual_seed(1)
+    anchor, momentum = torch.zeros(numel), torch.zeros(numel)
+    params = anchor.clone()
+    residual, pending = torch.zeros(numel), torch.zeros(numel)  # the reference's buffer, unsent work
+    endings = ["averaged", "folded", "averaged", "local", "averaged", "resync", "folded", "folded", "averaged"]
+    for ending in endings * 3:
+        work = 0.01 * torch.randn(numel, generator=generator)
+        params -= work  # inner steps: the pseudo-gradient grows by `work`
+        pending += work
+        # our engine
+        pseudo_grad = anchor - params
+        sent = wire.to_send(pseudo_grad)
+        # the reference sends Q(pending + residual): the same vector
+        reference = compensate(pending, residual, code)
+        assert torch.allclose(sent, reference.to_send, atol=1e-6), ending
+        old_anchor = anchor.clone()
+        others = 0.01 * torch.randn(numel, generator=generator)  # another peer's send
+        if ending in ("averaged", "resync"):
+            outer_step_(anchor, (sent + others) / 2, momentum, lr=0.7, mu=0.9)
+            residual, pending = reference.residual, torch.zeros(numel)
+        elif ending == "local":
+            outer_step_(anchor, pseudo_grad, momentum, lr=0.7, mu=0.9)  # alone: the full pseudo-gradient
+            residual, pending = torch.zeros(numel), torch.zeros(numel)
+        if ending == "resync":  # a donor's anchor replaces ours after the round
+            anchor += 0.001 * torch.randn(numel, generator=generator)
+        accounted = accounted_for(pseudo_grad, sent, averaged=ending in ("averaged", "resync"),
+                                  local=ending == "local", error_feedback=True)
+        params += merge_correction(anchor, old_anchor, accounted, contributed=accounted is not None)
+        # the invariant: the parameters sit at anchor - (residual + unsent work), nothing else
+        assert torch.allclose(anchor - params, residual + pending, atol=1e-5), ending
+    assert residual.abs().max() > 0  # the test exercised a real residual
+
+
+def test_without_feedback_the_residual_is_dropped():
+    wire = WireFormat.of("int4", error_feedback=False)
+    anchor = torch.zeros(256)
+    params = anchor - torch.linspace(-1, 1, 256)
+    pseudo_grad = anchor - params
+    sent = wire.to_send(pseudo_grad)
+    assert not torch.equal(sent, pseudo_grad)
+    new_anchor = anchor - sent
+    accounted = accounted_for(pseudo_grad, sent, averaged=True, local=False, error_feedback=wire.error_feedback)
+    params += merge_correction(new_anchor, anchor, accounted, contributed=True)
+    assert torch.equal(params, new_anchor)  # back on the shared point: the quantization error is gone
+
+
+# -- return path: drift over 100 rounds -------------------------------------------------------------
+
+def _drift_run(return_code: str, rounds: int, *, peers: int = 3, numel: int = 4 * 4093) -> list[int]:
+    """Peers with their own outer state average error-fed int4 sends; each ends the round with
+    ``own + R(avg - own)`` (hivemind's reducers returning in ``return_code``) and applies it. Returns,
+    per round, how many peers the consistency check (default tolerance) says diverged."""
+    generator = torch.Generator().manual_seed(0)
+    layout = FlatLayout.of([("w", torch.zeros(numel))])
+    init = torch.randn(numel, generator=generator)
+    states = [OuterState(layout, init.clone(), OuterConfig()) for _ in range(peers)]
+    residuals = [torch.zeros(numel) for _ in range(peers)]
+    diverged = []
+    for round in range(1, rounds + 1):
+        shared = torch.distributions.StudentT(4.0).sample((numel,)) * 0.01
+        sends = []
+        for j in range(peers):
+            g = 0.5 * shared + 0.5 * 0.01 * torch.distributions.StudentT(4.0).sample((numel,))
+            feedback = compensate(g, residuals[j], "int4")
+            residuals[j] = feedback.residual
+            sends.append(feedback.to_send)
+        average = sum(sends) / peers
+        for state, own in zip(states, sends):
+            state.apply(returned(average, own, return_code), round=round)
+        verdict = consensus({str(j): s.claim() for j, s in enumerate(states)})
+        diverged.append(len(verdict.diverged))
+    return diverged
+
+
+def test_fp16_returns_keep_anchors_within_the_tolerance_over_100_rounds():
+    assert sum(_drift_run("fp16", 100)) == 0
+
+
+def test_int4_returns_would_trip_the_check_which_is_why_they_are_not_offered():
+    assert sum(_drift_run("int4", 10)) > 0  # the drift test above can fail
+
+
+# -- hivemind: parts, codec, bytes ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("code", "peers"), [("int4", 3), ("int2", 3), ("int8", 4), ("int4", 2)])
+def test_the_averager_gets_shoal_codecs_with_balanced_block_aligned_parts(code, peers):
+    wire = WireFormat.of(code)
+    numel = 2_500_000  # 10 MB of fp32: the benchmark's size
+    compression = averager_compression(wire, numel=numel, target_group_size=None)
+    assert isinstance(compression, ShoalCodec) and compression.code == code and compression.return_code == "fp16"
+    assert compression.part_values % wire.block_size == 0
+    container = TensorPartContainer([torch.zeros(numel)], (1.0,) * peers, compression=compression)
+    sizes = [sum(part.numel() for part in container.get_raw_input_parts(i)) for i in range(peers)]
+    assert max(sizes) - min(sizes) <= compression.part_values  # within one part of even
+    assert container.num_parts_by_peer[0] >= 1 and len(set(container.num_parts_by_peer)) == 1
+    assert isinstance(averager_compression(WireFormat.of("fp16"), numel=numel, target_group_size=None),
+                      Float16Compression)
+    assert isinstance(averager_compression(WireFormat.of("none"), numel=numel, target_group_size=None), NoCompression)
+    assert OPEN_GROUP_PARTS % peers == 0
+
+
+def test_round_payload_counts_sends_and_returns_in_their_codes():
+    int4 = WireFormat.of("int4")
+    sent, received = round_payload(1_000_000, 4, send_bytes_per_value=int4.send_bytes_per_value(),
+                                   return_bytes_per_value=int4.return_bytes_per_value())
+    assert sent == received == round(3 / 4 * 1_000_000 * (0.53125 + 2))
+    client = round_payload(1_000_000, 4, send_bytes_per_value=0.53125, return_bytes_per_value=2, client_mode=True)
+    assert client == (531_250, 2_000_000)
+    assert round_payload(1_000, 1, send_bytes_per_value=2, return_bytes_per_value=2) == (0, 0)
+    assert allreduce_payload(1000, 4, bytes_per_value=2) == 3000  # fp16 as before
+    assert bytes_per_value("none") == 4 and bytes_per_value("int2") == codecs.bytes_per_value("int2")
