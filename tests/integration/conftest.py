@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
 import tempfile
 import time
 import uuid
@@ -11,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from examples.swarm_launcher import kill_process_group, session_members
 from node.library.cleanup import hivemind_sockets, remove_stale
-from tests.integration.swarm import Swarm
+from tests.integration.swarm import REPO, Swarm, shoal_command
 
 
 @pytest.fixture
@@ -31,3 +35,26 @@ def swarm():
         remove_stale(hivemind_sockets() - sockets_before)  # peers killed with -9 cannot clean up
         shutil.rmtree(root, ignore_errors=True)
         assert not leaked, f"processes left behind by peers that exited: {leaked}"
+
+
+@pytest.fixture
+def bootstrap(tmp_path):
+    """A real `shoal bootstrap` entry peer writing its address file; stopped with Ctrl+C, which must
+    leave no process behind."""
+    address_file = tmp_path / "bootstrap.maddr"
+    log = open(tmp_path / "bootstrap.log", "wb")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen([*shoal_command(), "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity",
+                             str(tmp_path / "bootstrap.key"), "--address-file", str(address_file)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log.close()
+    try:
+        yield proc, address_file
+    finally:
+        if proc.poll() is None:  # a clean stop first: it must leave no p2pd behind
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                assert proc.wait(timeout=30) == 0
+                assert not session_members(proc.pid), "the bootstrap peer left processes behind"
+            finally:
+                kill_process_group(proc)

@@ -3,16 +3,13 @@ swarm). Real processes: a ``shoal bootstrap`` entry peer and an attacker running
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from examples.swarm_launcher import kill_process_group, session_members
-from tests.integration.swarm import REPO, shoal_command, wait_until
+from tests.integration.swarm import REPO, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -48,29 +45,14 @@ check.shutdown()
 
 
 @pytest.mark.timeout(240)
-def test_a_msgpack_bomb_does_not_kill_a_dht_node(tmp_path):
-    address_file = tmp_path / "bootstrap.maddr"
-    log = open(tmp_path / "bootstrap.log", "wb")  # noqa: SIM115 - handed to the child
-    victim = subprocess.Popen([*shoal_command(), "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
-                               "--address-file", str(address_file)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log.close()
-    attacker = None
-    try:
-        wait_until(address_file.exists, 90, "the bootstrap peer wrote its address")
-        target = address_file.read_text().split()[0]
-        attacker = subprocess.run([sys.executable, "-c", ATTACKER, target], cwd=REPO, capture_output=True,
-                                  text=True, timeout=150, start_new_session=True)
-        assert "sent" in attacker.stdout, attacker.stderr[-3000:]
-        time.sleep(1.0)
-        log_text = (tmp_path / "bootstrap.log").read_text(errors="replace")
-        assert victim.poll() is None, f"the DHT node died (exit {victim.returncode}):\n{log_text[-3000:]}"
-        assert "answered True" in attacker.stdout, attacker.stdout + attacker.stderr[-3000:]
-    finally:
-        if victim.poll() is None:
-            os.killpg(victim.pid, signal.SIGINT)
-            try:
-                assert victim.wait(timeout=30) == 0
-                assert not session_members(victim.pid), "the bootstrap peer left processes behind"
-            finally:
-                kill_process_group(victim)
+def test_a_msgpack_bomb_does_not_kill_a_dht_node(bootstrap, tmp_path):
+    victim, address_file = bootstrap
+    wait_until(address_file.exists, 90, "the bootstrap peer wrote its address")
+    target = address_file.read_text().split()[0]
+    attacker = subprocess.run([sys.executable, "-c", ATTACKER, target], cwd=REPO, capture_output=True,
+                              text=True, timeout=150, start_new_session=True)
+    assert "sent" in attacker.stdout, attacker.stderr[-3000:]
+    time.sleep(1.0)
+    log_text = (tmp_path / "bootstrap.log").read_text(errors="replace")
+    assert victim.poll() is None, f"the DHT node died (exit {victim.returncode}):\n{log_text[-3000:]}"
+    assert "answered True" in attacker.stdout, attacker.stdout + attacker.stderr[-3000:]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from examples.swarm_launcher import kill_process_group, session_members, shoal_command
+from examples.swarm_launcher import shoal_command
 from node.library.checkpoint import list_checkpoints, load_latest_valid
 from node.observe.metrics import read_metrics
 from tests.integration.swarm import REPO, TINY, wait_until
@@ -25,27 +25,6 @@ def records(peer, event: str) -> list[dict]:
     if not peer.metrics_path.exists():
         return []
     return [r for r in read_metrics(peer.metrics_path) if r["event"] == event]
-
-
-@pytest.fixture
-def bootstrap(tmp_path):
-    address_file = tmp_path / "bootstrap.maddr"
-    log = open(tmp_path / "bootstrap.log", "wb")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen([*shoal_command(), "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity",
-                             str(tmp_path / "bootstrap.key"), "--address-file", str(address_file)],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log.close()
-    try:
-        yield proc, address_file
-    finally:
-        if proc.poll() is None:  # a clean stop first: it must leave no p2pd behind
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                assert proc.wait(timeout=30) == 0
-                assert not session_members(proc.pid), "the bootstrap peer left processes behind"
-            finally:
-                kill_process_group(proc)
 
 
 @pytest.mark.timeout(400)

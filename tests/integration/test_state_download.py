@@ -20,6 +20,7 @@ import torch
 from hivemind.proto import averaging_pb2
 
 from averaging.hivemind_backend import HivemindBackend
+from averaging.wire import WireFormat
 from node.library.cleanup import hivemind_sockets, remove_stale
 from protocols.messages import MessageError
 
@@ -99,7 +100,7 @@ def swarm() -> Iterator[tuple[list[Peer], Peer, Counter]]:
         dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
         try:
             backend = HivemindBackend(dht, numel=NUMEL, prefix="state-download-test", state_provider=state,
-                                      compression="none")
+                                      wire=WireFormat.of("fp32"))
         except BaseException:
             dht.shutdown()
             raise
