@@ -1,6 +1,6 @@
 """Three real `shoal run` processes on loopback train the tiny model together (real DHT, real
-butterfly all-reduce with fp16 compression, or error-fed int4 sends with fp16 returns through
-shoal's codecs); one of them in client mode, as behind a NAT."""
+butterfly all-reduce of error-fed int4 sends with fp16 returns through shoal's codecs; the default fp16
+path runs in every other swarm test); one of them in client mode, as behind a NAT."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ def rounds_of(peer) -> dict[int, dict]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("compression", ["fp16", "int4"])
+# int4 only: the default fp16 path runs in every other swarm test (churn: 4 peers, anchors compared),
+# and one 3-peer run costs over a minute of the CI's budget.
+@pytest.mark.parametrize("compression", ["int4"])
 def test_three_peers_train_one_model(swarm, compression):
     config_path = swarm.root / f"tiny-{compression}.toml"
     config_path.write_text(TINY.read_text().replace('compression = "fp16"', f'compression = "{compression}"'))
