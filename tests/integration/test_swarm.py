@@ -20,7 +20,7 @@ from tests.integration.swarm import REPO, TINY, shoal_command
 
 pytestmark = pytest.mark.integration
 
-ROUNDS = 9  # with 6 s rounds: peers that start a few rounds late still share >= 3
+ROUNDS = 12  # with 6 s rounds: peers that start up to 8 rounds late (a loaded 2-core machine) still share >= 3
 FAST = ("--round-seconds", "6")  # shorter than tiny's 10 s: CI time
 FP16_UNIT_ROUNDOFF = 2.0**-11
 
