@@ -28,6 +28,12 @@ capped with ``tc tbf`` when root, else loopback without a cap, and the report sa
    once, throttled to ``--cpu-cores`` of demand; its wall-clock is rescaled to the swarm peers'
    throttle.
 
+Every configuration shares one lr schedule: warmup over the first 10%, cosine decay to the end of
+the rounds (shoal, wall-clock DDP) or of T (DDP at equal tokens, the lone peer). Wall-clock is
+measured from the launch of the processes, start-up included, for shoal and DDP alike: shoal's
+schedule starts when the first peer publishes it, so the rounds that pass while the peers finish
+starting are lost to training (the report lists the first round each peer trained).
+
 Writes ``benchmarks/results/learning.md`` (table and verdicts), ``.json`` (everything, rewritten
 after each run, so an interrupted run leaves its partial results; ``--report-only`` redraws from
 it) and ``.png`` (eval loss vs tokens and vs wall-clock, mean and spread over seeds).
@@ -37,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
 import statistics
 import sys
@@ -82,6 +87,13 @@ def write_config(base: Path, path: Path, overrides: dict[str, object]) -> Path:
     return write_toml(data, path)
 
 
+def schedule(args) -> dict[str, float]:
+    """The lr schedule every configuration shares: warmup over the first 10%, cosine to the end of
+    the rounds (shoal, wall-clock DDP) or of the token budget (DDP and the lone peer, ``--tokens``)."""
+    return {"inner.total_rounds": float(args.rounds), "inner.warmup_rounds": 0.1 * args.rounds,
+            "round.seconds": args.round_seconds}
+
+
 class Evaluator:
     """The eval loss shoal peers report (``Trainer.evaluate_anchor`` on the config's eval batches),
     here for final checkpoints; and the unthrottled step time that sizes the runs."""
@@ -115,8 +127,7 @@ def run_shoal(mode: str, seed: int, args, hosts, root: Path, evaluator: Evaluato
     """4 peers for ``args.rounds`` rounds; the curve of the shared model (peer-0 evaluates it each
     round; the final checkpoint is evaluated here), swarm tokens counted through each round."""
     name = f"{mode}-s{seed}"
-    overrides = {"train.seed": seed, "round.seconds": args.round_seconds, "round.sync_mode": mode,
-                 "round.inner_steps": inner_steps, "inner.total_rounds": float(args.rounds)}
+    overrides = {**schedule(args), "train.seed": seed, "round.sync_mode": mode, "round.inner_steps": inner_steps}
     if mode == "blocking":  # lockstep: nobody averages without the slowest peer
         overrides["averaging.min_group_size"] = args.peers
     evaluating = write_config(args.config, root / f"{name}.toml", overrides)
@@ -169,8 +180,7 @@ def ddp_curve(records: dict[str, list[dict]], world: int, launched: float | None
 def run_ddp(lr: float, seed: int, args, hosts, root: Path, port: int, *, tokens: int | None) -> dict:
     """Tuned-DDP candidates: ``tokens`` (loopback, schedule over T) or the wall-clock budget (capped)."""
     name = f"ddp-lr{lr:g}-s{seed}" + ("" if tokens else "-wall")
-    config = write_config(args.config, root / f"{name}.toml", {
-        "train.seed": seed, "inner.lr": lr, "inner.total_rounds": float(args.rounds), "round.seconds": args.round_seconds})
+    config = write_config(args.config, root / f"{name}.toml", {**schedule(args), "train.seed": seed, "inner.lr": lr})
     budget = ["--tokens", str(tokens)] if tokens else ["--budget", str(args.rounds * args.round_seconds)]
     throttle = args.peers / args.cpu_cores if tokens else args.throttle
     with CpuMeter() as cpu:
@@ -192,11 +202,12 @@ def run_single(seeds: list[int], tokens: int, args, root: Path) -> list[dict]:
 
     def one(seed: int) -> None:
         name = f"single-s{seed}"
-        config = write_config(args.config, root / f"{name}.toml", {"train.seed": seed, "inner.total_rounds": float(args.rounds)})
+        config = write_config(args.config, root / f"{name}.toml", {**schedule(args), "train.seed": seed})
         results[seed] = run_ddp_ranks(config, [throttle], None, root, name, budget=["--tokens", str(tokens)], no_sync=True,
                                       timeout=args.rounds * args.round_seconds * 12 + 300)
 
     with CpuMeter() as cpu:
+        launched = time.time()
         threads = [threading.Thread(target=one, args=(seed,)) for seed in seeds]
         for thread in threads:
             thread.start()
@@ -205,12 +216,14 @@ def run_single(seeds: list[int], tokens: int, args, root: Path) -> list[dict]:
     runs = []
     scale = args.throttle / throttle  # its wall-clock as if it ran at a swarm peer's speed
     for seed in seeds:
-        curve, last = ddp_curve(results.get(seed, {}), 1)
-        curve = [(t * scale, n, e) for t, n, e in curve]
+        recs = [r for r in results.get(seed, {}).get("peer-0", []) if r.get("event") == "round"]
+        # seconds since launch: the start-up as it was, the training as at a swarm peer's throttle
+        curve = [(r["time"] - r["elapsed"] - launched + r["elapsed"] * scale, r["tokens"], r["eval_loss"]) for r in recs]
+        last = recs[-1] if recs else {}
         runs.append({"config": "single", "seed": seed, "curve": curve, "throttle": throttle, "time_scale": scale,
                      "tokens": last.get("tokens", 0), "final_eval": curve[-1][2] if curve else None,
                      "wall_s": curve[-1][0] if curve else None,
-                     "tokens_per_s": last.get("tokens", 0) / curve[-1][0] if curve else None, "cpu": cpu.summary()})
+                     "tokens_per_s": last["tokens"] / (last["elapsed"] * scale) if last else None, "cpu": cpu.summary()})
     return runs
 
 
@@ -250,11 +263,15 @@ def equal_wall_clock(rows: dict[str, list[dict]]) -> float | None:
 
 
 def best_ddp_lr(runs: dict) -> float | None:
-    by_lr: dict[float, list[float]] = {}
+    """The grid's lr with the lowest mean final eval loss, over the seeds every lr has run."""
+    by_lr: dict[float, dict[int, float]] = {}
     for run in runs.values():
         if run.get("config") == "ddp" and run.get("final_eval") is not None:
-            by_lr.setdefault(run["lr"], []).append(run["final_eval"])
-    return min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr])) if by_lr else None
+            by_lr.setdefault(run["lr"], {})[run["seed"]] = run["final_eval"]
+    common = set.intersection(*(set(v) for v in by_lr.values())) if by_lr else set()
+    if not common:
+        return None
+    return min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr][s] for s in common))
 
 
 def report(results: dict) -> str:
@@ -357,6 +374,9 @@ def report(results: dict) -> str:
         final, wall_s = run.get("final_eval"), run.get("wall_s")
         lines.append(f"| {key} | {'-' if final is None else f'{final:.4f}'} | {run['tokens']:,} | "
                      f"{'-' if wall_s is None else f'{wall_s:.0f}'} | {'; '.join(notes)} |")
+    headroom = [r["cpu"]["cores"] - r["cpu"]["machine_busy_cores"] for r in runs.values() if "cpu" in r]
+    if headroom:
+        lines += ["", f"CPU headroom (cores minus machine busy) during the runs: {min(headroom):.2f} to {max(headroom):.2f} cores."]
     lines += ["", "CPU: ours = CPU seconds of this benchmark's processes (peers, their hivemind children, p2pd, DDP ranks) "
               "per wall-clock second; machine busy = the whole machine's (other users' work included), from /proc/stat. "
               "Headroom = cores minus machine busy.", ""]
@@ -399,6 +419,7 @@ def plot(results: dict, path: Path) -> bool:
     common = equal_wall_clock(rows)
     if common:
         by_time.axvline(common, color="black", linewidth=0.8, linestyle=":", label="equal wall-clock")
+        by_time.set_xlim(0, common * 1.6)  # the lone peer runs on far to the right
     by_tokens.set_xlabel("tokens trained, all peers (millions)")
     by_time.set_xlabel("wall-clock since the processes were launched (s)")
     for axis in (by_tokens, by_time):
@@ -478,8 +499,12 @@ def main() -> int:
         "token_budget": None}, "runs": {}}
     wall = args.rounds * args.round_seconds
     swarm_rate = args.peers * results["meta"]["batch_tokens"] / (args.throttle * step_s)
-    plan = [("overlap", s, None) for s in seeds] + [("ddp", s, lr) for lr in sorted(lrs, key=lambda v: abs(math.log(v / c.inner.lr))) for s in seeds]
+    # Most needed first, so that a deadline drops the least needed: the grid's other lrs on the first
+    # seed come before the wall-clock DDP (which takes the best lr so far), their other seeds last.
+    center, others = lrs[(len(lrs) - 1) // 2], [lr for lr in lrs if lr != lrs[(len(lrs) - 1) // 2]]
+    plan = [("overlap", s, None) for s in seeds] + [("ddp", s, center) for s in seeds] + [("ddp", seeds[0], lr) for lr in others]
     plan += [("ddp-wall", s, None) for s in seeds] + [("blocking", s, None) for s in seeds] + [("single", None, None)]
+    plan += [("ddp", s, lr) for lr in others for s in seeds[1:]]
     plan = [p for p in plan if p[0] in args.only]
     results["meta"]["planned_runs"] = sum(len(seeds) if p[0] == "single" else 1 for p in plan)
     root = Path(tempfile.mkdtemp(prefix="shoal-learning-"))
