@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 import tomllib
+import traceback
 import uuid
 from contextlib import nullcontext
 from datetime import UTC, datetime
@@ -499,6 +500,8 @@ def main() -> int:
         "token_budget": None}, "runs": {}}
     wall = args.rounds * args.round_seconds
     swarm_rate = args.peers * results["meta"]["batch_tokens"] / (args.throttle * step_s)
+    swarm_step = args.peers * results["meta"]["batch_tokens"]
+    expected = int(swarm_rate * wall * 0.9) // swarm_step * swarm_step  # T if no overlap run finishes
     # Most needed first, so that a deadline drops the least needed: the grid's other lrs on the first
     # seed come before the wall-clock DDP (which takes the best lr so far), their other seeds last.
     center, others = lrs[(len(lrs) - 1) // 2], [lr for lr in lrs if lr != lrs[(len(lrs) - 1) // 2]]
@@ -511,7 +514,7 @@ def main() -> int:
     print(f"step {step_s * 1e3:.0f} ms, blocking H = {inner_steps}, work in {root}", file=sys.stderr, flush=True)
 
     def estimate(config: str) -> float:
-        budget = results["meta"]["token_budget"] or swarm_rate * wall * 0.9
+        budget = results["meta"]["token_budget"] or expected
         if config in ("overlap", "blocking"):
             return wall + 45
         if config == "ddp-wall":
@@ -529,24 +532,27 @@ def main() -> int:
                     write(results, args.out)
                     continue
                 print(f"== {key} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
-                budget = results["meta"]["token_budget"]
-                if config in ("overlap", "blocking"):
-                    results["runs"][key] = run_shoal(config, seed, args, hosts, root, evaluator, inner_steps)
-                    overlaps = [r["tokens"] for r in results["runs"].values() if r.get("config") == "overlap" and r.get("tokens")]
-                    if config == "overlap" and overlaps:
-                        step = args.peers * results["meta"]["batch_tokens"]
-                        results["meta"]["token_budget"] = min(overlaps) // step * step
-                elif config == "ddp":
-                    if budget is None:
-                        budget = int(swarm_rate * wall * 0.9)  # no overlap run: its expected tokens
-                        results["meta"]["token_budget"] = budget
-                    results["runs"][key] = run_ddp(lr, seed, args, None, root, port, tokens=budget)
-                elif config == "ddp-wall":
-                    tuned = best_ddp_lr(results["runs"]) or c.inner.lr
-                    results["runs"][key] = run_ddp(tuned, seed, args, hosts, root, port, tokens=None)
-                else:
-                    for run in run_single(seeds, budget or int(swarm_rate * wall * 0.9), args, root):
-                        results["runs"][f"single-s{run['seed']}"] = run
+                try:
+                    budget = results["meta"]["token_budget"]
+                    if config in ("overlap", "blocking"):
+                        results["runs"][key] = run_shoal(config, seed, args, hosts, root, evaluator, inner_steps)
+                        overlaps = [r["tokens"] for r in results["runs"].values() if r.get("config") == "overlap" and r.get("tokens")]
+                        if config == "overlap" and overlaps:
+                            results["meta"]["token_budget"] = min(overlaps) // swarm_step * swarm_step
+                    elif config == "ddp":
+                        if budget is None:
+                            budget = expected  # no overlap run: its expected tokens
+                            results["meta"]["token_budget"] = budget
+                        results["runs"][key] = run_ddp(lr, seed, args, None, root, port, tokens=budget)
+                    elif config == "ddp-wall":
+                        tuned = best_ddp_lr(results["runs"]) or c.inner.lr
+                        results["runs"][key] = run_ddp(tuned, seed, args, hosts, root, port, tokens=None)
+                    else:
+                        for run in run_single(seeds, budget or expected, args, root):
+                            results["runs"][f"single-s{run['seed']}"] = run
+                except Exception as e:  # noqa: BLE001 - one failed run must not lose the others
+                    traceback.print_exc()
+                    results["runs"][key] = {"skipped": f"failed: {type(e).__name__}: {str(e)[:200]}", "config": config}
                 write(results, args.out)
     except KeyboardInterrupt:
         print("interrupted: writing what completed", file=sys.stderr)
