@@ -332,11 +332,13 @@ def report(results: dict) -> str:
     lines += ["", f"Equal wall-clock = {common or 0:.1f} s after the processes were launched (start-up included, for "
               "shoal and DDP alike): the latest time every wall-clock run has an eval point for; values "
               "between eval points are interpolated. Spread = half the range over seeds. Tokens/s = tokens trained / "
-              "wall-clock (shoal: the rounds' span); DDP at equal tokens ran on loopback, so its speed is not reported.", ""]
+              "training time (shoal: the rounds its peers trained in; DDP: from its first step; the lone peer: rescaled to "
+              "a swarm peer's throttle); DDP at equal tokens ran on loopback, so its speed is not reported.", ""]
     # -- verdicts
     overlap_t, overlap_w = verdict_values.get("overlap@T"), verdict_values.get("overlap@W")
     ddp_t = verdict_values.get(f"ddp lr={best:g}@T") if best is not None else None
-    ddp_w = verdict_values.get(f"ddp-wall lr={best:g}@W") if best is not None else None
+    walls = [k for k in rows if k.startswith("ddp-wall")]
+    ddp_w = verdict_values.get(f"{walls[0]}@W") if walls else None
     blocking_w = verdict_values.get("blocking@W")
     lines.append("## Targets (issue 13)")
     lines.append("")
@@ -346,7 +348,10 @@ def report(results: dict) -> str:
                      f"{gap:+.2%} -> **{'met' if gap <= 0.02 else 'NOT met'}**.")
     else:
         lines.append("- Equal tokens vs tuned DDP: not measured (a run is missing).")
-    for name, other in (("DDP (tuned lr, capped)", ddp_w), ("blocking DiLoCo", blocking_w)):
+    wall_lr = rows[walls[0]][0]["lr"] if walls else None
+    ddp_name = "DDP (capped)" if wall_lr is None else f"DDP (lr {wall_lr:g}, capped)" + (
+        "" if wall_lr == best or best is None else f"; the grid's best lr is now {best:g}")
+    for name, other in ((ddp_name, ddp_w), ("blocking DiLoCo", blocking_w)):
         if overlap_w is not None and other is not None:
             gap = (overlap_w - other) / other
             lines.append(f"- Equal wall-clock, shoal better than {name}: overlap {overlap_w:.4f} vs {other:.4f}, "
