@@ -348,6 +348,9 @@ def report(results: dict) -> str:
                      f"{gap:+.2%} -> **{'met' if gap <= 0.02 else 'NOT met'}**.")
     else:
         lines.append("- Equal tokens vs tuned DDP: not measured (a run is missing).")
+    grid = sorted({r["lr"] for r in runs.values() if r.get("config") == "ddp" and not r.get("skipped")})
+    if best is not None and len(grid) > 1 and best in (grid[0], grid[-1]):
+        lines.append(f"- Caveat: DDP's best lr ({best:g}) is at the edge of the grid {grid}: a wider grid might tune it further.")
     wall_lr = rows[walls[0]][0]["lr"] if walls else None
     ddp_name = "DDP (capped)" if wall_lr is None else f"DDP (lr {wall_lr:g}, capped)" + (
         "" if wall_lr == best or best is None else f"; the grid's best lr is now {best:g}")
