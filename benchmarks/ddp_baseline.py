@@ -9,6 +9,11 @@ compression hook, over the same capped links. Launched by ``sync_modes.py``, one
 
 ``--no-sync`` is the ceiling: the same processes training alone, with no communication at all.
 
+``--tokens N`` (``learning.py``) trains to a token budget instead: N tokens over all ranks (one
+process's own with ``--no-sync``), the learning-rate schedule following the share of N done (so
+``inner.total_rounds`` rounds span the budget, as the shoal runs' rounds span theirs), one eval
+per ``N / inner.total_rounds`` tokens and one at the end.
+
 Utilization: DDP overlaps its all-reduce with backward, so "compute" is the calibrated time of
 one step without communication (median of 5 ``no_sync`` steps) times the throttle, per step.
 """
@@ -34,13 +39,15 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from node.process.config import load_config  # noqa: E402
 from node.training.data import BatchSampler, eval_batches, load_corpus, shard_bounds, split_corpus  # noqa: E402
 from node.training.model import build_model  # noqa: E402
-from node.training.trainer import inner_lr  # noqa: E402
+from node.training.trainer import Trainer, inner_lr  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--budget", type=float, required=True, help="seconds of training")
+    budget = parser.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget", type=float, help="seconds of training (the lr schedule follows wall-clock rounds)")
+    budget.add_argument("--tokens", type=int, help="tokens of training over all ranks (the lr schedule follows them)")
     parser.add_argument("--throttle", type=float, default=1.0)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--no-sync", action="store_true",
@@ -54,7 +61,9 @@ def main() -> int:
 
     split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
                          block_bytes=config.data.eval_block_bytes)
-    sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size, seed=rank, held_out=split.held_out,
+    # The batch order follows train.seed too, so two seeds differ in data order as well as init.
+    sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size, seed=[config.train.seed, rank],
+                           held_out=split.held_out,
                            bounds=shard_bounds(len(split.tokens), config.data.num_shards, rank % config.data.num_shards))
     evals = eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches)
     model = build_model(config.model, seed=config.train.seed)
@@ -62,8 +71,8 @@ def main() -> int:
         model = DistributedDataParallel(model)
         model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
     module = model.module if not args.no_sync else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.inner.lr, betas=(config.inner.beta1, config.inner.beta2),
-                                  weight_decay=config.inner.weight_decay)
+    # shoal's own inner AdamW (no weight decay on biases and norms), on the same parameters.
+    optimizer = Trainer(module, config.inner, config.train, torch.device("cpu")).optimizer
 
     def step(sync: bool) -> None:
         x, y = sampler.next_batch()
@@ -92,20 +101,30 @@ def main() -> int:
     batch_tokens = config.data.batch_size * config.model.seq_len
     stop = torch.zeros(1)
     measured = 0.0  # actual step time, throttle included (the ceiling's compute: it never waits)
+    ranks = 1 if args.no_sync else world
+    rank_budget = args.tokens // ranks if args.tokens else None  # tokens this rank trains on
+    eval_every = rank_budget / config.inner.total_rounds if rank_budget else None
+    next_eval = eval_every
     while True:
         t0 = time.perf_counter()
+        if rank_budget:
+            progress = tokens / rank_budget * config.inner.total_rounds
+        else:
+            progress = (time.time() - started) / config.round.seconds
         for group in optimizer.param_groups:
-            group["lr"] = inner_lr(config.inner, (time.time() - started) / config.round.seconds)
+            group["lr"] = inner_lr(config.inner, progress)
         step(sync=True)
         if args.throttle > 1:
             time.sleep((args.throttle - 1) * compute_per_step / args.throttle)
         steps, tokens = steps + 1, tokens + batch_tokens
         measured += time.perf_counter() - t0
         now = time.time()
-        stop[0] = float(now - started >= args.budget)
+        stop[0] = float(tokens >= rank_budget if rank_budget else now - started >= args.budget)
         if not args.no_sync:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops after the same step
-        if now - last_report >= config.round.seconds or stop[0] > 0:
+        due = tokens >= next_eval if rank_budget else now - last_report >= config.round.seconds
+        if due or stop[0] > 0:
+            next_eval = next_eval + eval_every if rank_budget else None
             eval_loss = None
             if rank == 0:
                 model.eval()

@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,8 +35,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import netns  # noqa: E402
+from harness import eval_at, run_ddp_ranks, start_shoal_peers  # noqa: E402
 
-from examples.swarm_launcher import LocalSwarm, kill_process_group, write_toml  # noqa: E402
+from examples.swarm_launcher import LocalSwarm, write_toml  # noqa: E402
 from node.observe.metrics import read_metrics  # noqa: E402
 
 MODES = ("overlap", "blocking", "ddp", "ceiling")
@@ -55,17 +55,7 @@ def run_shoal(mode: str, args, hosts, root: Path) -> tuple[dict[str, list[dict]]
     config = mode_config(args.config, mode, args.peers, root)
     swarm = LocalSwarm(root / mode, run_id=f"bench-{mode}-{uuid.uuid4().hex[:6]}", cwd=REPO)
     try:
-        peers = []
-        for i, throttle in enumerate(args.throttles):
-            host = hosts[i] if hosts else None
-            listen = f"/ip4/{host.address}/tcp/0" if host else "/ip4/127.0.0.1/tcp/0"
-            initial = None
-            if i > 0:
-                initial = [m for m in peers[0].maddrs if (host is None or hosts[0].address in m)][:1]
-            peer = swarm.start(f"peer-{i}", "--throttle", str(throttle), config=config, initial=initial,
-                               prefix=host.prefix() if host else None, listen=listen)
-            peer.wait_for_address(timeout=180)
-            peers.append(peer)
+        peers = start_shoal_peers(swarm, config, args.throttles, hosts)
         started = time.time()
         time.sleep(args.budget)
         ended = time.time()
@@ -78,26 +68,9 @@ def run_shoal(mode: str, args, hosts, root: Path) -> tuple[dict[str, list[dict]]
 
 
 def run_ddp(args, hosts, root: Path, *, no_sync: bool = False) -> tuple[dict[str, list[dict]], float, float]:
-    master = hosts[0].address if hosts else "127.0.0.1"
-    procs, outs = [], []
     started = time.time()
-    try:
-        for rank, throttle in enumerate(args.throttles):
-            out = root / f"{'ceiling' if no_sync else 'ddp'}-{rank}.jsonl"
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.peers), "MASTER_ADDR": master,
-                   "MASTER_PORT": "29533", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": f"{netns.PREFIX}p{rank}" if hosts else "lo"}
-            cmd = [*(hosts[rank].prefix() if hosts else []), sys.executable, str(REPO / "benchmarks" / "ddp_baseline.py"),
-                   "--config", str(args.config), "--budget", str(args.budget), "--throttle", str(throttle), "--out", str(out)]
-            cmd += ["--no-sync"] if no_sync else []
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
-                                          stdout=open(out.with_suffix(".log"), "wb"), stderr=subprocess.STDOUT))
-            outs.append(out)
-        for proc in procs:
-            proc.wait(timeout=args.budget + 300)
-    finally:
-        for proc in procs:
-            kill_process_group(proc)
-    records = {f"peer-{r}": read_metrics(out) if out.exists() else [] for r, out in enumerate(outs)}
+    records = run_ddp_ranks(args.config, args.throttles, hosts, root, "ceiling" if no_sync else "ddp",
+                            budget=["--budget", str(args.budget)], no_sync=no_sync, timeout=args.budget + 300)
     first = min((recs[0]["time"] - recs[0]["elapsed"] for recs in records.values() if recs), default=started)
     return records, first, first + args.budget
 
@@ -132,18 +105,6 @@ def summarize(mode: str, records: dict[str, list[dict]], started: float, ended: 
     bound = 2 * (args.peers - 1) / args.peers * numel * 2 / (args.mbit * 1e6 / 8) if args.mbit else None
     return {"per_peer": per_peer, "tokens_per_s": tokens_total / window, "sync_median_s": statistics.median(syncs) if syncs else None,
             "allreduce_bound_s": bound, "curve": curve, "window_s": window}
-
-
-def eval_at(curve: list[tuple[float, float, float]], index: int, x: float) -> float | None:
-    points = [(p[index], p[2]) for p in curve if p[2] is not None]
-    if not points or x < points[0][0]:
-        return None
-    before = [p for p in points if p[0] <= x]
-    after = [p for p in points if p[0] >= x]
-    if not after:
-        return before[-1][1]
-    (x0, y0), (x1, y1) = before[-1], after[0]
-    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def report(results: dict, args, capped: bool, numel: int) -> str:
