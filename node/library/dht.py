@@ -114,15 +114,19 @@ def prepare_identity(path: Path) -> str:
 def shutdown_dht(dht: DHT, sockets_before: set[str] | None = None) -> None:
     """Stop a DHT we started: a clean shutdown if it is alive, SIGTERM if that fails, then
     whatever of its process tree (p2pd) is left is killed and its stale sockets removed."""
-    def stop() -> None:
-        try:
-            if dht.is_alive():
-                dht.shutdown()
-        finally:
-            if dht.is_alive():
-                dht.terminate()
+    close_hivemind([lambda: stop_dht(dht)], [dht.pid],
+                   hivemind_sockets() if sockets_before is None else sockets_before)
 
-    close_hivemind([stop], [dht.pid], hivemind_sockets() if sockets_before is None else sockets_before)
+
+def stop_dht(dht: DHT) -> None:
+    """A clean shutdown if the DHT process is alive, SIGTERM if that fails (the one way to stop it;
+    callers reap what is left with ``close_hivemind``)."""
+    try:
+        if dht.is_alive():
+            dht.shutdown()
+    finally:
+        if dht.is_alive():
+            dht.terminate()
 
 
 def open_client_dht(initial_peers: list[str], timeout: float) -> DHT:

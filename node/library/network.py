@@ -20,7 +20,7 @@ from hivemind import DHT
 from averaging.backend import AveragingBackend
 from averaging.hivemind_backend import HivemindBackend
 from node.library.config import AveragingConfig
-from node.library.dht import Reachability, start_dht
+from node.library.dht import Reachability, start_dht, stop_dht
 from node.library.run_record import DhtDirectory, RunDirectory
 from protocols.keys import averager_prefix
 
@@ -77,5 +77,4 @@ class HivemindNetwork:
         return [self.dht.pid, self._backend.pid if self._backend is not None else None]
 
     def close(self) -> None:
-        if self.dht.is_alive():
-            self.dht.shutdown()
+        stop_dht(self.dht)
