@@ -31,6 +31,15 @@ class AverageOutcome:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class AppliedUpdate:
+    """One outer step as applied: what a peer that missed it needs to replay it."""
+
+    round: int  # the global round it ended
+    rounds_done: int  # the peer's outer-step count after it
+    update: torch.Tensor  # the pseudo-gradient the step used, fp16 (flat, CPU)
+
+
 @dataclass(slots=True)
 class DownloadedState:
     """State fetched from other peers, not yet validated."""
@@ -47,13 +56,22 @@ class AveragingBackend(Protocol):
     def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float) -> None:
         """Start matchmaking for ``round`` now, so the group is ready when the round ends."""
 
-    def average(self, vector: torch.Tensor, *, weight: float, timeout: float) -> AverageOutcome:
-        """Average ``vector`` (flat fp32 CPU) in place with the prepared group, weighted by ``weight``."""
+    def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
+                round: int | None = None) -> AverageOutcome:
+        """Average ``vector`` (flat fp32 CPU) in place with the group prepared for ``round`` (default:
+        the last one prepared), weighted by ``weight``. ``prepare`` may run concurrently (another
+        thread: matchmaking for the next round starts while this one's all-reduce runs)."""
 
     def download_state(self, peers: list[str], *, timeout: float,
                        progress: Progress | None = None) -> DownloadedState | None:
         """Fetch the shared state from ``peers`` (the hivemind backend spreads it over all of them);
         None if no consistent state could be had. ``progress(done_bytes, total_bytes)`` is called
         in the calling thread, never backwards, ending at total_bytes on success."""
+
+    def fetch_update(self, peers: list[str], *, rounds_done: int, numel: int,
+                     timeout: float) -> AppliedUpdate | None:
+        """The outer step that took the run from ``rounds_done`` to ``rounds_done + 1`` steps, from
+        the first of ``peers`` that still holds it (``OuterState.update_after``); None if none does.
+        Validated as a message (shape, dtype, finite, the step asked for), not yet as a state."""
 
     def shutdown(self) -> None: ...

@@ -11,19 +11,22 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 import torch
 
-from averaging.backend import AverageOutcome, DownloadedState
+from averaging.backend import AppliedUpdate, AverageOutcome, DownloadedState
 from averaging.consistency import (
     DEFAULT_ABS_TOL,
     DEFAULT_REL_TOL,
     NUM_PROJECTIONS,
     AnchorClaim,
     Verdict,
+    agree,
     chunk_rms,
     claim_from_gather,
     claim_to_gather,
@@ -41,6 +44,11 @@ STATE_VERSION = 1
 # An averaged pseudo-gradient this many times larger (RMS) than our own is refused as hostile or
 # broken: a weighted mean of honest peers cannot be far outside the spread of its inputs.
 MAX_AVERAGE_TO_LOCAL_RATIO = 100.0
+# A peer up to this many outer steps behind catches up by replaying them instead of downloading the
+# whole state (8 bytes/param). Every peer keeps one more (fp16, 2 bytes/param each): the donors of
+# a catch-up are applying the current round's step while the peer that is behind asks for the older ones.
+HISTORY_ROUNDS = 2
+HISTORY_KEPT = HISTORY_ROUNDS + 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,6 +74,11 @@ class Applied(StrEnum):
     FOLDED = "folded"  # nothing applied: the work is folded into our next contribution
 
 
+# catch_up(donors, behind, reference): bring our anchor to the reference's by replaying the
+# ``behind`` outer steps we missed, fetched from ``donors``; True if it now agrees.
+CatchUp = Callable[[list[str], int, AnchorClaim], bool]
+
+
 @dataclass(slots=True)
 class RoundConclusion:
     """What happened at the end of a round, for metrics and the loop."""
@@ -76,6 +89,7 @@ class RoundConclusion:
     verdict: Verdict | None = None
     donors: list[str] = field(default_factory=list)  # non-empty: our anchor diverged, re-sync from these
     error: str | None = None
+    caught_up: int = 0  # outer steps we missed and replayed from the group's history (no re-sync)
 
 
 class OuterState:
@@ -95,6 +109,10 @@ class OuterState:
         self._claim: AnchorClaim | None = None
         self._scale = torch.zeros(fingerprint(self.anchor).num_chunks, dtype=torch.float64)
         self._last_rms = 0.0  # RMS of the last applied pseudo-gradient
+        self._history: deque[AppliedUpdate] = deque(maxlen=HISTORY_KEPT)
+        # Our claims before the last steps: a report made before our last sync landed is stale, and
+        # a group may judge against it; we can still tell whether we agree with such a reference.
+        self._past_claims: deque[AnchorClaim] = deque(maxlen=HISTORY_KEPT)
 
     # -- what we tell the group ------------------------------------------------------------
     def claim(self) -> AnchorClaim:
@@ -113,30 +131,44 @@ class OuterState:
 
     # -- ending a round --------------------------------------------------------------------
     def conclude(self, outcome: AverageOutcome, local_pseudo_grad: torch.Tensor, *, round: int,
-                 averaged: torch.Tensor | None = None, self_id: str = "", alone: bool = False) -> RoundConclusion:
-        """End a round: apply the outer step with the group's average if the round succeeded and
-        the average is usable; otherwise apply our own pseudo-gradient if we are alone in the
-        swarm (we then define the shared model), or leave the anchor as it is so that the work is
-        folded into our next contribution (it must not move away from the group's). Then check
-        our anchor against the group's."""
+                 averaged: torch.Tensor | None = None, self_id: str = "", alone: bool = False,
+                 catch_up: CatchUp | None = None) -> RoundConclusion:
+        """End a round: check our anchor against the group's, then apply the outer step with the
+        group's average if the round succeeded and the average is usable; otherwise apply our own
+        pseudo-gradient if we are alone in the swarm (we then define the shared model), or leave the
+        anchor as it is so that the work is folded into our next contribution (it must not move
+        away from the group's).
+
+        The check comes first because the claims describe anchors *before* this round's step: a
+        peer that missed up to ``HISTORY_ROUNDS`` steps replays them (``catch_up``) before it
+        applies this one, so that every peer applies the same steps in the same order; only a peer
+        that cannot catch up re-syncs (``donors``)."""
         conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=1, error=outcome.error)
         if outcome.ok and averaged is not None:
             conclusion.group_size = len(outcome.group)
+            conclusion.verdict, conclusion.bad_reports, claims = self._judge(outcome.gathered, round)
+            if conclusion.verdict is not None and self_id in conclusion.verdict.diverged:
+                agreeing = sorted(conclusion.verdict.agreeing)
+                reference = claims[conclusion.verdict.reference]
+                behind = reference.rounds_done - self.rounds_done
+                if behind < 0 and self.agreed_before(reference):
+                    pass  # the reference's report predates steps we applied since: we are ahead, not apart
+                elif catch_up is not None and 0 <= behind <= HISTORY_ROUNDS and catch_up(agreeing, behind, reference):
+                    conclusion.caught_up = behind
+                else:
+                    conclusion.donors = agreeing
             problem = check_average(averaged, local_pseudo_grad, reference_rms=self._last_rms)
             if problem is None:
                 self.apply(averaged, round=round)
                 conclusion.applied = Applied.AVERAGED
             else:
                 conclusion.error = problem
-            conclusion.verdict, conclusion.bad_reports = self._judge(outcome.gathered, round)
-            if conclusion.verdict is not None and self_id in conclusion.verdict.diverged:
-                conclusion.donors = sorted(conclusion.verdict.agreeing)
         if conclusion.applied != Applied.AVERAGED and alone:
             self.apply(local_pseudo_grad, round=round)
             conclusion.applied = Applied.LOCAL
         return conclusion
 
-    def _judge(self, gathered: dict[str, Any], round: int) -> tuple[Verdict | None, int]:
+    def _judge(self, gathered: dict[str, Any], round: int) -> tuple[Verdict | None, int, dict[str, AnchorClaim]]:
         claims: dict[str, AnchorClaim] = {}
         bad = 0
         for peer, raw in gathered.items():
@@ -149,19 +181,65 @@ class OuterState:
                 bad += 1
                 logger.warning(f"round {round}: ignoring the report of {peer}: {e}")
         if len(claims) < 2:
-            return None, bad
-        return consensus(claims, rel_tol=self.rel_tol, abs_tol=self.abs_tol), bad
+            return None, bad, claims
+        return consensus(claims, rel_tol=self.rel_tol, abs_tol=self.abs_tol), bad, claims
 
     def apply(self, pseudo_grad: torch.Tensor, *, round: int) -> None:
         with self._lock:
-            outer_step_(self.anchor, pseudo_grad, self.momentum,
-                        lr=self.config.lr, mu=self.config.momentum, nesterov=self.config.nesterov)
-            self.rounds_done += 1
-            self.last_round = round
-            fp = fingerprint(self.anchor)
-            self._scale = chunk_rms(pseudo_grad, fp.chunk_len)
-            self._last_rms = float(pseudo_grad.double().square().mean().sqrt())
-            self._claim = AnchorClaim(fp, self._scale.clone(), self.rounds_done)
+            self._apply(pseudo_grad, round)
+
+    def _apply(self, pseudo_grad: torch.Tensor, round: int) -> None:
+        self._past_claims.append(self._claim or AnchorClaim(fingerprint(self.anchor), self._scale.clone(),
+                                                            self.rounds_done))
+        outer_step_(self.anchor, pseudo_grad, self.momentum,
+                    lr=self.config.lr, mu=self.config.momentum, nesterov=self.config.nesterov)
+        self.rounds_done += 1
+        self.last_round = round
+        fp = fingerprint(self.anchor)
+        self._scale = chunk_rms(pseudo_grad, fp.chunk_len)
+        self._last_rms = float(pseudo_grad.double().square().mean().sqrt())
+        self._claim = AnchorClaim(fp, self._scale.clone(), self.rounds_done)
+        self._history.append(AppliedUpdate(round, self.rounds_done, pseudo_grad.to(torch.float16)))
+
+    # -- catching up with missed rounds ----------------------------------------------------
+    def update_after(self, rounds_done: int) -> AppliedUpdate | None:
+        """The outer step that took a peer from ``rounds_done`` to ``rounds_done + 1`` steps, if we
+        still hold it (served to peers that missed it)."""
+        with self._lock:
+            return next((u for u in self._history if u.rounds_done == rounds_done + 1), None)
+
+    def catch_up(self, updates: list[AppliedUpdate], reference: AnchorClaim) -> bool:
+        """Replay missed outer steps (fetched from peers, in order), then check that our anchor now
+        agrees with the reference's claim; if it does not, nothing changes and False is returned
+        (the caller falls back to a full download). The check is what makes a donor's word
+        unnecessary: an update that does not lead to the reference's anchor is never kept."""
+        with self._lock:
+            saved = (self.anchor.clone(), self.momentum.clone(), self.rounds_done, self.last_round,
+                     self._scale, self._last_rms, self._claim, list(self._history), list(self._past_claims))
+            for update in updates:
+                if update.rounds_done != self.rounds_done + 1 or update.update.shape != (self.layout.numel,):
+                    break
+                self._apply(update.update.float(), update.round)
+            else:
+                ours = self._claim or AnchorClaim(fingerprint(self.anchor), self._scale.clone(), self.rounds_done)
+                if _claims_agree(ours, reference, self.rel_tol, self.abs_tol):
+                    return True
+            (anchor, momentum, self.rounds_done, self.last_round, self._scale, self._last_rms, self._claim,
+             history, past_claims) = saved
+            self.anchor.copy_(anchor)
+            self.momentum.copy_(momentum)
+            self._history.clear()
+            self._history.extend(history)
+            self._past_claims.clear()
+            self._past_claims.extend(past_claims)
+            return False
+
+    def agreed_before(self, reference: AnchorClaim) -> bool:
+        """Whether our anchor, before our last steps, agreed with ``reference`` (a claim made by a
+        peer whose report predates steps we have applied since)."""
+        with self._lock:
+            past = next((c for c in self._past_claims if c.rounds_done == reference.rounds_done), None)
+            return past is not None and _claims_agree(past, reference, self.rel_tol, self.abs_tol)
 
     # -- sharing and adopting the state ----------------------------------------------------
     def anchor_copy(self) -> torch.Tensor:
@@ -208,7 +286,15 @@ class OuterState:
             self.last_round, self.rounds_done = rounds
             self._scale = torch.tensor(scale, dtype=torch.float64)
             self._claim = None
+            self._history.clear()  # the steps that led here are not ours to serve
+            self._past_claims.clear()
         return self.last_round
+
+
+def _claims_agree(ours: AnchorClaim, reference: AnchorClaim, rel_tol: float, abs_tol: float) -> bool:
+    a, b = ours.fingerprint, reference.fingerprint
+    return (ours.rounds_done == reference.rounds_done and (a.numel, a.chunk_len) == (b.numel, b.chunk_len)
+            and agree(a, b, ours.scale, reference.scale, rel_tol=rel_tol, abs_tol=abs_tol))
 
 
 def check_average(averaged: torch.Tensor, local: torch.Tensor, reference_rms: float = 0.0) -> str | None:

@@ -12,6 +12,14 @@ Hazards this module owns (docs/hivemind.md):
 - A state download runs one host thread per donor (``averaging.download``), each blocked on an
   MPFuture while the averager process receives its slice; donors serve slices from their averager
   process, which asks the host's state-fetcher thread for a full copy of the state per request.
+- That fetcher thread takes no arguments: to ask the host for something else (a past outer update,
+  for a peer catching up) the averager process writes the request into a shared-memory slot first,
+  and one asyncio lock serializes every request to the host (``ShoalAverager._ask_host``).
+- Matchmaking for round r+1 may start while round r's all-reduce still runs (the prepare lane).
+  hivemind's ``rpc_aggregate_part`` refuses a part for a group it has not registered yet as soon
+  as *any* group (un)registers, and a group registers only once its step is triggered: the end of
+  round r's all-reduce would then refuse round r+1's early parts. ``ShoalAverager`` waits for the
+  registration instead, for up to the sender timeout.
 """
 
 from __future__ import annotations
@@ -36,11 +44,11 @@ from hivemind.compression import (
 )
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
 
-from averaging.backend import AverageOutcome, DownloadedState, Progress
+from averaging.backend import AppliedUpdate, AverageOutcome, DownloadedState, Progress
 from averaging.download import (
     default_slice_count,
     download_slices,
@@ -48,10 +56,16 @@ from averaging.download import (
     slice_bounds,
     slice_deadline_s,
 )
+from averaging.error_feedback import balanced_part_size
 from averaging.hivemind_codecs import ShoalCodec
 from averaging.traffic import STATE_BYTES_PER_VALUE
-from averaging.wire import WireFormat
-from protocols.state_slices import decode_slice_request, encode_slice_request
+from averaging.wire import OPEN_GROUP_PARTS, WireFormat
+from protocols.state_slices import (
+    decode_slice_request,
+    decode_update_request,
+    encode_slice_request,
+    encode_update_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +82,20 @@ def averager_compression(wire: WireFormat, *, numel: int, target_group_size: int
     return ShoalCodec(wire.code, return_code=wire.return_code, block_size=wire.block_size,
                       part_values=wire.part_values(numel, target_group_size))
 
+def float_part_bytes(wire: WireFormat, numel: int) -> int:
+    """hivemind's ``part_size_bytes`` for fp16/fp32: parts balanced over any usual group size
+    (``OPEN_GROUP_PARTS``) instead of fixed 512 KiB parts, which hand a vector of a few parts out
+    unevenly (1, 1, 0, 2 parts over 4 peers). Depends only on what peers share (layout and codec):
+    every peer must cut the same parts."""
+    bytes_per_value = wire.send_bytes_per_value()
+    return int(balanced_part_size(numel, OPEN_GROUP_PARTS, 1, bytes_per_value=bytes_per_value) * bytes_per_value)
+
+
 StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
+UpdateProvider = Callable[[int], AppliedUpdate | None]
 FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
+STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
+UPDATE_VERSION = 1
 
 
 class ShoalAverager(DecentralizedAverager):
@@ -82,16 +108,62 @@ class ShoalAverager(DecentralizedAverager):
     _rpc_handlers = None
     _stub_type = None
 
-    def __init__(self, *args, state_provider: StateProvider, **kwargs):
+    def __init__(self, *args, state_provider: StateProvider, update_provider: UpdateProvider | None = None,
+                 registration_wait: float = 10.0, **kwargs):
         self._state_provider = state_provider
-        # Several download threads send commands at once; a pipe has no lock for concurrent writers.
+        self._update_provider = update_provider
+        self._registration_wait = registration_wait
+        # Several threads (downloads, the prepare lane) send commands at once; a pipe has no lock
+        # for concurrent writers.
         self._command_lock = threading.Lock()
+        # What the averager process asks the host for (see the module docstring); shared memory,
+        # created before the fork.
+        self._host_request = torch.full((1,), STATE_REQUEST, dtype=torch.int64).share_memory_()
+        self._host_lock: asyncio.Lock | None = None  # averager process, created on its event loop
         super().__init__(*args, **kwargs)
 
     def get_current_state(self):
         # Runs in the host process, in hivemind's state-fetcher thread.
-        metadata, tensors = self._state_provider()
-        return metadata, tensors, None
+        request = int(self._host_request[0])
+        if request == STATE_REQUEST:
+            metadata, tensors = self._state_provider()
+            return metadata, tensors, None
+        update = self._update_provider(request) if self._update_provider is not None else None
+        if update is None:
+            return {"v": UPDATE_VERSION, "missing": True}, [], None
+        return {"v": UPDATE_VERSION, "round": update.round, "rounds_done": update.rounds_done}, [update.update], None
+
+    async def _ask_host(self, request: int):
+        """The host's answer to ``request`` (the state, or an update): one request at a time."""
+        if self._host_lock is None:
+            self._host_lock = asyncio.Lock()
+        async with self._host_lock:
+            self._host_request[0] = request
+            try:
+                return await super()._get_current_state_from_host_process()
+            finally:
+                self._host_request[0] = STATE_REQUEST
+
+    async def _get_current_state_from_host_process(self):
+        return await self._ask_host(STATE_REQUEST)
+
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, but a part for a group we have not registered yet waits for the registration
+        (bounded) instead of being refused when another group (un)registers (module docstring)."""
+        request = await anext(stream)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._registration_wait
+        while request.group_id not in self._running_groups and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await future
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
 
     # -- donor side -------------------------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by
@@ -112,6 +184,21 @@ class ShoalAverager(DecentralizedAverager):
         for part in split_for_streaming(serialized):
             yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
             metadata = b""  # only in the first message
+
+    async def rpc_download_update(
+        self, request: averaging_pb2.JoinRequest, _context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """Stream the outer update that took us from ``rounds_done`` to ``rounds_done + 1`` steps
+        (fp16, exactly as kept), metadata first; the request's ``gather`` is ``encode_update_request``.
+        Nothing (an empty answer) if we no longer hold it."""
+        rounds_done = decode_update_request(request.gather)
+        metadata, tensors, _ = await self._ask_host(rounds_done)
+        if not tensors:
+            return
+        serialized = serialize_torch_tensor(tensors[0], runtime_pb2.CompressionType.NONE)
+        for part in split_for_streaming(serialized):
+            yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+            metadata = b""
 
     # -- joiner side ------------------------------------------------------------------------
     def fetch_slice(self, peer: str, index: int, count: int, *, expected_numel: int, stall_timeout: float,
@@ -144,6 +231,63 @@ class ShoalAverager(DecentralizedAverager):
         else:
             if not future.done():
                 future.set_result(result)
+
+    def fetch_update(self, peer: str, rounds_done: int, *, numel: int, timeout: float) -> AppliedUpdate:
+        """``peer``'s outer update after ``rounds_done`` steps; raises on any failure or refusal."""
+        future = MPFuture()
+        with self._command_lock:
+            self._outer_pipe.send(("_fetch_update", [], dict(peer=peer, rounds_done=rounds_done, numel=numel,
+                                                             timeout=timeout, future=future)))
+        try:
+            return future.result(timeout=timeout + FETCH_GRACE_S)
+        finally:
+            if not future.done():
+                future.cancel()
+
+    async def _fetch_update(self, peer: str, rounds_done: int, numel: int, timeout: float, future: MPFuture) -> None:
+        try:
+            result = await asyncio.wait_for(self._receive_update(peer, rounds_done, numel), timeout=timeout)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(RuntimeError(_describe(e)))
+        else:
+            if not future.done():
+                future.set_result(result)
+
+    async def _receive_update(self, peer: str, rounds_done: int, numel: int) -> AppliedUpdate:
+        """Receive one update, refusing early what could not be right (more bytes than an fp16
+        vector of ours, another dtype or size, another step than asked for, non-finite values)."""
+        max_bytes = numel * 2
+        max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
+        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+        stream = await stub.rpc_download_update(averaging_pb2.JoinRequest(gather=encode_update_request(rounds_done)))
+        metadata, parts, received = None, [], 0
+        try:
+            async for message in stream:
+                if message.metadata and metadata is None:
+                    metadata = self.serializer.loads(message.metadata)
+                received += len(message.tensor_part.buffer)
+                if received > max_bytes or len(parts) >= max_parts:
+                    raise ValueError(f"sent more than the {max_bytes} bytes of an update")
+                parts.append(message.tensor_part)
+        finally:
+            await stream.aclose()
+        if not parts:
+            raise ValueError(f"does not hold outer step {rounds_done + 1}")
+        head = parts[0]
+        if head.compression != runtime_pb2.CompressionType.NONE or head.dtype != "float16" \
+                or list(head.size) != [numel] or received != max_bytes:
+            raise ValueError(f"update is {head.dtype!r:.20} of size {list(head.size)[:4]}, expected float16 [{numel}]")
+        if not isinstance(metadata, dict) or metadata.get("v") != UPDATE_VERSION \
+                or metadata.get("rounds_done") != rounds_done + 1:
+            raise ValueError(f"update metadata does not describe outer step {rounds_done + 1}")
+        round = metadata.get("round")
+        if not isinstance(round, int) or isinstance(round, bool) or not 0 < round < 2**40:
+            raise ValueError("update metadata has a bad round")
+        update = deserialize_torch_tensor(combine_from_streaming(parts))
+        if not torch.isfinite(update).all():
+            raise ValueError("update has non-finite values")
+        return AppliedUpdate(round, rounds_done + 1, update)
 
     async def _receive_slice(self, peer: str, index: int, count: int, expected_numel: int,
                              stall_timeout: float) -> tuple[Any, torch.Tensor]:
@@ -191,6 +335,7 @@ class HivemindBackend:
         numel: int,
         prefix: str,
         state_provider: StateProvider,
+        update_provider: UpdateProvider | None = None,
         wire: WireFormat | None = None,
         target_group_size: int | None = None,
         min_group_size: int = 2,
@@ -202,12 +347,16 @@ class HivemindBackend:
     ):
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
         assert request_timeout < min_matchmaking_time
+        wire = wire or WireFormat()
+        extra = {} if wire.quantized else {"part_size_bytes": float_part_bytes(wire, numel)}
         self._averager = ShoalAverager(
             averaged_tensors=[torch.zeros(numel, dtype=torch.float32)],
             dht=dht,
             start=True,
             prefix=prefix,
             state_provider=state_provider,
+            update_provider=update_provider,
+            registration_wait=allreduce_timeout * 0.4,
             target_group_size=target_group_size,
             min_group_size=min_group_size,
             min_matchmaking_time=min_matchmaking_time,
@@ -215,33 +364,48 @@ class HivemindBackend:
             allreduce_timeout=allreduce_timeout,
             sender_timeout=allreduce_timeout * 0.4,  # hivemind requires sender < reducer timeout
             reducer_timeout=allreduce_timeout / 2,
-            compression=averager_compression(wire or WireFormat(), numel=numel, target_group_size=target_group_size),
+            compression=averager_compression(wire, numel=numel, target_group_size=target_group_size),
             state_compression=NoCompression(),  # shared state must arrive exact
             client_mode=client_mode,
             shutdown_timeout=3,
+            **extra,
         )
         self.peer_id = str(dht.peer_id)
         # What state_provider returns: by default anchor and momentum (OuterState.shared_state).
         self._state_lengths = list(state_lengths) if state_lengths is not None else [numel, numel]
         self._request_timeout = request_timeout
-        self._control: StepControl | None = None
+        self._numel = numel
+        # Steps by round: prepare (the prepare lane) and average (the sync lane) run on two threads.
+        self._controls: dict[int, StepControl] = {}
+        self._controls_lock = threading.Lock()
 
     def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float) -> None:
-        if self._control is not None and not self._control.done():
-            self._control.cancel()
-        # The round goes into the matchmaking key (hivemind's group bits), so a peer still
-        # finishing round r-1 can never pull a peer of round r into its group (or wait for it).
-        self._averager.set_group_bits(round_bits(round))
-        self._control = self._averager.step(
-            gather=gather,
-            scheduled_time=scheduled_time,
-            timeout=max(timeout, scheduled_time - time.time() + self._request_timeout),
-            require_trigger=True,
-            wait=False,
-        )
+        with self._controls_lock:
+            stale = [r for r in self._controls if r < round - 1]  # r - 1 may still be waiting for its sync
+            for r in stale:
+                control = self._controls.pop(r)
+                if not control.done():
+                    control.cancel()
+        with self._averager._command_lock:
+            # The round goes into the matchmaking key (hivemind's group bits), so a peer still
+            # finishing round r-1 can never pull a peer of round r into its group (or wait for it).
+            self._averager.set_group_bits(round_bits(round))
+            control = self._averager.step(
+                gather=gather,
+                scheduled_time=scheduled_time,
+                timeout=max(timeout, scheduled_time - time.time() + self._request_timeout),
+                require_trigger=True,
+                wait=False,
+            )
+        with self._controls_lock:
+            self._controls[round] = control
 
-    def average(self, vector: torch.Tensor, *, weight: float, timeout: float) -> AverageOutcome:
-        control, self._control = self._control, None
+    def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
+                round: int | None = None) -> AverageOutcome:
+        with self._controls_lock:
+            if round is None and self._controls:
+                round = max(self._controls)
+            control = self._controls.pop(round, None)
         if control is None:
             return AverageOutcome(ok=False, error="no averaging step was prepared")
         if control.done():
@@ -304,9 +468,24 @@ class HivemindBackend:
         """The averager process (its p2pd is the DHT's), for the caller's clean-up."""
         return self._averager.pid
 
+    def fetch_update(self, peers: list[str], *, rounds_done: int, numel: int,
+                     timeout: float) -> AppliedUpdate | None:
+        """The update after ``rounds_done`` steps from the first of ``peers`` that sends a valid one."""
+        for peer in dict.fromkeys(peers):
+            if peer == self.peer_id:
+                continue
+            try:
+                return self._averager.fetch_update(peer, rounds_done, numel=numel, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - any failure sends us to the next peer
+                logger.info(f"outer step {rounds_done + 1} from {peer}: {_describe(e)}")
+        return None
+
     def shutdown(self) -> None:
-        if self._control is not None and not self._control.done():
-            self._control.cancel()
+        with self._controls_lock:
+            controls, self._controls = list(self._controls.values()), {}
+        for control in controls:
+            if not control.done():
+                control.cancel()
         if self._averager.is_alive():
             self._averager.shutdown()
 

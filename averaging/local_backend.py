@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from averaging.backend import AverageOutcome, DownloadedState, Progress
+from averaging.backend import AppliedUpdate, AverageOutcome, DownloadedState, Progress
 from averaging.wire import returned
 
 
@@ -36,6 +36,7 @@ class LocalHub:
         self._own: dict[tuple[int, str], torch.Tensor] = {}  # what each member sent, for its return error
         self._results: dict[int, tuple[torch.Tensor, dict[str, Any]] | None] = {}
         self.state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]] = {}
+        self.update_providers: dict[str, Callable[[int], AppliedUpdate | None]] = {}
 
     def prepare(self, peer: str, round: int) -> None:
         with self._cond:
@@ -75,19 +76,29 @@ class LocalHub:
 
 
 class LocalBackend:
-    def __init__(self, hub: LocalHub, peer_id: str, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]]):
+    def __init__(self, hub: LocalHub, peer_id: str, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
+                 update_provider: Callable[[int], AppliedUpdate | None] | None = None):
         self.hub, self.peer_id = hub, peer_id
         hub.state_providers[peer_id] = state_provider
-        self._prepared: tuple[int, dict] | None = None
+        if update_provider is not None:
+            hub.update_providers[peer_id] = update_provider
+        self._prepared: dict[int, dict] = {}  # round -> gather; prepare runs on another thread
+        self._lock = threading.Lock()
 
     def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float) -> None:
         self.hub.prepare(self.peer_id, round)
-        self._prepared = (round, gather)
+        with self._lock:
+            self._prepared = {r: g for r, g in self._prepared.items() if r >= round - 1}
+            self._prepared[round] = gather
 
-    def average(self, vector: torch.Tensor, *, weight: float, timeout: float) -> AverageOutcome:
-        if self._prepared is None:
+    def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
+                round: int | None = None) -> AverageOutcome:
+        with self._lock:
+            if round is None and self._prepared:
+                round = max(self._prepared)
+            gather = self._prepared.pop(round, None)
+        if gather is None:
             return AverageOutcome(ok=False, error="no averaging step was prepared")
-        (round, gather), self._prepared = self._prepared, None
         started = time.perf_counter()
         result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout)
         if result is None:
@@ -107,6 +118,15 @@ class LocalBackend:
                     total_bytes = sum(t.numel() * t.element_size() for t in tensors)
                     progress(total_bytes, total_bytes)
                 return DownloadedState(peer=peer, metadata=metadata, tensors=tensors, donors=(peer,))
+        return None
+
+    def fetch_update(self, peers: list[str], *, rounds_done: int, numel: int,
+                     timeout: float) -> AppliedUpdate | None:
+        for peer in peers:
+            provider = self.hub.update_providers.get(peer) if peer != self.peer_id else None
+            update = provider(rounds_done) if provider is not None else None
+            if update is not None and update.update.shape == (numel,) and update.rounds_done == rounds_done + 1:
+                return AppliedUpdate(update.round, update.rounds_done, update.update.clone())
         return None
 
     def shutdown(self) -> None:

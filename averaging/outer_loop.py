@@ -9,15 +9,21 @@ unless it must:
   CUDA) and calls ``begin_sync``; the worker thread computes the pseudo-gradient, runs the
   all-reduce and the outer step, and prepares matchmaking for the next round, while the loop
   keeps training. ``try_merge`` at a later step boundary adds the result in one fused pass
-  (``averaging.merge``). The loop only stalls if a sync is still in flight when the *next*
-  round ends.
+  (``averaging.merge``). The loop never waits for the network: a sync may outlast its round.
+  Matchmaking for the next round then runs beside it (the worker's prepare lane), and if the
+  running sync is expected to end before the next deadline the next round's sync is queued behind
+  it (its snapshot taken at its own deadline, its pseudo-gradient corrected for the merge that had
+  not happened yet: double buffers). If not, the peer stays out of that round: its work is folded
+  into its next contribution, and the outer step it missed is replayed from the group's history
+  when it rejoins (``OuterState.catch_up``), not by downloading the state.
 - **blocking** (the OpenDiLoCo baseline): a fixed number of inner steps per round (fewer if the
   deadline comes first), then the loop waits, idle, for the all-reduce at the round's deadline:
   every peer waits for the slowest, and for the network.
 
 Threads: ``after_step``/``begin_sync``/``try_merge`` run on the training thread; the sync job runs
 on the worker's thread and is the only code that changes the anchor; the two meet through the
-job's future (the training thread reads the anchor only while no job is in flight).
+jobs' futures. At most two syncs are outstanding (one running, one queued), so two snapshot and
+two correction buffers suffice: a job's buffers are reused only after it was merged.
 
 Time: every clock read and every wait goes through a ``Clock`` (the real one unless a test passes
 a fake whose time moves only when the test says so; ``tests/unit/fake_clock.py``).
@@ -26,16 +32,19 @@ a fake whose time moves only when the test says so; ``tests/unit/fake_clock.py``
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol, TypeVar
 
 import torch
 
-from averaging.backend import DownloadedState, Progress
+from averaging.backend import AppliedUpdate, DownloadedState, Progress
+from averaging.consistency import AnchorClaim
 from averaging.diloco import Applied, OuterState, RoundConclusion
 from averaging.flat import FlatLayout
 from averaging.merge import apply_correction_, merge_correction
@@ -104,6 +113,8 @@ class SyncMode(StrEnum):
 
 SYNC_MODES = tuple(mode.value for mode in SyncMode)
 RESYNC_ATTEMPTS = 5
+MAX_OUTSTANDING = 2  # syncs not yet merged: one running, one queued behind it
+LATENESS_ALPHA = 0.3  # EMA weight of the newest sync's lateness (its end minus its round's deadline)
 
 
 @dataclass(slots=True)
@@ -129,6 +140,8 @@ class RoundStats:
     rounds_done: int
     bytes_sent: int = 0  # this round's all-reduce payload (``averaging.traffic.round_payload``); 0 if none ran
     bytes_received: int = 0
+    caught_up: int = 0  # outer steps we had missed and replayed from the group (instead of a re-sync)
+    skipped: bool = False  # we stayed out of this round: our previous sync was still running
 
 
 @dataclass(slots=True)
@@ -155,13 +168,16 @@ class _SyncResult:
     resynced: bool
     bytes_sent: int = 0
     bytes_received: int = 0
+    lateness_s: float = 0.0  # when the all-reduce ended, relative to its round's deadline
+    rounds_done: int = 0  # outer steps applied once this round was concluded
 
 
 @dataclass(slots=True)
 class _Job:
     window: _Window
     future: Future
-    weight: float
+    slot: int  # which snapshot/correction buffers it uses
+    then: list[RoundStats] = field(default_factory=list)  # skipped rounds reported after this one
 
 
 @dataclass(slots=True)
@@ -192,6 +208,12 @@ class LoopConfig:
         self.mode = validate_sync(self.mode, self.inner_steps)
 
 
+def suggested_round_seconds(lateness: float) -> float:
+    """A round length that fits a sync ending ``lateness`` seconds after its deadline, with room
+    for matchmaking and noise: whole seconds, a quarter more than the measured lateness."""
+    return float(math.ceil(lateness * 1.25 + 1.0))
+
+
 def validate_sync(mode: str, inner_steps: int) -> SyncMode:
     """The checks ``[round]`` and ``LoopConfig`` share; messages name the config keys."""
     if mode not in SYNC_MODES:
@@ -214,15 +236,23 @@ class OuterLoop:
         self.peer_id, self._alone, self.device = peer_id, alone, device
         self.clock = clock  # read on both threads (see Clock)
         cuda = device.type == "cuda"
-        # Host staging for the parameter snapshot: pinned so device→host copies are async.
-        self._host_params = layout.new_buffer(pin_memory=cuda)
+        # Host staging for the parameter snapshots and the merge corrections: pinned so that
+        # device<->host copies are async. Two of each (slot 1 allocated when first needed): a sync
+        # queued behind a running one must not overwrite the buffers the running one still uses.
+        self._pinned = cuda
+        self._host_params: list[torch.Tensor | None] = [layout.new_buffer(pin_memory=cuda), None]
+        self._host_correction: list[torch.Tensor | None] = [layout.new_buffer(pin_memory=cuda), None]
         self._pseudo_grad = layout.new_buffer()
-        self._host_correction = layout.new_buffer(pin_memory=cuda)
         self._device_correction = torch.empty(layout.numel, device=device) if cuda else None
         self._timer = StepTimer()
-        self._job: _Job | None = None
-        self._carried_tokens = 0  # tokens of work folded from rounds that did not make it
-        self._prepared_round = 0
+        self._jobs: deque[_Job] = deque()  # submitted, not yet merged (oldest first)
+        self._slot = 1
+        self._skipped_tokens = 0  # tokens of rounds we stayed out of, for our next contribution
+        self._carried_weight = 0.0  # worker thread: weight of syncs that folded, for the next one
+        self._prepared_round = 0  # the last round we decided about (joined or skipped)
+        self._prepares: dict[int, Future] = {}  # round -> its matchmaking job (prepare lane)
+        self._lateness: float | None = None  # EMA of how long after its deadline a sync ends
+        self._warned_round_seconds = False
         self.window: _Window | None = None
         self.last_download: DownloadedState | None = None  # the state adopted by initial_sync
 
@@ -234,7 +264,16 @@ class OuterLoop:
     @property
     def syncing(self) -> bool:
         """A round's sync is in flight (the loop keeps training meanwhile in overlap mode)."""
-        return self._job is not None
+        return bool(self._jobs)
+
+    def outstanding(self) -> list[tuple[int, Future]]:
+        """The rounds whose sync has not been merged yet, oldest first, with their jobs."""
+        return [(job.window.round, job.future) for job in self._jobs]
+
+    @property
+    def sync_lateness(self) -> float | None:
+        """How long after its round's deadline a sync typically ends (seconds, EMA), once measured."""
+        return self._lateness
 
     def start(self) -> None:
         now = self.clock.now()
@@ -290,13 +329,34 @@ class OuterLoop:
 
     def _maybe_prepare(self, now: float) -> None:
         """Start matchmaking shortly before the deadline. Not earlier: a step prepared long in
-        advance sits in hivemind's matchmaking where late peers of the previous round could find it."""
+        advance sits in hivemind's matchmaking where late peers of the previous round could find it.
+        A peer that cannot be ready to average at the deadline stays out of the round instead: in a
+        group it would hold everyone's all-reduce back (``_can_join``)."""
         round = self.window.round
         if self._prepared_round >= round:
             return
         if now >= self._schedule().round_end(round) - self.config.prepare_lead:
             self._prepared_round = round
-            self.worker.submit(self._prepare, round)
+            if self._can_join(round):
+                previous = self._jobs[-1].future if self._jobs else None
+                self._prepares[round] = self.worker.submit_prepare(self._prepare, round, previous=previous)
+            else:
+                logger.info(f"round {round}: staying out, the sync of round {self._jobs[-1].window.round} is still "
+                            "running; this round's work goes into the next contribution")
+
+    def _can_join(self, round: int) -> bool:
+        """Whether our sync of ``round`` can start at its deadline: no more than one sync ahead of
+        it, and that one expected to end by then (from how late past their deadlines recent syncs
+        ended). A wrong guess costs lateness, not correctness: the sync is queued and runs late."""
+        if self.config.mode == SyncMode.BLOCKING or not self._jobs:
+            return True
+        if len(self._jobs) >= MAX_OUTSTANDING:
+            return False
+        running = self._jobs[-1]
+        if running.future.done():
+            return True
+        expected_end = self._schedule().round_end(running.window.round) + (self._lateness or 0.0)
+        return expected_end <= self._schedule().round_end(round)
 
     def _round_over(self) -> bool:
         if self.config.mode == SyncMode.BLOCKING and self.window.steps >= self.config.inner_steps:
@@ -304,42 +364,77 @@ class OuterLoop:
         return not self._timer.fits_before(self._schedule().round_end(self.window.round), self.clock.now())
 
     def begin_sync(self) -> list[RoundStats]:
-        """End the current round: snapshot, hand it to the worker, start the next window."""
-        finished = self.try_merge(wait=True)  # the previous sync must land before a new snapshot
+        """End the current round: snapshot, hand it to the worker, start the next window. In
+        overlap mode this never waits for an earlier sync (``try_merge`` merges what has landed)."""
+        blocking = self.config.mode == SyncMode.BLOCKING
+        finished = self.try_merge(wait=blocking)
         window, now = self.window, self.clock.now()
         window.ended = now
+        next_round = max(window.round + 1, self._schedule().round_at(now))
         if self._prepared_round < window.round:  # blocking mode can finish its steps early
             self._prepared_round = window.round
             deadline = self._schedule().round_end(window.round)
-            self.worker.submit(self._prepare, window.round, not_before=deadline - self.config.prepare_lead)
-        event = self._snapshot_params()
-        weight = float(window.tokens + self._carried_tokens)
-        next_round = max(window.round + 1, self._schedule().round_at(now))
-        future = self.worker.submit(self._sync_round, window.round, weight, event)
-        self._job = _Job(window, future, weight)
+            self._prepares[window.round] = self.worker.submit_prepare(
+                self._prepare, window.round, not_before=deadline - self.config.prepare_lead)
+        prepared = self._prepares.pop(window.round, None)
+        for stale in [r for r in self._prepares if r < window.round]:
+            self._prepares.pop(stale)
         self.window = _Window(next_round, started=now)
-        if self.config.mode == SyncMode.BLOCKING:
+        if prepared is None:  # we stayed out of this round: fold its work into the next one
+            self._skipped_tokens += window.tokens
+            finished += self._report_later(self._skipped_stats(window))
+            return finished
+        assert len(self._jobs) < MAX_OUTSTANDING, "a round was joined with two syncs outstanding"
+        self._slot = 1 - self._slot
+        slot = self._slot
+        if self._host_params[slot] is None:
+            self._host_params[slot] = self.layout.new_buffer(pin_memory=self._pinned)
+            self._host_correction[slot] = self.layout.new_buffer(pin_memory=self._pinned)
+        event = self._snapshot_params(self._host_params[slot])
+        # A sync still in flight has a correction this snapshot does not contain yet.
+        pending = self._jobs[-1].slot if self._jobs else None
+        tokens, self._skipped_tokens = window.tokens + self._skipped_tokens, 0
+        future = self.worker.submit(self._sync_round, window.round, tokens, event, slot, pending, prepared)
+        self._jobs.append(_Job(window, future, slot))
+        if blocking:
             finished += self.try_merge(wait=True)
             self.window.started = self.clock.now()  # the wait belongs to the round that ended
         return finished
 
-    def try_merge(self, wait: bool = False) -> list[RoundStats]:
-        """Merge a finished sync into the live parameters (a step boundary); never blocks unless ``wait``."""
-        job = self._job
-        if job is None or (not wait and not job.future.done()):
+    def _report_later(self, stats: RoundStats) -> list[RoundStats]:
+        """Keep reports in round order: a skipped round is reported after the syncs before it."""
+        if self._jobs:
+            self._jobs[-1].then.append(stats)
             return []
+        return [stats]
+
+    def _skipped_stats(self, window: _Window) -> RoundStats:
+        return RoundStats(
+            round=window.round, inner_steps=window.steps, tokens=window.tokens, compute_s=window.compute_s,
+            wait_s=window.wait_s, sync_s=0.0, allreduce_s=0.0, wall_s=window.ended - window.started,
+            loss=window.loss_sum / window.steps if window.steps else None, group_size=1, group=[],
+            applied=Applied.FOLDED, error="skipped: the previous round's sync was still running", diverged=[],
+            bad_reports=0, resynced=False, rounds_done=self.outer.rounds_done, skipped=True)
+
+    def try_merge(self, wait: bool = False) -> list[RoundStats]:
+        """Merge finished syncs into the live parameters, oldest first (a step boundary); never
+        blocks unless ``wait``, which merges every outstanding sync."""
+        finished: list[RoundStats] = []
+        while self._jobs and (wait or self._jobs[0].future.done()):
+            finished += self._merge_job(self._jobs.popleft())
+        return finished
+
+    def _merge_job(self, job: _Job) -> list[RoundStats]:
         already_done, waited_from = job.future.done(), self.clock.monotonic()
         result: _SyncResult = self.clock.wait(job.future)
         stall_s = 0.0 if already_done else self.clock.monotonic() - waited_from
-        self._job = None
         self._merge(result.correction)
-        # In blocking mode the round's own wait is part of the round; in overlap mode a stall
-        # (a sync longer than a round) is charged to the window that had to wait.
+        self._note_lateness(result.lateness_s)
+        # In blocking mode the round's own wait is part of the round; in overlap mode a wait (only
+        # ``finish`` waits) is charged to the window that had to wait.
         charged = job.window if self.config.mode == SyncMode.BLOCKING else self.window
         charged.wait_s += stall_s
         conclusion = result.conclusion
-        contributed = conclusion.applied == Applied.AVERAGED
-        self._carried_tokens = 0 if contributed or conclusion.applied == Applied.LOCAL else int(job.weight)
         window = job.window
         end = self.clock.now() if self.config.mode == SyncMode.BLOCKING else window.ended
         return [RoundStats(
@@ -348,16 +443,28 @@ class OuterLoop:
             loss=window.loss_sum / window.steps if window.steps else None,
             group_size=conclusion.group_size, group=list(result.group), applied=conclusion.applied,
             error=conclusion.error, diverged=sorted(conclusion.verdict.diverged) if conclusion.verdict else [],
-            bad_reports=conclusion.bad_reports, resynced=result.resynced, rounds_done=self.outer.rounds_done,
-            bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
-        )]
+            bad_reports=conclusion.bad_reports, resynced=result.resynced, rounds_done=result.rounds_done,
+            bytes_sent=result.bytes_sent, bytes_received=result.bytes_received, caught_up=conclusion.caught_up,
+        ), *(replace(skipped, rounds_done=result.rounds_done) for skipped in job.then)]
+
+    def _note_lateness(self, lateness: float) -> None:
+        previous = self._lateness
+        self._lateness = lateness if previous is None else (1 - LATENESS_ALPHA) * previous + LATENESS_ALPHA * lateness
+        round_seconds = self._schedule().round_seconds
+        if self.config.mode == SyncMode.OVERLAP and not self._warned_round_seconds and previous is not None \
+                and self._lateness > round_seconds:
+            self._warned_round_seconds = True
+            logger.warning(f"a sync takes about {self._lateness:.1f}s past its round's end, longer than a round "
+                           f"({round_seconds:g}s): this peer averages only every other round or less. For a sync "
+                           f"every round use round.seconds >= {suggested_round_seconds(self._lateness):g} "
+                           "(--round-seconds), or a smaller codec (averaging.compression)")
 
     @torch.no_grad()
-    def _snapshot_params(self) -> torch.cuda.Event | None:
-        """Copy the live parameters to the host buffer; on CUDA asynchronously, with an event
+    def _snapshot_params(self, buffer: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy the live parameters to a host buffer; on CUDA asynchronously, with an event
         the worker waits on (the copies are stream-ordered before the next step's kernels)."""
         params = self._params()
-        for name, view in self.layout.views(self._host_params).items():
+        for name, view in self.layout.views(buffer).items():
             view.copy_(params[name].detach(), non_blocking=True)
         if self.device.type != "cuda":
             return None
@@ -385,44 +492,82 @@ class OuterLoop:
             params[name].data.copy_(view)
 
     # -- the worker thread's side ------------------------------------------------------------
-    def _prepare(self, round: int, not_before: float = 0.0) -> None:
+    def _prepare(self, round: int, not_before: float = 0.0, previous: Future | None = None) -> None:
         # Waiting here is free: in blocking mode the worker has nothing else to do until then.
         self.clock.sleep_until(not_before)
         deadline = self._schedule().round_end(round)
+        if previous is not None:
+            # Our report describes our anchor: let a sync about to land update it first, as long as
+            # matchmaking can still start in time (a stale report is handled, but costs a check).
+            wait([previous], timeout=max(0.0, deadline - self.config.matchmaking_seconds - self.clock.now()))
         self.worker.backend.prepare(round=round, scheduled_time=deadline,
                                     gather=self.outer.round_report(round=round).encode(),
-                                    timeout=deadline - self.clock.now() + self.worker.matchmaking_grace)
+                                    timeout=max(0.0, deadline - self.clock.now()) + self.worker.matchmaking_grace)
 
-    def _sync_round(self, round: int, weight: float, event: torch.cuda.Event | None) -> _SyncResult:
-        # 1. The pseudo-gradient, once the snapshot has reached the host.
+    def _sync_round(self, round: int, tokens: int, event: torch.cuda.Event | None, slot: int,
+                    pending: int | None, prepared: Future | None) -> _SyncResult:
+        # 1. The pseudo-gradient, once the snapshot has reached the host (and matchmaking began).
+        if prepared is not None:
+            prepared.result()  # the prepare lane's job: it raised only if the backend is broken
         if event is not None:
             event.synchronize()
-        pseudo_grad = pseudo_gradient(self.outer.anchor, self._host_params, out=self._pseudo_grad)
+        snapshot = self._host_params[slot]
+        if pending is not None:
+            # Taken before the previous sync's merge: as if that correction had been applied.
+            snapshot.add_(self._host_correction[pending])
+        pseudo_grad = pseudo_gradient(self.outer.anchor, snapshot, out=self._pseudo_grad)
+        weight = float(tokens) + self._carried_weight
         # 2. The all-reduce at the round's deadline, of what the codec can carry exactly (our own
         #    full pseudo-gradient stays as the fallback of a local round).
         started = self.clock.monotonic()
         sent = self.wire.to_send(pseudo_grad)
         averaged = sent.clone()
         timeout = max(0.0, self._schedule().round_end(round) - self.clock.now()) + self.worker.matchmaking_grace
-        outcome = self.worker.backend.average(averaged, weight=weight, timeout=timeout + self.worker.allreduce_timeout)
+        outcome = self.worker.backend.average(averaged, weight=weight, timeout=timeout + self.worker.allreduce_timeout,
+                                              round=round)
         sync_s = self.clock.monotonic() - started
-        # 3. Outer step, consistency check, re-sync if our anchor diverged.
+        lateness_s = self.clock.now() - self._schedule().round_end(round)
+        # 3. Consistency check (catching up with missed outer steps, or re-syncing if we cannot),
+        #    then the outer step.
         old_anchor = self.outer.anchor.clone()
         conclusion = self.outer.conclude(outcome, pseudo_grad, round=round, averaged=averaged if outcome.ok else None,
-                                         self_id=self.peer_id, alone=self._alone())
+                                         self_id=self.peer_id, alone=self._alone(),
+                                         catch_up=lambda donors, behind, reference: self._catch_up(
+                                             round, donors, behind, reference))
         resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
         # 4. What the new anchor accounts for: with error feedback only what was sent, so the
         #    residual stays in the parameters for the next round (averaging.wire).
         accounted = accounted_for(pseudo_grad, sent, averaged=conclusion.applied == Applied.AVERAGED,
                                   local=conclusion.applied == Applied.LOCAL, error_feedback=self.wire.error_feedback)
-        correction = merge_correction(self.outer.anchor, old_anchor, accounted, out=self._host_correction,
+        correction = merge_correction(self.outer.anchor, old_anchor, accounted, out=self._host_correction[slot],
                                       contributed=accounted is not None)
+        # Work that reached no anchor weighs in the next contribution.
+        self._carried_weight = 0.0 if accounted is not None else weight
         sent_bytes, received_bytes = round_payload(
             self.layout.numel, len(outcome.group) if outcome.ok else 0, client_mode=self.client_mode,
             send_bytes_per_value=self.wire.send_bytes_per_value(),
             return_bytes_per_value=self.wire.return_bytes_per_value())
         return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
-                           sent_bytes, received_bytes)
+                           sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.outer.rounds_done)
+
+    def _catch_up(self, round: int, donors: list[str], behind: int, reference: AnchorClaim) -> bool:
+        """Replay the ``behind`` outer steps we missed, fetched from ``donors`` (2 bytes/param each)."""
+        updates: list[AppliedUpdate] = []
+        for rounds_done in range(self.outer.rounds_done, self.outer.rounds_done + behind):
+            update = self.worker.backend.fetch_update(donors, rounds_done=rounds_done, numel=self.layout.numel,
+                                                      timeout=self.config.download_timeout)
+            if update is None:
+                logger.warning(f"round {round}: no peer of {donors} could send outer step {rounds_done + 1}; "
+                               "re-syncing instead")
+                return False
+            updates.append(update)
+        if not self.outer.catch_up(updates, reference):
+            logger.warning(f"round {round}: replaying {behind} missed outer step(s) did not reach the group's "
+                           "anchor; re-syncing instead")
+            return False
+        if behind:
+            logger.info(f"round {round}: caught up with {behind} missed outer step(s) from {donors}")
+        return True
 
     def _resync(self, round: int, conclusion: RoundConclusion, averaged: torch.Tensor | None) -> bool:
         """Our anchor disagrees with the group's: take the state of a peer that agrees."""

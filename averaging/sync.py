@@ -2,9 +2,10 @@
 
 The training loop never calls the network. It submits jobs (``OuterLoop``'s round sync, a state
 download) and gets ``Future``s; it may block on one (blocking mode, start-up) or poll it at step
-boundaries while it keeps training (overlap mode). All backend calls run serially on this one
-thread, so the backend needs no locking of its own (torchft's quorum thread, hivemind's
-StepControl).
+boundaries while it keeps training (overlap mode). Those jobs run serially on one thread (torchft's
+quorum thread, hivemind's StepControl). Matchmaking for the next round has a lane of its own
+(``submit_prepare``): it must start on time even while a long all-reduce is still running, so the
+backend's ``prepare`` must be safe to call concurrently with its other methods.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class SyncWorker:
         self.matchmaking_grace = matchmaking_grace  # how long past a deadline a group may still form
         # The thread starts on the first submit, after hivemind's forks (docs/hivemind.md).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-sync")
+        self._prepare_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-sync-prepare")
 
     @property
     def peer_id(self) -> str:
@@ -34,6 +36,11 @@ class SyncWorker:
         """Run ``job`` on the worker's thread, after every job submitted before it."""
         return self._executor.submit(job, *args, **kwargs)
 
+    def submit_prepare(self, job: Callable[..., T], *args, **kwargs) -> Future[T]:
+        """Run ``job`` on the prepare lane: in order with other prepares, concurrently with ``submit``'s."""
+        return self._prepare_lane.submit(job, *args, **kwargs)
+
     def close(self) -> None:
+        self._prepare_lane.shutdown(wait=True, cancel_futures=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.backend.shutdown()

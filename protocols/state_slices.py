@@ -1,7 +1,8 @@
-"""A state-slice request: "send me slice i of n of your shared state" (joiner → donor).
+"""Small requests a peer makes of a donor: a state slice ("send me slice i of n of your shared
+state", a joiner) and an outer update ("send me your update after step n", a peer catching up).
 
 Why its own wire format: the donor must refuse anything but two small ints before it does any
-work (copying its state), so the request is tiny, strictly bounded msgpack.
+work (copying its state), so each request is tiny, strictly bounded msgpack.
 """
 
 from __future__ import annotations
@@ -41,3 +42,32 @@ def decode_slice_request(blob: bytes) -> tuple[int, int]:
     index, count = request["slice"], request["of"]
     check_slice_index(index, count)
     return index, count
+
+
+# An update request: "send me the outer update after your n-th step" (a peer catching up → donor).
+MAX_UPDATE_REQUEST_BYTES = 32  # {"after": n} packs into ~15 bytes
+MAX_STEPS = 2**40  # like protocols.messages.MAX_ROUND
+
+
+def encode_update_request(rounds_done: int) -> bytes:
+    _check_steps(rounds_done)
+    return msgpack.packb({"after": rounds_done})
+
+
+def decode_update_request(blob: bytes) -> int:
+    """The ``rounds_done`` a peer asks the next update of, or MessageError."""
+    if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_UPDATE_REQUEST_BYTES:
+        raise MessageError(f"update request of {len(blob) if isinstance(blob, bytes) else '?'} bytes")
+    try:
+        request = msgpack.unpackb(blob, max_map_len=1, max_str_len=8, max_array_len=0, max_bin_len=0)
+    except Exception as e:  # msgpack raises several types for malformed input
+        raise MessageError(f"update request is not msgpack: {type(e).__name__}") from None
+    if not isinstance(request, dict) or set(request) != {"after"}:
+        raise MessageError("update request must be {after: int}")
+    _check_steps(request["after"])
+    return request["after"]
+
+
+def _check_steps(value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_STEPS:
+        raise MessageError(f"after: expected an int in [0, 2**40), got {value!r:.40}")

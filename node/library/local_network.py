@@ -23,7 +23,7 @@ from hivemind.p2p import PeerID
 from averaging.backend import AveragingBackend
 from averaging.local_backend import LocalBackend, LocalHub
 from node.library.config import AveragingConfig
-from node.library.network import StateProvider
+from node.library.network import StateProvider, UpdateProvider
 from node.library.run_record import RunDirectory, decode_manifests
 from protocols import progress
 from protocols.manifest import RunManifest
@@ -101,11 +101,11 @@ class LocalNetwork:
         return LocalDirectory(self.hub, run_id, self.peer_id)
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
-                client_mode: bool) -> AveragingBackend:
+                client_mode: bool, update_provider: UpdateProvider | None = None) -> AveragingBackend:
         wire = averaging.wire
         if wire.quantized:  # reducers return deltas in the return code: each member ends slightly apart
             self.hub.averaging.return_code = wire.return_code
-        return LocalBackend(self.hub.averaging, self.peer_id, state_provider)
+        return LocalBackend(self.hub.averaging, self.peer_id, state_provider, update_provider)
 
     def pids(self) -> list[int | None]:
         return []

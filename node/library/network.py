@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from hivemind import DHT
 
-from averaging.backend import AveragingBackend
+from averaging.backend import AppliedUpdate, AveragingBackend
 from averaging.hivemind_backend import HivemindBackend
 from node.library.config import AveragingConfig
 from node.library.dht import Reachability, start_dht, stop_dht
@@ -25,6 +25,7 @@ from node.library.run_record import DhtDirectory, RunDirectory
 from protocols.keys import averager_prefix
 
 StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
+UpdateProvider = Callable[[int], AppliedUpdate | None]  # OuterState.update_after
 
 
 class Network(Protocol):
@@ -34,7 +35,7 @@ class Network(Protocol):
     def directory(self, run_id: str) -> RunDirectory: ...
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
-                client_mode: bool) -> AveragingBackend:
+                client_mode: bool, update_provider: UpdateProvider | None = None) -> AveragingBackend:
         """The averaging backend (created once, before our own threads start)."""
 
     def pids(self) -> list[int | None]:
@@ -63,10 +64,11 @@ class HivemindNetwork:
         return DhtDirectory(self.dht, run_id)
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
-                client_mode: bool) -> AveragingBackend:
+                client_mode: bool, update_provider: UpdateProvider | None = None) -> AveragingBackend:
         avg = averaging
         self._backend = HivemindBackend(
             self.dht, numel=numel, prefix=averager_prefix(run_id), state_provider=state_provider,
+            update_provider=update_provider,
             wire=avg.wire, target_group_size=avg.target_group_size or None,
             min_group_size=avg.min_group_size, min_matchmaking_time=avg.matchmaking_seconds,
             request_timeout=avg.request_timeout, allreduce_timeout=avg.allreduce_timeout, client_mode=client_mode,

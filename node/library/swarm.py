@@ -167,7 +167,8 @@ class DiLoCoSwarm:
         avg = self.averaging
         backend = self._network.backend(run_id=self.run_id, numel=self._layout.numel,
                                         state_provider=self._outer.shared_state, averaging=avg,
-                                        client_mode=self.reachability.client_mode)
+                                        client_mode=self.reachability.client_mode,
+                                        update_provider=self._outer.update_after)
         self._worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
                                   matchmaking_grace=avg.matchmaking_seconds)
         self._closers.insert(0, self._worker.close)

@@ -58,7 +58,7 @@ def test_rejects_a_non_map(obj):
         decode(obj)
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None, b"\x01"])
+@pytest.mark.parametrize("version", [0, 1, 3, "2", None, b"\x02"])
 def test_rejects_another_protocol_version(version):
     with pytest.raises(MessageError, match="protocol version"):
         decode(encoded(v=version))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from averaging.backend import AverageOutcome
+from averaging.backend import AppliedUpdate, AverageOutcome
 from averaging.diloco import OuterConfig, OuterState
 from averaging.flat import FlatLayout
 from averaging.local_backend import LocalBackend, LocalHub
@@ -55,23 +55,24 @@ class FaultyBackend(LocalBackend):
         self.clock, self.allreduce_seconds = clock, allreduce_seconds
         self.sent: dict[int, tuple[torch.Tensor, float]] = {}  # round -> (pseudo-gradient, weight)
         self.prepared_at: dict[int, float] = {}  # round -> when matchmaking began, on the peer's clock
-        self._round: tuple[int, float] | None = None  # the prepared round and its scheduled time
+        self._scheduled: dict[int, float] = {}  # prepared round -> its scheduled time
 
     def prepare(self, *, round: int, scheduled_time: float, **kwargs) -> None:
-        self._round = (round, scheduled_time)
+        self._scheduled[round] = scheduled_time
         self.prepared_at[round] = self.clock.now()
         if round not in self.fail_rounds:
             super().prepare(round=round, scheduled_time=scheduled_time, **kwargs)
 
-    def average(self, vector: torch.Tensor, *, weight: float, timeout: float) -> AverageOutcome:
-        (round, scheduled_time), self._round = self._round, None
+    def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
+                round: int | None = None) -> AverageOutcome:
+        scheduled_time = self._scheduled.pop(round)
         if self.allreduce_seconds is not None:
             # One sleep to a fixed instant: when it ends does not depend on when the worker got here.
             self.clock.sleep_until(scheduled_time + self.allreduce_seconds)
         self.sent[round] = (vector.clone(), weight)
         if round in self.fail_rounds:
             return AverageOutcome(ok=False, error="injected")
-        return super().average(vector, weight=weight, timeout=timeout)
+        return super().average(vector, weight=weight, timeout=timeout, round=round)
 
 
 class FullGroupHub(LocalHub):
@@ -115,6 +116,7 @@ class Peer:
     loss: float
     generator: torch.Generator
     work: torch.Tensor  # the sum of every fake inner step's change, flat: what merges must preserve
+    schedule: RoundSchedule
     stats: list[RoundStats] = field(default_factory=list)
     rounds: dict[int, Snapshot] = field(default_factory=dict)
 
@@ -132,7 +134,18 @@ class Peer:
         self.clock.advance(step_seconds)  # the step takes time, as a real one would
         return self.clock.monotonic() - started
 
+    def keep_real_time(self) -> None:
+        """Fake time passes only on this thread: once it is past the end of an all-reduce, let the
+        sync that ran it finish (in real time) before the next step, as it would have by then. The
+        worker's own sleeps (a re-sync's retry pause) pass in fake time meanwhile (``clock.wait``)."""
+        if self.backend.allreduce_seconds is None:
+            return
+        for round, job in self.loop.outstanding():
+            if self.schedule.round_end(round) + self.backend.allreduce_seconds <= self.clock.now():
+                self.clock.wait(job)
+
     def train_step(self, step_seconds: float = 0.0) -> None:
+        self.keep_real_time()
         seconds = self.inner_step(step_seconds)
         self.stats += self.loop.after_step(tokens=self.tokens, seconds=seconds, loss=self.loss)
 
@@ -160,6 +173,7 @@ def make_swarm():
             clock = FakeClock(WALL_START)
             backend = FaultyBackend(hub, peer_id, outer.shared_state, (fail_at or {}).get(peer_id, ()),
                                     clock=clock, allreduce_seconds=allreduce_seconds)
+            hub.update_providers[peer_id] = outer.update_after
             worker = SyncWorker(backend, allreduce_timeout=5.0, matchmaking_grace=1.0)
             workers.append(worker)
             loop = OuterLoop(outer=outer, worker=worker, layout=layout,
@@ -168,7 +182,7 @@ def make_swarm():
                              alone=lambda: False, device=torch.device("cpu"), clock=clock)
             peers.append(Peer(peer_id, model, layout, outer, backend, worker, clock, loop, TOKENS[peer_id],
                               loss=2.0 + index, generator=torch.Generator().manual_seed(100 + index),
-                              work=layout.new_buffer()))
+                              work=layout.new_buffer(), schedule=schedule))
         assert all(torch.equal(p.outer.anchor, peers[0].outer.anchor) for p in peers)
         return peers
 
@@ -194,6 +208,8 @@ def run_on_the_clock(peers: list[Peer], *, last_round: int, step_seconds: dict[s
         while peer.loop.round <= last_round:
             overlapped += peer.loop.syncing
             peer.train_step(step_seconds[peer.id])
+        if isinstance(peer.backend.hub, DecidedHub):
+            peer.backend.hub.leave(peer.id)
         peer.stats += peer.loop.finish()
         return overlapped
 
@@ -211,9 +227,10 @@ def run_by_hand(peers: list[Peer], *, rounds: int, steps_before: int = 3, steps_
         for round in range(1, rounds + 1):
             for _ in range(steps_before):
                 peer.train_step(step_seconds)
-            # Our own matchmaking for this round is done once the worker has run every job before
-            # this one; the barrier then makes sure nobody averages before the group is known.
+            # Our own matchmaking for this round is done once the worker's two lanes have run every
+            # job before these; the barrier then makes sure nobody averages before the group is known.
             peer.worker.submit(lambda: None).result(timeout=WAIT)
+            peer.worker.submit_prepare(lambda: None).result(timeout=WAIT)
             barrier.wait()
             assert peer.loop.round == round and not peer.loop.syncing
             record = Snapshot(peer.outer.anchor.clone(), peer.flat_params(), peer.work.clone())
@@ -305,30 +322,6 @@ def test_overlap_rounds_average_in_the_background_while_training_goes_on(make_sw
     assert_close(anchor, replay(init, peers, dict.fromkeys(rounds, list(PEERS))))
     # The loop stops right after its last snapshot and finish() merges it: the live parameters are
     # the shared anchor, nothing of the last round's work is counted twice.
-    for peer in peers:
-        assert_close(peer.flat_params(), anchor)
-
-
-def test_a_sync_longer_than_a_round_stalls_the_next_round_until_it_lands(make_swarm):
-    # Each all-reduce ends 0.6 s after its deadline, past the next round's: at its last step boundary
-    # the loop must wait for the previous sync before it can snapshot again. The wait is charged to
-    # the round that waited, and the next round starts when it ends.
-    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2)
-    peers = make_swarm(config, round_seconds=0.5, hub=FullGroupHub(PEERS), allreduce_seconds=0.6)
-    init = peers[0].outer.anchor.clone()
-    last_round = 4
-    run_on_the_clock(peers, last_round=last_round, step_seconds=OVERLAP_STEPS)
-
-    rounds = list(range(1, last_round + 1))
-    for peer in peers:
-        assert [s.round for s in peer.stats] == rounds  # stalled, but no round skipped
-        assert all(s.applied == "averaged" and s.group_size == 3 for s in peer.stats), peer.stats
-        assert peer.stats[0].wait_s == 0.0  # round 1 had nothing to wait for
-        assert all(s.wait_s > 0.05 for s in peer.stats[1:]), peer.stats
-        assert_overlap_timeline(peer, round_seconds=0.5, step_seconds=OVERLAP_STEPS[peer.id], allreduce_seconds=0.6)
-    anchor = peers[0].outer.anchor
-    assert all(torch.equal(p.outer.anchor, anchor) for p in peers)
-    assert_close(anchor, replay(init, peers, dict.fromkeys(rounds, list(PEERS))))
     for peer in peers:
         assert_close(peer.flat_params(), anchor)
 
@@ -453,8 +446,11 @@ def test_blocking_mode_starts_matchmaking_prepare_lead_before_the_deadline(make_
             assert s.wall_s == pytest.approx(round_seconds, abs=EXACT), s
 
 
-# -- a failed round is folded into the next ------------------------------------------------------
-def test_a_peer_that_misses_a_round_folds_its_work_into_the_next_and_resyncs(make_swarm):
+# -- a failed round is folded into the next, and the missed outer step replayed -----------------
+CATCH_UP_ATOL = 1e-4  # a replayed step is the fp16 copy of the group's: ~5e-4 relative, on updates of ~0.05
+
+
+def test_a_peer_that_misses_a_round_folds_its_work_into_the_next_and_catches_up(make_swarm):
     # peer-a misses round 2; peer-b and peer-c average it without peer-a.
     peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS, fail_at={"peer-a": {2}})
     init = peers[0].outer.anchor.clone()
@@ -487,30 +483,132 @@ def test_a_peer_that_misses_a_round_folds_its_work_into_the_next_and_resyncs(mak
     assert_close(sent_vector, -(a.rounds[3].work_at_snapshot - a.rounds[1].work_at_snapshot), atol=1e-5)
     for peer in (b, c):
         assert peer.backend.sent[3][1] == peer.stats_of(3).tokens == (steps_after + steps_before) * peer.tokens
-    # Its anchor was a round behind: the group's check flags it, and it takes peer-b's state. (If
-    # peer-b has not applied round 3 yet, peer-a's retry pause is fake time: it passes when peer-a's
-    # loop waits for the sync, and after the last retry peer-a applies the round's average itself.)
+    # Its anchor was a round behind: the group's check flags it, and it replays the round-2 step it
+    # missed (fetched from a peer that applied it) before applying round 3's: no state download.
     for peer in peers:
         s = peer.stats_of(3)
-        assert (s.applied, s.group_size, s.diverged) == ("averaged", 3, ["peer-a"]), s
-        assert s.resynced == (peer is a), s
+        assert (s.applied, s.group_size, s.diverged, s.resynced) == ("averaged", 3, ["peer-a"], False), s
+        assert s.caught_up == (1 if peer is a else 0), s
     anchor_3 = b.rounds[3].anchor_after
-    assert all(torch.equal(p.rounds[3].anchor_after, anchor_3) for p in peers)
+    assert torch.equal(c.rounds[3].anchor_after, anchor_3)
+    assert_close(a.rounds[3].anchor_after, anchor_3, atol=CATCH_UP_ATOL)
+    assert not torch.equal(a.rounds[3].anchor_after, anchor_3)  # fp16: close, not identical
     assert a.stats_of(3).rounds_done == b.stats_of(3).rounds_done == 3
-    # After the resync peer-a's parameters are the shared anchor plus its steps since the snapshot.
-    assert_close(a.rounds[3].params_after, anchor_3 + (a.rounds[3].work_after - a.rounds[3].work_at_snapshot),
-                 atol=1e-5)
+    # After the catch-up peer-a's parameters are its anchor plus its steps since the snapshot.
+    assert_close(a.rounds[3].params_after,
+                 a.rounds[3].anchor_after + (a.rounds[3].work_after - a.rounds[3].work_at_snapshot), atol=1e-5)
     # The shared anchor is the outer steps on the weighted means of what each group sent: peer-a's
     # round-2 work reached it in round 3, with the carried weight.
     groups = {1: list(PEERS), 2: ["peer-b", "peer-c"], 3: list(PEERS), 4: list(PEERS)}
     assert_close(anchor_3, replay(init, peers, {r: groups[r] for r in (1, 2, 3)}))
 
-    # Round 4: back to normal; the carried tokens were spent in round 3.
+    # Round 4: back to normal: the replayed step left peer-a within the tolerance of the others.
     for peer in peers:
         s = peer.stats_of(4)
-        assert (s.applied, s.group_size, s.diverged, s.resynced) == ("averaged", 3, [], False), s
+        assert (s.applied, s.group_size, s.diverged, s.resynced, s.caught_up) == ("averaged", 3, [], False, 0), s
         assert peer.backend.sent[4][1] == s.tokens == (steps_after + steps_before) * peer.tokens
-        assert torch.equal(peer.outer.momentum, b.outer.momentum)
+        assert_close(peer.outer.momentum, b.outer.momentum, atol=CATCH_UP_ATOL)
         assert peer.outer.rounds_done == peer.outer.last_round == 4
-    assert all(torch.equal(p.outer.anchor, b.outer.anchor) for p in peers)
-    assert_close(b.outer.anchor, replay(init, peers, groups))
+    assert torch.equal(c.outer.anchor, b.outer.anchor)
+    assert_close(a.outer.anchor, b.outer.anchor, atol=CATCH_UP_ATOL)
+    assert_close(b.outer.anchor, replay(init, peers, groups), atol=1e-5)
+
+
+def test_a_peer_two_rounds_behind_replays_both_steps(make_swarm):
+    peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS, fail_at={"peer-a": {2, 3}})
+    init = peers[0].outer.anchor.clone()
+    run_by_hand(peers, rounds=5)
+    a, b, c = peers
+    assert [s.applied for s in a.stats] == ["averaged", "folded", "folded", "averaged", "averaged"]
+    assert [s.caught_up for s in a.stats] == [0, 0, 0, 2, 0], a.stats
+    assert not any(s.resynced for p in peers for s in p.stats)
+    assert a.stats_of(4).rounds_done == b.stats_of(4).rounds_done == 4
+    assert b.stats_of(5).diverged == [] and a.stats_of(5).diverged == []
+    assert_close(a.outer.anchor, b.outer.anchor, atol=CATCH_UP_ATOL)
+    groups = {1: list(PEERS), 2: ["peer-b", "peer-c"], 3: ["peer-b", "peer-c"], 4: list(PEERS), 5: list(PEERS)}
+    assert_close(b.outer.anchor, replay(init, peers, groups), atol=1e-5)
+
+
+def test_a_peer_further_behind_than_the_history_downloads_the_state(make_swarm):
+    # Three missed steps: more than the two every peer keeps, so peer-a re-syncs (a full download).
+    peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS, fail_at={"peer-a": {2, 3, 4}})
+    run_by_hand(peers, rounds=6)
+    a, b, c = peers
+    s = a.stats_of(5)
+    assert (s.applied, s.diverged, s.resynced, s.caught_up) == ("averaged", ["peer-a"], True, 0), s
+    assert torch.equal(a.outer.anchor, b.outer.anchor)  # a downloaded state is exact
+    assert a.stats_of(6).diverged == [] and not a.stats_of(6).resynced
+
+
+def test_a_replayed_step_that_does_not_reach_the_groups_anchor_falls_back_to_a_download(make_swarm):
+    hub = LocalHub()
+    peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS, fail_at={"peer-a": {2}}, hub=hub)
+    a, b, c = peers
+    for donor in (b, c):  # the donors serve a corrupted copy of their update
+        honest = hub.update_providers[donor.id]
+        hub.update_providers[donor.id] = lambda n, honest=honest: (
+            None if (u := honest(n)) is None else AppliedUpdate(u.round, u.rounds_done, u.update * 3))
+    run_by_hand(peers, rounds=4)
+    s = a.stats_of(3)
+    assert (s.applied, s.diverged, s.resynced, s.caught_up) == ("averaged", ["peer-a"], True, 0), s
+    assert torch.equal(a.outer.anchor, b.outer.anchor)
+    assert a.stats_of(4).diverged == []
+
+
+# -- a sync longer than a round: never a stall, never a re-sync ---------------------------------
+def test_a_sync_longer_than_a_round_never_stalls_training_nor_forces_a_resync(make_swarm):
+    # Every all-reduce ends 1.5 rounds after its deadline. The loop never waits: a peer whose
+    # previous sync will still run at the next deadline stays out of that round (its work is folded
+    # into its next contribution), and the outer step it missed is replayed, not downloaded.
+    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2)
+    round_seconds, last_round = 0.5, 8
+    peers = make_swarm(config, round_seconds=round_seconds, hub=DecidedHub(PEERS),
+                       allreduce_seconds=1.5 * round_seconds)
+    init = peers[0].outer.anchor.clone()
+    run_on_the_clock(peers, last_round=last_round, step_seconds=OVERLAP_STEPS)
+
+    for peer in peers:
+        assert [s.round for s in peer.stats] == list(range(1, last_round + 1)), peer.stats
+        assert all(s.wait_s == 0.0 for s in peer.stats[:-1]), peer.stats  # only finish() waits
+        assert not any(s.resynced for s in peer.stats), peer.stats
+        joined = [s.round for s in peer.stats if not s.skipped]
+        assert all(b - a <= 2 for a, b in zip([0, *joined], joined)), joined  # every other round at least
+        assert any(s.skipped for s in peer.stats)
+        for s in peer.stats:
+            assert s.applied == ("folded" if s.skipped else "averaged"), s
+            assert s.skipped == (s.error is not None and s.error.startswith("skipped")), s
+        # The work of every round reached the anchor or is still in the parameters: the parameters
+        # after finish() are the anchor (the last contribution merged) plus nothing else.
+        assert_close(peer.flat_params(), peer.outer.anchor, atol=1e-5)
+        assert peer.loop.sync_lateness == pytest.approx(1.5 * round_seconds, abs=0.06)
+    anchor = peers[0].outer.anchor
+    assert not torch.allclose(anchor, init, atol=STEP_SIZE)
+    for peer in peers:
+        assert_close(peer.outer.anchor, anchor, atol=CATCH_UP_ATOL)
+        assert peer.outer.rounds_done == peers[0].outer.rounds_done
+
+
+class DecidedHub(LocalHub):
+    """The group of round r is every peer that prepared it, known once each peer has decided about r
+    (prepared r or a later round, or left): which thread runs first in real time decides nothing."""
+
+    def __init__(self, peers):
+        super().__init__()
+        self.peers = tuple(peers)
+        self.decided: dict[str, float] = {}
+
+    def prepare(self, peer: str, round: int) -> None:
+        super().prepare(peer, round)
+        with self._cond:
+            self.decided[peer] = max(round, self.decided.get(peer, 0))
+            self._cond.notify_all()
+
+    def leave(self, peer: str) -> None:
+        with self._cond:
+            self.decided[peer] = float("inf")
+            self._cond.notify_all()
+
+    def average(self, peer: str, round: int, *args, **kwargs):
+        with self._cond:
+            self._cond.wait_for(lambda: all(self.decided.get(p, 0) >= round for p in self.peers), timeout=WAIT)
+        return super().average(peer, round, *args, **kwargs)
