@@ -13,8 +13,8 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from node.library.run_record import RunTrust, converge, join_run
 from node.library.local_network import LocalNetwork, LocalSwarmHub
+from node.library.run_record import RunTrust, converge, join_run
 from protocols import progress, records
 from protocols.errors import ConfigError
 from protocols.identity import PeerKey, RunKey, format_run_key, parse_run_key, peer_id_of
