@@ -188,11 +188,12 @@ def join_run(directory: RunDirectory, ours: RunManifest, *, record_ttl: float, t
     """Follow the trusted organiser's schedule, or organise the run; refuse a run whose manifest
     differs from ours (``ConfigError`` naming the field) before averaging anything."""
     trust = trust if trust is not None else RunTrust()
-    if (problem := directory.refusal()) is not None:
-        raise ConfigError(problem)
     deadline = time.monotonic() + settle_s
     while True:
         found, _ = directory.manifests()
+        # Only after a read: a node notices sealed records when other nodes return them to it.
+        if not found and (problem := directory.refusal()) is not None:
+            raise ConfigError(problem)
         if trust.pinned is not None:
             ignored = [m for m in found if m.organiser != trust.pinned]
             if ignored:

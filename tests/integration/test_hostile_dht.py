@@ -86,3 +86,33 @@ def test_an_attacker_cannot_freeze_forge_or_reschedule_the_runs_records(bootstra
     assert f"refused a DHT record from {attacker_id}" in organiser.log(), organiser.log()[-3000:]
     assert "a plain value under a subkeyed key" in organiser.log()
     assert "not signed by this run's --run-key" in pinned.log() or "ignored 1 manifest" in pinned.log()
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_without_the_swarm_key_is_refused_in_one_line(tmp_path):
+    from hivemind.utils import get_dht_time
+
+    from node.library.dht import RecordRules, shutdown_dht, start_dht
+    from node.library.run_record import DhtDirectory, join_run
+    from protocols.errors import ConfigError
+    from protocols.manifest import RunManifest
+
+    rules = RecordRules(run_ids=("private",), swarm_key=b"s" * 32)
+    member = start_dht(initial_peers=[], listen=["/ip4/127.0.0.1/tcp/0"], announce=[], timeout=30, rules=rules)
+    stranger = None
+    try:
+        ours = RunManifest.create("private", {"model.d_model": 64}, start_time=get_dht_time(), round_seconds=10.0)
+        join_run(DhtDirectory(member, "private", owner=member.shoal_key.public), ours, record_ttl=60)
+        address = [str(m) for m in member.get_visible_maddrs()]
+        stranger = start_dht(initial_peers=address, listen=["/ip4/127.0.0.1/tcp/0"], announce=[], timeout=30,
+                             rules=RecordRules(run_ids=("private",)))
+        with pytest.raises(ConfigError, match="this swarm is private"):
+            join_run(DhtDirectory(stranger, "private", owner=stranger.shoal_key.public), ours, record_ttl=60,
+                     settle_s=0)
+        # ...and nothing it stores reaches the member: not stored there, not believed when read back.
+        stranger.store("elsewhere", 1, get_dht_time() + 30)
+        assert member.get("elsewhere", latest=True) is None
+    finally:
+        for dht in (stranger, member):
+            if dht is not None:
+                shutdown_dht(dht)
