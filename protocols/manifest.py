@@ -11,6 +11,7 @@ Everything here is pure (no DHT): ``node.library.run_record`` stores and fetches
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocols.errors import ConfigError
+from protocols.identity import RUN_KEY_BYTES, RunKey, verify_run_signature
 from protocols.keys import validate_run_id
 from protocols.messages import MessageError
 from protocols.version import PROTOCOL_VERSION
@@ -28,6 +30,9 @@ MAX_FIELDS = 256
 MAX_KEY_CHARS = 64
 MAX_VALUE_CHARS = 256
 MAX_ROUND_SECONDS = 7 * 24 * 3600.0
+SIGNED_VERSION = 1  # the envelope that carries a manifest and its organiser's signature
+MIN_START_TIME = 1.6e9  # 2020-09-13: no run of this protocol started before it
+START_SLACK = 60.0  # seconds a start may lie ahead of the reader's clock (DHT time skew)
 
 def fields_hash(fields: dict[str, Any]) -> str:
     """A stable hash of the agreed fields (canonical JSON: sorted keys, no whitespace)."""
@@ -43,6 +48,9 @@ class RunManifest:
     round_seconds: float
     fields: dict[str, Any]  # flat ``section.field -> value``; values are JSON scalars or short lists
     config_hash: str
+    # The organiser's public key (Ed25519) that signed it, set by ``decode_signed``; not part of ``encode``.
+    organiser: bytes = b""
+    signature: bytes = b""  # the organiser's signature over ``encode()``, set by ``signed_by``/``decode_signed``
 
     @classmethod
     def create(cls, run_id: str, fields: dict[str, Any], *, start_time: float, round_seconds: float) -> RunManifest:
@@ -56,7 +64,45 @@ class RunManifest:
                 "fields": self.fields, "hash": self.config_hash}
 
     def with_start(self, start_time: float) -> RunManifest:
+        """The same run starting at ``start_time`` (unsigned: its organiser signs it again)."""
         return RunManifest(self.run_id, self.protocol, start_time, self.round_seconds, self.fields, self.config_hash)
+
+    def signed_by(self, key: RunKey) -> RunManifest:
+        """This manifest with the organiser's signature over its canonical bytes."""
+        return dataclasses.replace(self, organiser=key.public, signature=key.sign(_canonical(self.encode())))
+
+    def signed_value(self) -> dict:
+        """The DHT value: the manifest, its organiser's key and signature (any peer may republish it)."""
+        assert self.signature, "only a signed manifest is published"
+        return {"v": SIGNED_VERSION, "manifest": self.encode(), "run_key": self.organiser, "sig": self.signature}
+
+
+def _canonical(encoded: dict) -> bytes:
+    return json.dumps(encoded, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_signed(value: Any) -> RunManifest:
+    """A signed manifest read from the DHT, with ``organiser`` set to the key that signed it;
+    ``MessageError`` if the envelope, the manifest or the signature is bad. Which organiser to
+    trust is the reader's decision (``node.library.run_record``)."""
+    if not isinstance(value, dict) or value.get("v") != SIGNED_VERSION:
+        raise MessageError("not a signed manifest")
+    public, signature, inner = value.get("run_key"), value.get("sig"), value.get("manifest")
+    if not isinstance(public, bytes) or len(public) != RUN_KEY_BYTES or not isinstance(signature, bytes):
+        raise MessageError("signed manifest lacks a run key or signature")
+    decoded = decode(inner)
+    if not verify_run_signature(public, _canonical(decoded.encode()), signature):
+        raise MessageError("manifest signature does not match its run key")
+    return dataclasses.replace(decoded, organiser=public, signature=signature)
+
+
+def check_schedule(theirs: RunManifest, now: float) -> None:
+    """``MessageError`` if a manifest's schedule cannot be a real run's at ``now``: a start before
+    ``MIN_START_TIME`` (e.g. 0, which would put every peer in round ~1.8e8) or in the future."""
+    if theirs.start_time < MIN_START_TIME:
+        raise MessageError(f"manifest starts at {theirs.start_time:.0f}, before {MIN_START_TIME:.0f}")
+    if theirs.start_time > now + START_SLACK:
+        raise MessageError(f"manifest starts {theirs.start_time - now:.0f}s in the future")
 
 
 def decode(value: Any) -> RunManifest:

@@ -24,23 +24,29 @@ def bootstrap(
     bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, metavar="SECONDS", help="Seconds to wait for --initial-peer before giving up."),
     metrics_port: int = typer.Option(None, "--metrics-port", envvar="SHOAL_METRICS_PORT", min=0, max=65535, metavar="PORT", help="Serve Prometheus /metrics (shoal_peers: DHT peers known) and /healthz on this port."),
     metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="SHOAL_METRICS_HOST", metavar="HOST", help="Address for --metrics-port."),
+    run_id: list[str] = typer.Option([], "--run-id", envvar="SHOAL_RUN_IDS", metavar="ID", help="A run whose records this entry peer checks fully (schema, owner signature), not only their expiration (repeatable)."),
+    swarm_key: Path = typer.Option(None, "--swarm-key", envvar="SHOAL_SWARM_KEY", metavar="FILE", help="Private swarm: store only records sealed with this key file."),
 ) -> None:
     """Run a light DHT-only entry peer (no model, no GPU) for a swarm; runs until Ctrl+C."""
     from node.library.bootstrap import BootstrapPeer, expand_initial_peers, write_address_file
+    from node.library.dht import RecordRules, load_swarm_key
     from protocols.addresses import parse_listen_multiaddr
+    from protocols.keys import validate_run_id
 
     configure_logging(ui=False)
     try:
         peers = expand_initial_peers(initial_peer, timeout=bootstrap_timeout)
         listen_addrs = [parse_listen_multiaddr(a, "--listen") for a in listen] or ["/ip4/0.0.0.0/tcp/31337"]
         announce_addrs = [parse_listen_multiaddr(a, "--announce") for a in announce]
+        rules = RecordRules(run_ids=tuple(validate_run_id(r) for r in run_id),
+                            swarm_key=load_swarm_key(swarm_key) if swarm_key else None)
     except ShoalError as e:
         fail(e)
     stop = threading.Event()
     Interrupts(stop).install()
     try:
         peer = BootstrapPeer(listen=listen_addrs, announce=announce_addrs, identity=identity,
-                             initial_peers=peers, timeout=bootstrap_timeout)
+                             initial_peers=peers, timeout=bootstrap_timeout, rules=rules)
     except ShoalError as e:
         fail(e)
     Interrupts(stop).install()  # hivemind's DHT start may have replaced our handler

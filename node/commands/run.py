@@ -33,6 +33,8 @@ def run(
     use_relay: bool = typer.Option(False, "--use-relay", envvar="SHOAL_USE_RELAY", help="Behind NAT: become reachable through other peers' libp2p relays."),
     metrics_port: int = typer.Option(None, "--metrics-port", envvar="SHOAL_METRICS_PORT", min=0, max=65535, metavar="PORT", help="Serve Prometheus /metrics and a /healthz probe on this port (0: any free port)."),
     metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="SHOAL_METRICS_HOST", metavar="HOST", help="Address for --metrics-port (0.0.0.0 to let another machine or container scrape it)."),
+    run_key: str = typer.Option(None, "--run-key", envvar="SHOAL_RUN_KEY", metavar="KEY", help="The run organiser's public key (printed in its join line): only manifests it signed are followed."),
+    swarm_key: Path = typer.Option(None, "--swarm-key", envvar="SHOAL_SWARM_KEY", metavar="FILE", help="Private swarm: only peers with this key file are admitted (every DHT record is sealed with it)."),
 ) -> None:
     """Join (or start) a swarm and train."""
     ui = not no_ui and sys.stdout.isatty()
@@ -42,8 +44,10 @@ def run(
         if client_mode and use_relay:
             raise ConfigError("--client-mode and --use-relay exclude each other; pick one (see README: NAT)")
         from node.library.bootstrap import expand_initial_peers
+        from node.library.dht import load_swarm_key
         from node.process.config import load_config
         from protocols.addresses import parse_listen_multiaddr
+        from protocols.identity import parse_run_key
 
         options = PeerOptions(
             initial_peers=expand_initial_peers(initial_peer, timeout=bootstrap_timeout),
@@ -52,6 +56,8 @@ def run(
             max_rounds=max_rounds, checkpoint_dir=checkpoint_dir, metrics_file=metrics_file, ui=ui,
             bootstrap_timeout=bootstrap_timeout, identity=identity, client_mode=client_mode,
             use_relay=use_relay, metrics_port=metrics_port, metrics_host=metrics_host,
+            run_key=parse_run_key(run_key) if run_key else None,
+            swarm_key=load_swarm_key(swarm_key) if swarm_key else None,
         )
         overrides = {"run_id": run_id, "train.device": device, "round.seconds": round_seconds,
                      "round.sync_mode": sync_mode, "train.throttle": throttle}

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -28,6 +29,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON snapshot (run_id, round, peers, tokens_per_s, loss, malformed, peer_list) and exit."),
     interval: float = typer.Option(2.0, "--interval", min=0.5, help="Seconds between refreshes with --watch."),
     bootstrap_timeout: float = typer.Option(30.0, "--bootstrap-timeout", envvar="SHOAL_BOOTSTRAP_TIMEOUT", min=1, help="Seconds to wait for an initial peer before giving up."),
+    swarm_key: Path = typer.Option(None, "--swarm-key", envvar="SHOAL_SWARM_KEY", metavar="FILE", help="A private swarm's key file (the swarm refuses peers without it)."),
 ) -> None:
     """Show a running swarm: peers, throughput, round, loss (without joining it)."""
     # 1. Parse: every problem is one line and an exit code, before any network process starts.
@@ -47,9 +49,10 @@ def status(
             run_id = load_config(None).run_id
         validate_run_id(run_id)
         # 2. Connect (forks hivemind's DHT process and p2pd).
-        from node.library.dht import open_client_dht
+        from node.library.dht import RecordRules, load_swarm_key, open_client_dht
 
-        dht = open_client_dht(peers, bootstrap_timeout)
+        rules = RecordRules(run_ids=(run_id,), swarm_key=load_swarm_key(swarm_key) if swarm_key else None)
+        dht = open_client_dht(peers, bootstrap_timeout, rules)
     except ShoalError as e:
         fail(e)
     # 3. Look, print, and always leave.

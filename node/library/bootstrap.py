@@ -14,7 +14,7 @@ from pathlib import Path
 
 from node.library.atomic import write_atomically
 from node.library.cleanup import hivemind_sockets
-from node.library.dht import dht_peer_count, shutdown_dht, start_dht
+from node.library.dht import RecordRules, dht_peer_count, shutdown_dht, start_dht
 from protocols.addresses import format_join_command, parse_peer_multiaddr
 from protocols.errors import ConfigError, NetworkError
 
@@ -61,10 +61,10 @@ class BootstrapPeer:
     """The DHT node behind ``shoal bootstrap``; ``serve`` blocks until ``stop`` is set."""
 
     def __init__(self, *, listen: list[str], announce: list[str], identity: Path | None,
-                 initial_peers: list[str], timeout: float):
+                 initial_peers: list[str], timeout: float, rules: RecordRules = RecordRules()):
         self._sockets_before = hivemind_sockets()
         self.dht = start_dht(initial_peers=initial_peers, listen=listen, announce=announce, timeout=timeout,
-                             identity=identity)
+                             identity=identity, rules=rules)
         self.peer_id = str(self.dht.peer_id)
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         if not self.maddrs:

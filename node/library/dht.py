@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from hivemind import DHT
 
 from node.library.cleanup import close_hivemind, hivemind_sockets
-from protocols import safe_decoding
+from protocols import records, safe_decoding
 from protocols.errors import ConfigError, NetworkError
+from protocols.identity import PeerKey
+
+MIN_SWARM_KEY_BYTES = 16
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +62,75 @@ def _is_private(maddr: str) -> bool:
     return address.is_private or address.is_loopback or address.is_link_local
 
 
+@dataclass(frozen=True, slots=True)
+class RecordRules:
+    """What our DHT node validates (``protocols.records``): the records of these runs fully, and
+    with a swarm key, only records sealed with it (a private swarm)."""
+
+    run_ids: tuple[str, ...] = ()
+    pinned_run_key: bytes | None = None  # --run-key: manifests signed by another key are refused
+    swarm_key: bytes | None = None  # --swarm-key FILE's contents
+
+
+def load_swarm_key(path: Path) -> bytes:
+    """``--swarm-key FILE``: the file's bytes are the key (e.g. ``head -c 32 /dev/urandom | base64``)."""
+    path = Path(path).expanduser()
+    try:
+        data = path.read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"--swarm-key {path}: cannot read it ({e.strerror}); pass the swarm's key file") from None
+    if len(data) < MIN_SWARM_KEY_BYTES:
+        raise ConfigError(f"--swarm-key {path}: holds {len(data)} bytes, a swarm key needs at least "
+                          f"{MIN_SWARM_KEY_BYTES}; make one with: head -c 32 /dev/urandom | base64 > {path}")
+    return data
+
+
 def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str], timeout: float,
-              identity: Path | None = None, reachability: Reachability = Reachability()) -> DHT:
+              identity: Path | None = None, reachability: Reachability = Reachability(),
+              rules: RecordRules = RecordRules()) -> DHT:
     """Start our DHT node; an unreachable bootstrap peer is a one-line error after ``timeout`` s.
-    hivemind's decoders are bounded first: the DHT process and the averager, forked later, inherit it."""
+    hivemind's decoders are bounded first: the DHT process and the averager, forked later, inherit it.
+
+    Our identity key is loaded (or made) here, before the DHT forks, because its validator signs
+    our records with it; without ``identity`` a fresh key lives in a private temp file only until
+    p2pd has read it. The key is kept as ``dht.shoal_key`` (``PeerKey``)."""
     safe_decoding.install()
+    records.install()
     if reachability.client_mode and not initial_peers:
         raise ConfigError("--client-mode needs --initial-peer: a peer nobody can connect to cannot start a swarm")
-    identity_path = prepare_identity(identity) if identity is not None else None
+    temp_dir = None
+    if identity is not None:
+        identity_path = prepare_identity(identity)
+        fresh = not Path(identity_path).exists()
+    else:
+        temp_dir = tempfile.mkdtemp(prefix="shoal-identity-")
+        identity_path, fresh = os.path.join(temp_dir, "identity.key"), True
+    if fresh:
+        peer_key = PeerKey.generate()
+        fd = os.open(identity_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(peer_key.identity_bytes())
+    else:
+        try:
+            peer_key = PeerKey.from_identity(Path(identity_path).read_bytes())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"identity file {identity_path} cannot be used ({e}); delete it to create a new one "
+                              "(this peer's id will change)") from None
+    validators = [records.ShoalRecordValidator(rules.run_ids, peer_key, pinned_run_key=rules.pinned_run_key),
+                  records.SwarmKeyValidator(rules.swarm_key)]
     sockets_before = hivemind_sockets()
+    try:
+        dht = _start(initial_peers, listen, announce, timeout, identity_path, reachability, validators,
+                     sockets_before, check_identity=not fresh)
+    finally:
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    dht.shoal_key = peer_key
+    return dht
+
+
+def _start(initial_peers, listen, announce, timeout, identity_path, reachability, validators, sockets_before,
+           *, check_identity: bool) -> DHT:
     dht = DHT(
         initial_peers=initial_peers or None,
         host_maddrs=listen or ["/ip4/0.0.0.0/tcp/0"],
@@ -73,6 +139,9 @@ def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str
         client_mode=reachability.client_mode,
         use_relay=True,  # hivemind's default: we may dial peers that are reachable only via relays
         use_auto_relay=reachability.use_relay,
+        record_validators=validators,
+        # A key made a moment ago cannot be in use elsewhere: skip hivemind's probe (another p2pd).
+        check_if_identity_free=check_identity,
         start=False,
     )
     try:
@@ -81,10 +150,10 @@ def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str
     except BaseException as e:
         shutdown_dht(dht, sockets_before)
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        if identity_path is not None and "already taken" in reason:
+        if check_identity and "already taken" in reason:
             raise ConfigError(f"another peer is already running with the identity in {identity_path}; stop it or "
                               "pass a different --identity") from None
-        if identity_path is not None and ("unmarshal" in reason or "proto" in reason.lower()):
+        if check_identity and ("unmarshal" in reason or "proto" in reason.lower()):
             raise ConfigError(f"identity file {identity_path} is not a libp2p private key; delete it to create a "
                               "new one (this peer's id will change)") from None
         if initial_peers:
@@ -129,10 +198,11 @@ def stop_dht(dht: DHT) -> None:
             dht.terminate()
 
 
-def open_client_dht(initial_peers: list[str], timeout: float) -> DHT:
-    """A client-mode DHT node bootstrapped from ``initial_peers`` (``NetworkError`` if none answers)."""
+def open_client_dht(initial_peers: list[str], timeout: float, rules: RecordRules = RecordRules()) -> DHT:
+    """A client-mode DHT node bootstrapped from ``initial_peers`` (``NetworkError`` if none answers);
+    ``rules`` must name the run it reads, or its signed records are not unwrapped."""
     return start_dht(initial_peers=initial_peers, listen=[], announce=[], timeout=timeout,
-                     reachability=Reachability(client_mode=True))
+                     reachability=Reachability(client_mode=True), rules=rules)
 
 
 def dht_peer_count(dht: DHT) -> int:

@@ -73,12 +73,15 @@ class LocalDirectory:
         return self.hub.clock()
 
     def publish_manifest(self, ours: RunManifest, *, ttl: float) -> None:
-        self.hub.store(self.run_id, "manifest", self.peer_id, ours.encode(), ttl)
+        self.hub.store(self.run_id, "manifest", self.peer_id, ours.signed_value(), ttl)
 
     def manifests(self) -> tuple[list[RunManifest], int]:
         now = self.now()
         return decode_manifests([item.value for item in self.hub.read(self.run_id, "manifest").values()
                                  if item.expiration_time >= now])
+
+    def refusal(self) -> str | None:
+        return None  # an in-process swarm has no swarm key
 
     def publish_progress(self, record: ProgressRecord, *, ttl: float) -> None:
         self.hub.store(self.run_id, "progress", self.peer_id, progress.encode(record), ttl)

@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from node.library.run_record import MANIFEST_TTL, RunDirectory
+from node.library.run_record import MANIFEST_TTL, RunDirectory, RunTrust, converge
 from protocols.manifest import RunManifest
 from protocols.progress import ProgressRecord
 from protocols.schedule import RoundSchedule
@@ -24,8 +24,10 @@ class PeerMonitor:
     else is alive: records expire on their own, so a peer that crashed drops out by itself."""
 
     def __init__(self, directory: RunDirectory, ours: RunManifest, *, peer_id: str, period: float,
-                 status: Callable[[], ProgressRecord], on_change: Callable[[set[str], set[str]], None]):
+                 status: Callable[[], ProgressRecord], on_change: Callable[[set[str], set[str]], None],
+                 trust: RunTrust | None = None):
         self.directory, self.manifest, self.peer_id, self.period = directory, ours, peer_id, period
+        self.trust = trust if trust is not None else RunTrust(pinned=ours.organiser or None)
         self._status, self._on_change = status, on_change
         self.peers: dict[str, ProgressRecord] = {}
         self.malformed = 0  # records ignored at the last read (validation failed)
@@ -65,13 +67,10 @@ class PeerMonitor:
         mine = self._status()
         self.directory.publish_progress(mine, ttl=self.ttl)
         self.directory.publish_manifest(self.manifest, ttl=max(self.ttl, MANIFEST_TTL))
-        # A peer that started the run at the same moment as us may have published an earlier
-        # start: everybody converges on the earliest one.
+        # A peer that organised the run at the same moment as us may have published an earlier
+        # start: new organisers converge on one (``converge`` says who may move, and how far).
         manifests, _ = self.directory.manifests()
-        earliest = min((m.start_time for m in manifests if m.config_hash == self.manifest.config_hash),
-                       default=self.manifest.start_time)
-        if earliest < self.manifest.start_time:
-            self.manifest = self.manifest.with_start(earliest)
+        self.manifest = converge(self.manifest, manifests, self.trust, self.directory.now())
         live, self.malformed = self.directory.progress()
         live[self.peer_id] = mine
         joined, left = set(live) - set(self.peers), set(self.peers) - set(live)

@@ -20,7 +20,7 @@ from hivemind import DHT
 from averaging.backend import AppliedUpdate, AveragingBackend
 from averaging.hivemind_backend import HivemindBackend
 from node.library.config import AveragingConfig
-from node.library.dht import Reachability, start_dht, stop_dht
+from node.library.dht import Reachability, RecordRules, start_dht, stop_dht
 from node.library.run_record import DhtDirectory, RunDirectory
 from protocols.keys import averager_prefix
 
@@ -55,13 +55,13 @@ class HivemindNetwork:
 
     @classmethod
     def start(cls, *, initial_peers: list[str], listen: list[str], announce: list[str], timeout: float,
-              identity: Path | None, reachability: Reachability) -> HivemindNetwork:
+              identity: Path | None, reachability: Reachability, rules: RecordRules = RecordRules()) -> HivemindNetwork:
         """Start our DHT node (``NetworkError`` if no initial peer answers within ``timeout``)."""
         return cls(start_dht(initial_peers=initial_peers, listen=listen, announce=announce, timeout=timeout,
-                             identity=identity, reachability=reachability))
+                             identity=identity, reachability=reachability, rules=rules))
 
     def directory(self, run_id: str) -> RunDirectory:
-        return DhtDirectory(self.dht, run_id)
+        return DhtDirectory(self.dht, run_id, owner=self.dht.shoal_key.public)
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
                 client_mode: bool, update_provider: UpdateProvider | None = None) -> AveragingBackend:

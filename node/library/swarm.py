@@ -28,7 +28,7 @@ from averaging.sync import SyncWorker
 from averaging.traffic import STATE_BYTES_PER_VALUE, Traffic, round_payload
 from node.library.cleanup import close_hivemind, hivemind_sockets
 from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
-from node.library.dht import Reachability
+from node.library.dht import Reachability, RecordRules
 from node.library.monitor import PeerMonitor
 from node.library.network import HivemindNetwork, Network
 from node.library.resume import (
@@ -37,7 +37,7 @@ from node.library.resume import (
     save_shared_state,
     state_from_checkpoint,
 )
-from node.library.run_record import MANIFEST_TTL, join_run
+from node.library.run_record import MANIFEST_TTL, RunTrust, join_run
 from protocols.errors import CheckpointError
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
@@ -106,10 +106,15 @@ class DiLoCoSwarm:
         heartbeat: Callable[[], Heartbeat] | None = None,
         on_peers_changed: Callable[[set[str], set[str]], None] | None = None,
         network: Network | None = None,
+        run_key: bytes | None = None,
+        swarm_key: bytes | None = None,
+        trust_dir: str | Path | None = None,
     ):
         """``network``: how this peer reaches the others; default hivemind's DHT and all-reduce,
         started from ``initial_peers``/``listen``/``announce``/``identity`` (those are ignored when a
-        network is given, e.g. ``node.library.local_network.LocalNetwork`` in tests)."""
+        network is given, e.g. ``node.library.local_network.LocalNetwork`` in tests). ``run_key``: the
+        organiser key to follow (``--run-key``); ``swarm_key``: a private swarm's key (``--swarm-key``);
+        ``trust_dir``: where the run key trusted on first use and our own organiser key are kept."""
         self.model, self.run_id = model, run_id
         self.outer_config = outer or OuterConfig()
         self.averaging = averaging or AveragingConfig()
@@ -124,12 +129,17 @@ class DiLoCoSwarm:
         self.tokens_contributed = 0
         self.last_stats: RoundStats | None = None
         self._network: Network | None = None
+        folder = Path(trust_dir) if trust_dir is not None else None
+        self.trust = RunTrust(pinned=run_key, explicit=run_key is not None,
+                              pin_file=folder / f"{run_id}.run-key" if folder else None,
+                              organiser_file=folder / f"{run_id}.organiser.key" if folder else None)
         try:
             self._build_state(shared or {})
             self._network = network or HivemindNetwork.start(
                 initial_peers=self.initial_peers, listen=list(listen), announce=list(announce),
                 timeout=bootstrap_timeout, identity=Path(identity) if identity else None,
-                reachability=self.reachability)
+                reachability=self.reachability,
+                rules=RecordRules(run_ids=(run_id,), pinned_run_key=run_key, swarm_key=swarm_key))
             self._closers.append(self._network.close)
             self._join()
             self._build_engine(device, on_peers_changed)
@@ -159,7 +169,7 @@ class DiLoCoSwarm:
         self._directory = network.directory(self.run_id)
         ours = RunManifest.create(self.run_id, self.shared, start_time=self._directory.now(),
                                   round_seconds=self.rounds.seconds)
-        self.manifest = join_run(self._directory, ours, record_ttl=MANIFEST_TTL)
+        self.manifest = join_run(self._directory, ours, record_ttl=MANIFEST_TTL, trust=self.trust)
 
     def _build_engine(self, device, on_peers_changed) -> None:
         """The averager (hivemind forks it: before our own threads, and before CUDA if the caller
@@ -174,7 +184,7 @@ class DiLoCoSwarm:
         self._closers.insert(0, self._worker.close)
         self._monitor = PeerMonitor(self._directory, self.manifest, peer_id=self.peer_id,
                                     period=min(5.0, max(1.0, self.rounds.seconds / 3)), status=self._status,
-                                    on_change=on_peers_changed or (lambda joined, left: None))
+                                    on_change=on_peers_changed or (lambda joined, left: None), trust=self.trust)
         self._closers.insert(0, self._monitor.stop)
         self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
         named_now = lambda: dict(self.model.named_parameters())  # noqa: E731 - follows .to(device)

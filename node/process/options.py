@@ -27,3 +27,5 @@ class PeerOptions:
     use_relay: bool = False  # --use-relay
     metrics_port: int | None = None  # --metrics-port
     metrics_host: str = "127.0.0.1"  # --metrics-host
+    run_key: bytes | None = None  # --run-key: the organiser key whose manifests this peer follows
+    swarm_key: bytes | None = None  # --swarm-key FILE's contents: a private swarm's admission key

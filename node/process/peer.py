@@ -38,6 +38,7 @@ from node.training.model import build_model, count_parameters
 from node.training.trainer import Trainer, device_label, inner_lr, resolve_device
 from protocols.addresses import format_join_command
 from protocols.errors import CheckpointError, ShoalError
+from protocols.identity import format_run_key
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class Peer:
             bootstrap_timeout=options.bootstrap_timeout, identity=options.identity, client_mode=options.client_mode,
             use_relay=options.use_relay, shared=self.shared, device=self.device,
             heartbeat=self._heartbeat, on_peers_changed=self._peers_changed, network=network,
+            run_key=options.run_key, swarm_key=options.swarm_key, trust_dir=options.checkpoint_dir,
         )
         self.peer_id = self.swarm.peer_id
 
@@ -178,6 +180,10 @@ class Peer:
             print(f"peer {self.peer_id} has no address others can dial", flush=True)
         else:
             extra = "" if config.run_id == DEFAULT_RUN_ID else f"--run-id {config.run_id}"
+            if swarm.manifest.organiser:  # joiners follow only the schedule this key signed
+                extra = f"{extra} --run-key {format_run_key(swarm.manifest.organiser)}"
+            if self.options.swarm_key is not None:
+                extra = f"{extra} --swarm-key FILE"
             print(f"peer {self.peer_id} listening on {' '.join(maddrs)}", flush=True)
             print(f"to join: {format_join_command(maddrs, extra)}", flush=True)
             logger.info(f"reachability: {reachability.describe(maddrs)}")
