@@ -34,7 +34,10 @@ from typing import Any
 
 import torch
 from hivemind import DHT, DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.compression import (
     CompressionBase,
     Float16Compression,
@@ -44,7 +47,8 @@ from hivemind.compression import (
 )
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
 
@@ -58,6 +62,9 @@ from averaging.download import (
 )
 from averaging.error_feedback import balanced_part_size
 from averaging.hivemind_codecs import ShoalCodec
+from averaging.robust import BanList, RobustConfig
+from averaging.robust_allreduce import GroupRefused, RobustAllReduceRunner, RobustCounters, vet_group
+from averaging.robust_allreduce import check_hivemind as check_robust_hooks
 from averaging.traffic import STATE_BYTES_PER_VALUE
 from averaging.wire import OPEN_GROUP_PARTS, WireFormat
 from protocols.state_slices import (
@@ -99,8 +106,9 @@ UPDATE_VERSION = 1
 
 
 class ShoalAverager(DecentralizedAverager):
-    """hivemind's averager plus what it lacks: a pluggable state provider, and a state download
-    cut into slices that several donors serve at once (``averaging.download``)."""
+    """hivemind's averager plus what it lacks: a pluggable state provider, a state download cut
+    into slices that several donors serve at once (``averaging.download``), and robust aggregation
+    (``averaging.robust_allreduce``; ``robust=None`` keeps hivemind's plain weighted mean)."""
 
     # Hazard: hivemind caches the RPC table per class but finds the cache through the MRO, so a
     # plain DecentralizedAverager set up earlier in this process would lend us a table without
@@ -109,7 +117,7 @@ class ShoalAverager(DecentralizedAverager):
     _stub_type = None
 
     def __init__(self, *args, state_provider: StateProvider, update_provider: UpdateProvider | None = None,
-                 registration_wait: float = 10.0, **kwargs):
+                 registration_wait: float = 10.0, robust: RobustConfig | None = None, **kwargs):
         self._state_provider = state_provider
         self._update_provider = update_provider
         self._registration_wait = registration_wait
@@ -120,6 +128,16 @@ class ShoalAverager(DecentralizedAverager):
         # created before the fork.
         self._host_request = torch.full((1,), STATE_REQUEST, dtype=torch.int64).share_memory_()
         self._host_lock: asyncio.Lock | None = None  # averager process, created on its event loop
+        if changed := check_robust_hooks():
+            raise RuntimeError(f"hivemind changed {', '.join(changed)} since shoal's robust all-reduce was "
+                               "written; re-check averaging/robust_allreduce.py against it before running")
+        self._robust = robust
+        # The ban list lives in the averager process (this object is forked with it); the counters
+        # are shared memory, for the host.
+        self._ban_list = BanList(robust.ban_rounds if robust is not None else 0)
+        self.robust_counters = RobustCounters()
+        target = kwargs.get("target_group_size")
+        self._max_group_size = min(robust.max_group_size if robust is not None else 2**31, target or 2**31)
         super().__init__(*args, **kwargs)
 
     def get_current_state(self):
@@ -164,6 +182,39 @@ class ShoalAverager(DecentralizedAverager):
         group = await future
         async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    # -- robust all-reduce (averager process) ------------------------------------------------
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        # The leader's group, vetted: size cap, our own entry, bandwidths dropped (vet_group).
+        try:
+            group_info = vet_group(group_info, peer_id=self.peer_id, bandwidth=self.bandwidth, mode=self.mode,
+                                   max_group_size=self._max_group_size, serializer=self.serializer)
+        except GroupRefused as e:
+            logger.warning(f"refused group {group_info.group_id.hex()[:8]} of {len(group_info.peer_ids)}: {e}")
+            raise MatchmakingException(f"refused the group: {e}") from None
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: bytes | None = None, **kwargs):
+        """hivemind's method (1.1.12, checked by ``robust_allreduce.check_hivemind``) with our runner."""
+        if self._robust is None:
+            return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        group_id = group_info.group_id if group_id is None else group_id
+        self._ban_list.next_round()
+        runner = RobustAllReduceRunner(
+            robust_config=self._robust, ban_list=self._ban_list, counters=self.robust_counters,
+            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, **kwargs)
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
 
     # -- donor side -------------------------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by
@@ -328,6 +379,8 @@ class ShoalAverager(DecentralizedAverager):
 class HivemindBackend:
     """Owns one ``ShoalAverager``; used only from the sync worker's thread (one owner)."""
 
+    averager_class: type[ShoalAverager] = ShoalAverager  # tests put a faulty subclass here
+
     def __init__(
         self,
         dht: DHT,
@@ -344,12 +397,13 @@ class HivemindBackend:
         allreduce_timeout: float = 60.0,
         client_mode: bool = False,
         state_lengths: Sequence[int] | None = None,
+        robust: RobustConfig | None = RobustConfig(),
     ):
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
         assert request_timeout < min_matchmaking_time
         wire = wire or WireFormat()
         extra = {} if wire.quantized else {"part_size_bytes": float_part_bytes(wire, numel)}
-        self._averager = ShoalAverager(
+        self._averager = self.averager_class(
             averaged_tensors=[torch.zeros(numel, dtype=torch.float32)],
             dht=dht,
             start=True,
@@ -368,6 +422,7 @@ class HivemindBackend:
             state_compression=NoCompression(),  # shared state must arrive exact
             client_mode=client_mode,
             shutdown_timeout=3,
+            robust=robust,
             **extra,
         )
         self.peer_id = str(dht.peer_id)
@@ -462,6 +517,11 @@ class HivemindBackend:
         served = tuple(sorted(result.served))
         return DownloadedState(peer=",".join(served), metadata=result.metadata, tensors=result.tensors,
                                donors=served)
+
+    def robustness(self) -> dict[str, int]:
+        """What robust aggregation refused since start (senders, reducers' returns, clipped parts,
+        bans), for the round engine's metrics; the peers are named in the averager's log."""
+        return self._averager.robust_counters.snapshot()
 
     @property
     def pid(self) -> int | None:

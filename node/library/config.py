@@ -15,6 +15,7 @@ from typing import Any
 from averaging.consistency import DEFAULT_ABS_TOL, DEFAULT_REL_TOL
 from averaging.diloco import OuterConfig
 from averaging.outer_loop import SyncMode, validate_sync
+from averaging.robust import AGGREGATIONS, RobustConfig
 from averaging.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat
 from protocols.errors import ConfigError
 
@@ -48,6 +49,10 @@ class AveragingConfig:
     allreduce_timeout: float = 60.0
     rel_tol: float = DEFAULT_REL_TOL  # anchors agree within rel_tol x RMS of the last pseudo-gradient
     abs_tol: float = DEFAULT_ABS_TOL
+    # How a reducer combines its senders' parts (averaging/robust.py): centered_clip equals the weighted
+    # mean when nobody is an outlier, and bounds what one stranger can move; "mean" is hivemind's.
+    aggregation: str = "centered_clip"  # mean | centered_clip | trimmed_mean
+    ban_rounds: int = 10  # a peer whose part or returned average was refused sits out this many rounds
 
     def __post_init__(self):
         if self.compression not in COMPRESSIONS:
@@ -65,9 +70,18 @@ class AveragingConfig:
                 f"averaging.request_timeout ({self.request_timeout}) must be below averaging.matchmaking_seconds "
                 f"({self.matchmaking_seconds}), or matchmaking can deadlock"
             )
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"averaging.aggregation ({self.aggregation!r}) must be one of: {', '.join(AGGREGATIONS)}")
+        if self.ban_rounds < 0:
+            raise ConfigError(f"averaging.ban_rounds ({self.ban_rounds}) must be >= 0 (0 = never ban)")
         if self.allreduce_timeout <= 0 or self.rel_tol <= 0 or self.abs_tol < 0:
             raise ConfigError("averaging.allreduce_timeout and averaging.rel_tol must be > 0, averaging.abs_tol >= 0")
 
+
+    @property
+    def robust(self) -> RobustConfig:
+        """The reducer's rules (``ShoalAverager`` also caps a group at target_group_size, when set)."""
+        return RobustConfig(aggregation=self.aggregation, ban_rounds=self.ban_rounds)
 
     @property
     def wire(self) -> WireFormat:

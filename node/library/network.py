@@ -72,6 +72,7 @@ class HivemindNetwork:
             wire=avg.wire, target_group_size=avg.target_group_size or None,
             min_group_size=avg.min_group_size, min_matchmaking_time=avg.matchmaking_seconds,
             request_timeout=avg.request_timeout, allreduce_timeout=avg.allreduce_timeout, client_mode=client_mode,
+            robust=avg.robust,
         )
         return self._backend
 

@@ -1,0 +1,244 @@
+"""Robust aggregation of one all-reduce part: the math a reducer applies to its senders' parts, and
+the checks a sender applies to what a reducer returns. Pure functions on tensors; the hivemind
+wiring is ``averaging.robust_allreduce``.
+
+Threat: a public swarm admits strangers. Without these rules one sender decides the average (a
+weight of 1e30, a part scaled ×1000, a sign flip) or destroys it (NaN, a part of the wrong shape).
+
+Rules, in the order a reducer applies them to part ``k``:
+1. ``check_part``: shape, dtype and finiteness, on arrival. A failing sender is refused at once.
+2. ``bound_weights``: a sender's weight is what it declared with its first part (fixed for the
+   round), clipped to ``max_weight_ratio`` × the median positive weight of the part's senders and
+   to ``max_weight`` (what a round's length allows). Negative or non-finite: refused (rule 1).
+3. ``norm_outliers``: a part whose L2 norm is above ``max_norm_ratio`` × the reference (the larger
+   of the reducer's own part's norm and the senders' lower median norm) is refused. The reducer's own
+   part is in the reference so that a sender of zeros cannot make honest parts look large; the
+   median is the lower one, so that with two senders a ×1000 part cannot halve its own bar.
+4. ``aggregate``: ``mean`` (hivemind's Σwx/Σw), ``centered_clip`` or ``trimmed_mean``.
+
+Why ``centered_clip`` is the default (``RobustConfig.aggregation``): CenteredClip (Karimireddy, He,
+Jaggi, arXiv 2012.10333; BTARD, arXiv 2106.11257, ran it inside hivemind's all-reduce) moves from a
+centre ``v`` by the weighted mean of ``clip_τ(x_i - v)``. We start at the coordinate-wise median
+(unweighted: a sender's weight buys no say in where the centre is) and take ``τ = clip_ratio`` ×
+the median distance of the parts to it, so τ scales with the honest spread. Then:
+- every clipped part lies within τ of the centre, so the result does too: an attacker of any size
+  moves the result by at most ``τ × its weight share`` (one iteration), never to its own values;
+- when no part is further than τ from the centre (an honest group), one iteration returns the
+  weighted mean exactly: a public run pays nothing in accuracy for being robust.
+A coordinate-wise trimmed mean discards the extremes of every coordinate even in an honest group
+(it is not the weighted mean there) and ignores weights in what it drops; it is offered for runs
+that want it. More CenteredClip iterations converge towards the clipped fixed point, which only
+resists an attacker holding less than half of the (bounded) weight; one is the default.
+
+Limits, stated plainly: no rule outvotes anyone with two senders (the median of two is their
+mean); with three, one attacker still moves the result by up to τ·(its share). Weights cannot be
+verified: ``max_weight_ratio`` bounds how much a liar gains, at the cost of under-weighting an
+honest peer that really did more than that many times the median work.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocols.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")
+
+
+@dataclass(kw_only=True, slots=True)
+class RobustConfig:
+    """How a reducer aggregates its senders' parts and what it refuses (module docstring)."""
+
+    aggregation: str = "centered_clip"  # mean | centered_clip | trimmed_mean
+    max_weight_ratio: float = 3.0  # a sender's weight is clipped to this × the median weight of its group
+    max_weight: float = 0.0  # absolute weight cap (what a round's length allows); 0 = none
+    clip_ratio: float = 2.0  # CenteredClip radius τ, in median distances of the parts to their median
+    clip_iterations: int = 1
+    trim_fraction: float = 0.25  # trimmed mean: fraction of senders dropped at each end, per coordinate
+    max_norm_ratio: float = 30.0  # a part (or a returned average) larger than this × the reference is refused
+    ban_rounds: int = 10  # a peer that sent or returned something refused is excluded for this many rounds
+    max_group_size: int = 64  # a leader's group larger than this (or than target_group_size) is refused
+
+    def __post_init__(self):
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"averaging.aggregation ({self.aggregation!r}) must be one of: {', '.join(AGGREGATIONS)}")
+        if not self.max_weight_ratio >= 1 or not self.max_weight >= 0:
+            raise ConfigError("max_weight_ratio must be >= 1 and max_weight >= 0 (0 = no absolute cap)")
+        if not self.clip_ratio > 0 or not 1 <= self.clip_iterations <= 100:
+            raise ConfigError("clip_ratio must be > 0 and clip_iterations in [1, 100]")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ConfigError(f"trim_fraction ({self.trim_fraction}) must be in [0, 0.5)")
+        if not self.max_norm_ratio > 1 or self.ban_rounds < 0 or self.max_group_size < 2:
+            raise ConfigError("max_norm_ratio must be > 1, ban_rounds >= 0 and max_group_size >= 2")
+
+
+# -- 1. validation ---------------------------------------------------------------------------------
+
+def check_weight(weight: float) -> str | None:
+    """Why a declared weight is refused, or None. 0 is legal (hivemind: receive without contributing)."""
+    if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        return f"declared weight {weight!r:.20} (must be finite and >= 0)"
+    return None
+
+
+def check_part(part: torch.Tensor, shape: torch.Size, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why a received part is refused before it is counted (shape, dtype, finiteness), or None."""
+    if part.shape != shape:
+        return f"part of shape {list(part.shape)[:4]}, expected {list(shape)}"
+    if part.dtype != dtype:
+        return f"part of dtype {part.dtype}, expected {dtype}"
+    if not bool(torch.isfinite(part).all()):
+        return "part has NaN/inf values"
+    return None
+
+
+def check_returned(delta: torch.Tensor, own: torch.Tensor, *, max_norm_ratio: float) -> str | None:
+    """Why a reducer's returned delta (average - our part) must not be applied, or None.
+
+    Only our own part is trusted here, so the bound is relative to it: the average a reducer
+    claims may be at most ``max_norm_ratio`` × our part's norm. With a zero part (a peer that made
+    no step) only shape and finiteness can be checked."""
+    if delta.shape != own.shape or delta.dtype != own.dtype:
+        return f"returned {list(delta.shape)[:4]} {delta.dtype}, expected {list(own.shape)} {own.dtype}"
+    if not bool(torch.isfinite(delta).all()):
+        return "returned NaN/inf values"
+    own_norm = float(own.double().norm())
+    average_norm = float((own.double() + delta.double()).norm())
+    if own_norm > 0 and average_norm > max_norm_ratio * own_norm:
+        return f"returned an average {average_norm / own_norm:.3g}x the norm of our part"
+    return None
+
+
+def norms(parts: Sequence[torch.Tensor]) -> list[float]:
+    return [float(part.double().norm()) for part in parts]
+
+
+def norm_outliers(part_norms: Sequence[float], *, own_norm: float, max_norm_ratio: float) -> list[int]:
+    """Indices of parts larger than ``max_norm_ratio`` × max(our own part's norm, the lower median norm)."""
+    if not part_norms:
+        return []
+    # The lower median: with two senders the plain median (their mean) would let a x1000 part pass.
+    reference = max(own_norm, statistics.median_low(part_norms))
+    if reference <= 0:
+        return [i for i, n in enumerate(part_norms) if n > 0] if own_norm > 0 else []
+    return [i for i, n in enumerate(part_norms) if n > max_norm_ratio * reference]
+
+
+# -- 2. weights --------------------------------------------------------------------------------
+
+def bound_weights(weights: Sequence[float], *, max_ratio: float, max_weight: float = 0.0) -> list[float]:
+    """Each weight clipped to ``max_ratio`` × the median of the positive ones and to ``max_weight``
+    (if > 0). Weights must already be valid (``check_weight``)."""
+    positive = [w for w in weights if w > 0]
+    if not positive:
+        return [float(w) for w in weights]
+    cap = max_ratio * statistics.median(positive)
+    if max_weight > 0:
+        cap = min(cap, max_weight)
+    return [min(float(w), cap) for w in weights]
+
+
+# -- 3. aggregation ----------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Aggregate:
+    value: torch.Tensor
+    clipped: list[int]  # indices of parts that did not count in full (clipped or trimmed away)
+
+
+def coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
+    """Median over dim 0; for an even count the mean of the two middle values (``torch.median``
+    returns the lower one, which would let one of two senders pick the centre)."""
+    n = stacked.shape[0]
+    ordered = stacked.sort(dim=0).values
+    if n % 2:
+        return ordered[n // 2]
+    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], config: RobustConfig) -> Aggregate:
+    """The aggregate of ``parts`` (same shape, finite) under ``config.aggregation``, in the parts' dtype.
+    Weights are used as given (bound them first); if none is positive, all count equally (hivemind
+    would divide by zero)."""
+    assert parts and len(parts) == len(weights)
+    dtype = parts[0].dtype
+    stacked = torch.stack([part.reshape(-1).double() for part in parts])
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    if not bool((w > 0).any()):
+        w = torch.ones_like(w)
+    if config.aggregation == "mean" or len(parts) == 1:
+        value, clipped = (w[:, None] * stacked).sum(0) / w.sum(), []
+    elif config.aggregation == "centered_clip":
+        value, clipped = _centered_clip(stacked, w, config.clip_ratio, config.clip_iterations)
+    else:
+        value, clipped = _trimmed_mean(stacked, w, config.trim_fraction)
+    return Aggregate(value.reshape(parts[0].shape).to(dtype), clipped)
+
+
+def _centered_clip(stacked: torch.Tensor, w: torch.Tensor, clip_ratio: float,
+                   iterations: int) -> tuple[torch.Tensor, list[int]]:
+    center = coordinate_median(stacked)
+    tau = clip_ratio * float(coordinate_median((stacked - center).norm(dim=1)[:, None])[0])
+    scale = torch.ones_like(w)
+    for _ in range(iterations):
+        offsets = stacked - center
+        distance = offsets.norm(dim=1)
+        scale = torch.where(distance > tau, tau / distance.clamp_min(1e-300), torch.ones_like(distance))
+        center = center + ((w * scale)[:, None] * offsets).sum(0) / w.sum()
+    return center, [i for i in range(len(w)) if scale[i] < 1]
+
+
+def _trimmed_mean(stacked: torch.Tensor, w: torch.Tensor, trim_fraction: float) -> tuple[torch.Tensor, list[int]]:
+    n = stacked.shape[0]
+    trim = min(math.ceil(trim_fraction * n), (n - 1) // 2)
+    if trim == 0:
+        return (w[:, None] * stacked).sum(0) / w.sum(), []
+    ordered, order = stacked.sort(dim=0)
+    kept, kept_order = ordered[trim:n - trim], order[trim:n - trim]
+    kept_w = w[kept_order]
+    total = kept_w.sum(0)
+    # A coordinate whose kept senders all have weight 0: their plain mean.
+    value = torch.where(total > 0, (kept_w * kept).sum(0) / total.clamp_min(1e-300), kept.mean(0))
+    trimmed_share = 1 - torch.bincount(kept_order.reshape(-1), minlength=n).double() / stacked.shape[1]
+    return value, [i for i in range(n) if trimmed_share[i] > 0.5]
+
+
+# -- 4. bans -----------------------------------------------------------------------------------
+
+class BanList:
+    """Peers excluded for a number of all-reduce rounds after they sent or returned something refused.
+    Lives in the averager process (one per averager); not thread-safe (its event loop owns it)."""
+
+    def __init__(self, rounds: int):
+        self.rounds = rounds
+        self.round = 0
+        self._until: dict[str, int] = {}
+
+    def next_round(self) -> None:
+        self.round += 1
+        self._until = {peer: until for peer, until in self._until.items() if until > self.round}
+
+    def ban(self, peer: str, reason: str) -> bool:
+        """Exclude ``peer`` for the next ``rounds`` rounds; True if it was not banned already."""
+        if self.rounds <= 0:
+            return False
+        fresh = peer not in self._until
+        self._until[peer] = self.round + self.rounds + 1  # the rest of this round, then `rounds` more
+        if fresh:
+            logger.warning(f"banned peer {peer} for {self.rounds} rounds: {reason}")
+        return fresh
+
+    def is_banned(self, peer: str) -> bool:
+        return peer in self._until
+
+    @property
+    def banned(self) -> list[str]:
+        return sorted(self._until)

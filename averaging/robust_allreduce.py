@@ -1,0 +1,323 @@
+"""Robust aggregation inside hivemind's butterfly all-reduce (the rules are ``averaging.robust``).
+
+What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any of this code moves):
+- ``TensorPartReducer`` sums ``weight × part`` as parts arrive, with the weight each message
+  carries, and checks nothing; a wrong-shape part raises inside ``add_`` after the part was
+  counted, so honest senders wait for the reducer timeout. ``RobustPartReducer`` keeps every
+  sender's part until the part index is complete, checks each on arrival (a failing sender is
+  failed at once: ``on_sender_failed`` before its part is counted, so nobody waits for it), fixes
+  each sender's weight to the one it declared first, and aggregates with ``averaging.robust``.
+- ``AllReduceRunner`` builds its reducer and part container in ``__init__`` and uses neither
+  there; ``RobustAllReduceRunner`` replaces the reducer after ``super().__init__`` and gives the
+  container the class ``CheckedPartContainer`` (same state, one method more), whose
+  ``register_processed_part`` checks every delta a reducer returns: a bad one, and every later
+  part from that reducer, is replaced by zeros (we keep our local values, as hivemind does for a
+  reducer that failed), and the reducer is reported.
+- A peer on the ban list (``averaging.robust.BanList``, one per averager process) is treated as
+  failed from the start of the round: its parts are not counted and ours are not sent to it.
+- hivemind has no hook for either class (the averager constructs them by name), so
+  ``ShoalAverager._run_allreduce_inplace_`` (``averaging.hivemind_backend``) is a copy of
+  hivemind's that constructs ``RobustAllReduceRunner``.
+
+Everything here runs in the averager process, on its event loop. Counters live in shared memory
+(``RobustCounters``) so the host process can read them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import logging
+import math
+import multiprocessing as mp
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
+from hivemind.p2p import PeerID
+
+from averaging import robust
+from averaging.robust import BanList, RobustConfig
+
+logger = logging.getLogger(__name__)
+
+# sha256 of the source of every hivemind function this module (and ShoalAverager) overrides or
+# relies on, as reviewed (hivemind 1.1.12). A mismatch means the override must be re-derived.
+REVIEWED = {
+    "DecentralizedAverager._aggregate_with_group": "c297d8a435ce2b1c0ca36b8e6bc318a23b1c696ef1624dabc654cee803650868",
+    "DecentralizedAverager._run_allreduce_inplace_": "914d57cffc7d69e1ce16b384f3fc0783fbbf08b7fa839634da9571f9c4143925",
+    "AllReduceRunner.__init__": "597a0c8dbbeabbe366c28a471d7bc1452a9e4d17520942aa61c7b52de22799f4",
+    "AllReduceRunner._communicate_with_peer": "d910885e9727ed48e117de0b94731d74ac1abd11340c903622367d35e1b6f374",
+    "AllReduceRunner._ban_sender": "3a3d52ad781b64d74381f3f78cf07b8dfe8de2d4bc1b89ece40ed8de1335a245",
+    "TensorPartReducer.accumulate_part": "1d64a8bd77052ac43ed43003ec04ade86d07114ac5b50ec0a023470896d21793",
+    "TensorPartReducer.reset_accumulators": "5d3dc36f344a342e981250bfaa2d6b9cd0562b7938fe4c881ff0c5e11c2e7693",
+    "TensorPartReducer.on_sender_failed": "8a7de53789ffecb17e6bdc3a2346864e9c44152f8b4bf251b7de81de7b168276",
+    "TensorPartReducer.check_current_part_finished": "ec9b059c42f3ca271d3e89ff63177006d66e0fc4a6bb99427eb08ab25d3d3640",
+    "TensorPartContainer.register_processed_part": "ff5ebad6141c4a8886c1e661b81c22ae87dd54e624dc016ee30d94ca72285089",
+    "Matchmaking.follower_assemble_group": "2fc9715f5e6de487d880a919217efea5ae3d917cba393fcbe30301e72df4df3d",
+}
+ORIGINALS: dict[str, Callable] = {
+    "DecentralizedAverager._aggregate_with_group": DecentralizedAverager._aggregate_with_group,
+    "DecentralizedAverager._run_allreduce_inplace_": DecentralizedAverager._run_allreduce_inplace_,
+    "AllReduceRunner.__init__": AllReduceRunner.__init__,
+    "AllReduceRunner._communicate_with_peer": AllReduceRunner._communicate_with_peer,
+    "AllReduceRunner._ban_sender": AllReduceRunner._ban_sender,
+    "TensorPartReducer.accumulate_part": TensorPartReducer.accumulate_part,
+    "TensorPartReducer.reset_accumulators": TensorPartReducer.reset_accumulators,
+    "TensorPartReducer.on_sender_failed": TensorPartReducer.on_sender_failed,
+    "TensorPartReducer.check_current_part_finished": TensorPartReducer.check_current_part_finished,
+    "TensorPartContainer.register_processed_part": TensorPartContainer.register_processed_part,
+    "Matchmaking.follower_assemble_group": Matchmaking.follower_assemble_group,
+}
+
+
+def check_hivemind() -> list[str]:
+    """Names of the hivemind functions we override or rely on whose code differs from what was reviewed."""
+    return [name for name, digest in REVIEWED.items()
+            if hashlib.sha256(inspect.getsource(ORIGINALS[name]).encode()).hexdigest() != digest]
+
+
+class RobustCounters:
+    """What robust aggregation refused, in shared memory: written by the averager process, read by
+    the host (the round engine's metrics)."""
+
+    def __init__(self):
+        self._refused_parts = mp.Value("q", 0)  # senders refused (bad part, weight or norm)
+        self._refused_returns = mp.Value("q", 0)  # reducers whose returned averages were refused
+        self._clipped = mp.Value("q", 0)  # parts clipped or trimmed by the aggregator
+        self._bans = mp.Value("q", 0)  # peers put on the ban list
+
+    @staticmethod
+    def _add(value, amount: int = 1) -> None:
+        with value.get_lock():
+            value.value += amount
+
+    def snapshot(self) -> dict[str, int]:
+        return {"refused_parts": self._refused_parts.value, "refused_returns": self._refused_returns.value,
+                "clipped_parts": self._clipped.value, "bans": self._bans.value}
+
+
+class RobustPartReducer(TensorPartReducer):
+    """A ``TensorPartReducer`` that keeps each sender's part until the part index is complete, then
+    aggregates with ``averaging.robust``. ``refuse(sender_index, reason)`` fails a sender at once."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, config: RobustConfig,
+                 local_sender_index: int | None, refuse: Callable[[int, str], None]):
+        self.config, self.local_sender_index, self.refuse = config, local_sender_index, refuse
+        self.declared_weights: list[float | None] = [None] * num_senders
+        self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
+        self.excluded: set[int] = set()  # senders refused after their part was counted
+        self.clipped: Counter[int] = Counter()
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        self.contributions = {}
+        super().reset_accumulators()
+        self.accumulator = None  # hivemind's running sum is not used
+
+    def _problem(self, sender_index: int, part_index: int, part: torch.Tensor, weight: float) -> str | None:
+        problem = robust.check_weight(weight) or robust.check_part(part, self.part_shapes[part_index])
+        if problem is None:
+            declared = self.declared_weights[sender_index]
+            if declared is None:
+                self.declared_weights[sender_index] = float(weight)
+            elif float(weight) != declared:
+                problem = f"weight changed from {declared:.6g} to {weight:.6g} within a round"
+        return problem
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        # 1. Check on arrival, before the part is counted: a refused sender then fails exactly as
+        #    if it had stopped sending before this part, and nobody waits for it.
+        problem = self._problem(sender_index, part_index, tensor_part, weight)
+        if problem is not None:
+            if sender_index != self.local_sender_index:
+                self.refuse(sender_index, f"part {part_index}: {problem}")
+                raise BannedException(f"sender {sender_index} refused: {problem}")
+            logger.error(f"our own part {part_index} is invalid ({problem}); it is left out of the average")
+            self.excluded.add(sender_index)
+            weight = 0.0
+        self.num_parts_received[sender_index] += 1
+
+        # 2. Wait for our turn, as hivemind does.
+        while part_index > self.current_part_index:
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise BannedException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+
+        current_part_future = self.current_part_future
+        self.contributions[sender_index] = (tensor_part, float(weight))
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self):
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.current_part_future.set_result(self._aggregate_current())
+            self.reset_accumulators()
+
+    def _aggregate_current(self) -> torch.Tensor:
+        # 3. Norm screening against our own part and the median, then bounded weights, then the rule.
+        senders = [s for s in sorted(self.contributions) if s not in self.excluded]
+        parts = [self.contributions[s][0] for s in senders]
+        part_norms = robust.norms(parts)
+        own_norm = part_norms[senders.index(self.local_sender_index)] if self.local_sender_index in senders else 0.0
+        for i in robust.norm_outliers(part_norms, own_norm=own_norm, max_norm_ratio=self.config.max_norm_ratio):
+            if senders[i] != self.local_sender_index:
+                self.excluded.add(senders[i])
+                self.refuse(senders[i], f"part {self.current_part_index} has norm {part_norms[i]:.3g}, over "
+                                        f"{self.config.max_norm_ratio:g}x the reference")
+        senders = [s for s in senders if s not in self.excluded]
+        if not senders:  # every sender refused: nobody is left to receive this part
+            return torch.zeros(self.part_shapes[self.current_part_index])
+        weights = robust.bound_weights([self.contributions[s][1] for s in senders],
+                                       max_ratio=self.config.max_weight_ratio, max_weight=self.config.max_weight)
+        result = robust.aggregate([self.contributions[s][0] for s in senders], weights, self.config)
+        self.clipped.update(senders[i] for i in result.clipped)
+        return result.value
+
+
+class CheckedPartContainer(TensorPartContainer):
+    """hivemind's container, plus a check of every delta a reducer returns (set up by
+    ``RobustAllReduceRunner``; no ``__init__`` of its own: an existing container is given this class)."""
+
+    max_norm_ratio: float
+    on_bad_return: Callable[[int, str], None]
+    distrusted: set[int]
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
+        inputs = self._input_parts_by_peer[peer_index]
+        if part_index < len(inputs):  # (after finalize the inputs are gone; hivemind then raises itself)
+            own = inputs[part_index][0]
+            problem = None if peer_index in self.distrusted else robust.check_returned(
+                part, own, max_norm_ratio=self.max_norm_ratio)
+            if problem is not None:
+                self.distrusted.add(peer_index)
+                self.on_bad_return(peer_index, f"part {part_index}: {problem}")
+            if peer_index in self.distrusted:
+                part = torch.zeros_like(own)  # keep our local values for this reducer's parts
+                self.failed_size += part.numel()
+        super().register_processed_part(peer_index, part_index, part)
+
+
+class RobustAllReduceRunner(AllReduceRunner):
+    """hivemind's runner with ``RobustPartReducer``, returned-delta checks and the ban list."""
+
+    def __init__(self, *, robust_config: RobustConfig, ban_list: BanList, counters: RobustCounters | None = None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.robust_config, self.ban_list, self.counters = robust_config, ban_list, counters
+        # hivemind's reducer was built in super().__init__ and never used; mark it finished so its
+        # __del__ does not warn about parts it never received.
+        self.tensor_part_reducer.finished.set()
+        local_index = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
+        self.tensor_part_reducer = RobustPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
+            config=robust_config, local_sender_index=local_index, refuse=self._refuse_sender)
+        container = self.tensor_part_container
+        container.__class__ = CheckedPartContainer
+        container.max_norm_ratio, container.on_bad_return, container.distrusted = (
+            robust_config.max_norm_ratio, self._refuse_reducer, set())
+        # Peers banned in earlier rounds: failed from the start (their parts never count).
+        self.excluded_peers = [peer for peer in self.ordered_peer_ids
+                               if peer != self.peer_id and ban_list.is_banned(str(peer))]
+        for peer in self.excluded_peers:
+            if peer in self.sender_peer_ids:
+                self.banned_senders.add(peer)
+                self.tensor_part_reducer.on_sender_failed(self.sender_peer_ids.index(peer))
+        if self.excluded_peers:
+            logger.info(f"group {self.group_id.hex()[:8]}: excluding banned peers "
+                        f"{', '.join(map(str, self.excluded_peers))}")
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        if peer_id in self.excluded_peers:  # a banned reducer: keep our local values for its parts
+            self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
+            return
+        await super()._communicate_with_peer(peer_id)
+
+    def _refuse_sender(self, sender_index: int, reason: str) -> None:
+        """Fail a sender now and ban it. Synchronous, with no await between the check and the
+        update, so it is atomic on the event loop like hivemind's ``_ban_sender``."""
+        peer = self.sender_peer_ids[sender_index]
+        logger.warning(f"group {self.group_id.hex()[:8]}: refused sender {peer}: {reason}")
+        self._record(peer, f"sent {reason}", "_refused_parts")
+        if peer not in self.banned_senders:
+            self.banned_senders.add(peer)
+            self.tensor_part_reducer.on_sender_failed(sender_index)
+
+    def _refuse_reducer(self, peer_index: int, reason: str) -> None:
+        peer = self.ordered_peer_ids[peer_index]
+        logger.warning(f"group {self.group_id.hex()[:8]}: ignoring what reducer {peer} returned "
+                       f"(our local values kept): {reason}")
+        self._record(peer, f"returned {reason}", "_refused_returns")
+
+    def _record(self, peer: PeerID, reason: str, counter: str) -> None:
+        if self.counters is not None:
+            RobustCounters._add(getattr(self.counters, counter))
+        if self.ban_list.ban(str(peer), reason) and self.counters is not None:
+            RobustCounters._add(self.counters._bans)
+
+    def finalize(self, *, cancel: bool = False, exception: BaseException | None = None):
+        clipped = getattr(self.tensor_part_reducer, "clipped", None)
+        if clipped and not self._future.done():
+            if self.counters is not None:
+                RobustCounters._add(self.counters._clipped, sum(clipped.values()))
+            summary = ", ".join(f"{self.sender_peer_ids[s]} ({n} parts)" for s, n in clipped.most_common())
+            logger.info(f"group {self.group_id.hex()[:8]}: clipped outlying parts of {summary}")
+        super().finalize(cancel=cancel, exception=exception)
+
+
+# -- the group a leader sends (issue item 4) -------------------------------------------------------
+
+class GroupRefused(ValueError):
+    """The group a leader assembled is not one we take part in."""
+
+
+def vet_group(group_info: GroupInfo, *, peer_id: PeerID, bandwidth: float | None, mode: AveragingMode,
+              max_group_size: int, serializer) -> GroupInfo:
+    """The group to run, with every declared bandwidth replaced by None; raises ``GroupRefused``.
+
+    In hivemind 1.1.12 a follower takes the leader's peer order and gathered metadata
+    (``[bandwidth, mode, user data]`` per peer, relayed by the leader, unsigned) as sent
+    (``Matchmaking.follower_assemble_group``), and each peer's share of the vector comes from those
+    bandwidths (``load_balance_peers``). So a leader could make one peer reduce everything by
+    forging the others' bandwidths. shoal never declares a bandwidth, so we drop them all: every
+    reducer gets an equal share, whatever the leader says, and the peer order (random, chosen by
+    the leader) then only decides which equal share each reducer gets. A leader can still forge
+    another peer's mode (claim it is a client, which reduces nothing); each peer refuses a group
+    that misstates its own entry, so an honest reducer never takes part in such a group. Forging
+    a third peer's entry undetectably would need signed metadata, which hivemind does not have."""
+    peers, gathered = group_info.peer_ids, group_info.gathered
+    if len(peers) > max_group_size:
+        raise GroupRefused(f"group of {len(peers)} peers, over the cap of {max_group_size}")
+    if len(set(peers)) != len(peers) or len(gathered) != len(peers) or peer_id not in peers:
+        raise GroupRefused("malformed group (duplicate peers, metadata count, or we are not in it)")
+    rewritten = []
+    for peer, raw in zip(peers, gathered):
+        try:
+            entry = serializer.loads(raw)
+            declared_bandwidth, declared_mode, user_data = entry
+            declared_mode = AveragingMode(declared_mode)
+        except Exception as e:  # noqa: BLE001 - anything undecodable refuses the group
+            raise GroupRefused(f"undecodable metadata for {peer}: {type(e).__name__}") from None
+        if declared_bandwidth is not None and not (isinstance(declared_bandwidth, (int, float))
+                                                   and math.isfinite(declared_bandwidth) and declared_bandwidth >= 0):
+            raise GroupRefused(f"bandwidth {declared_bandwidth!r:.20} for {peer}")
+        if peer == peer_id and (declared_mode != mode or declared_bandwidth != bandwidth):
+            raise GroupRefused(f"the leader misstated our own entry (mode {declared_mode.name}, "
+                               f"bandwidth {declared_bandwidth!r:.20})")
+        rewritten.append(serializer.dumps([None, declared_mode.value, user_data]))
+    return GroupInfo(group_info.group_id, tuple(peers), tuple(rewritten))

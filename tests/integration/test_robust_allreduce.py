@@ -1,0 +1,100 @@
+"""Poisoned all-reduce (issue 11, item 3): three honest ``HivemindBackend`` peers and one hostile
+peer (``tests/integration/hostile_peer.py``) on loopback, real averager processes, one round per
+attack. For each: the honest peers stay alive, finish well before hivemind's sender timeout (no
+stall), end near the honest mean (never at the attacker's values), and name the attacker in the log."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import hivemind
+import pytest
+import torch
+
+from averaging.hivemind_backend import HivemindBackend
+from averaging.robust import RobustConfig
+from tests.integration import hostile_peer
+from tests.integration.hostile_peer import ATTACK, HostileBackend
+
+pytestmark = pytest.mark.integration
+
+NUMEL = 4 * 262_144  # fp16 parts of 512 KiB: four parts, one per reducer
+HONEST = 3
+ALLREDUCE_TIMEOUT = 20.0  # hivemind's sender timeout is then 8 s: a stalled round takes at least that
+ATTACKS = ("scale", "flip", "nan", "shape", "weight", "lie")
+
+
+def no_state():
+    return {}, [torch.zeros(1)]
+
+
+@pytest.mark.timeout(240)
+def test_honest_peers_survive_every_attack(tmp_path):
+    log_path = tmp_path / "robust.log"
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(process)d %(name)s %(levelname)s %(message)s"))
+    loggers = [logging.getLogger(name) for name in ("averaging.robust", "averaging.robust_allreduce",
+                                                    "averaging.hivemind_backend")]
+    for logger in loggers:  # before the averagers fork: they inherit the handler
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+    generator = torch.Generator().manual_seed(11)
+    common = torch.randn(NUMEL, generator=generator)
+    vectors = [common + 0.05 * torch.randn(NUMEL, generator=generator) for _ in range(HONEST + 1)]
+    honest_mean = torch.stack(vectors[:HONEST]).double().mean(0)
+
+    sigint = signal.getsignal(signal.SIGINT)
+    dhts, backends = [], []
+    prefix = f"robust-{uuid.uuid4().hex[:8]}"
+    robust = RobustConfig(ban_rounds=0)  # every attack meets the validation, not the ban list
+    try:
+        for i in range(HONEST + 1):
+            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
+            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
+            backend_type = HostileBackend if i == HONEST else HivemindBackend
+            backends.append(backend_type(dhts[i], numel=NUMEL, prefix=prefix, state_provider=no_state,
+                                         target_group_size=HONEST + 1, min_group_size=HONEST + 1,
+                                         min_matchmaking_time=2.0, request_timeout=1.0,
+                                         allreduce_timeout=ALLREDUCE_TIMEOUT, robust=robust))
+        attacker = backends[HONEST].peer_id
+
+        with ThreadPoolExecutor(HONEST + 1) as pool:
+            for round, attack in enumerate(ATTACKS, start=1):
+                ATTACK.value = attack.encode()
+                scheduled = time.time() + 4.0
+                for backend in backends:
+                    backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round}, timeout=30)
+                results = [vector.clone() for vector in vectors]
+                futures = [pool.submit(backend.average, result, weight=1.0, timeout=60)
+                           for backend, result in zip(backends, results)]
+                outcomes = [future.result(timeout=90) for future in futures]
+
+                for i in range(HONEST):
+                    outcome = outcomes[i]
+                    assert outcome.ok, f"{attack}: honest peer {i} failed: {outcome.error}"
+                    assert attacker in outcome.group
+                    assert outcome.sync_s < 0.8 * ALLREDUCE_TIMEOUT * 0.4, f"{attack}: stalled {outcome.sync_s:.1f}s"
+                    error = float((results[i].double() - honest_mean).norm() / honest_mean.norm())
+                    assert error < 0.1, f"{attack}: honest peer {i} is {error:.3f} away from the honest mean"
+                assert all(backend._averager.is_alive() for backend in backends)
+    finally:
+        for backend in backends:
+            backend.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        signal.signal(signal.SIGINT, sigint)
+        for logger in loggers:
+            logger.removeHandler(handler)
+        handler.close()
+
+    log = log_path.read_text()
+    for needle in ("has norm", "NaN", "shape", "returned an average"):  # scale/flip, nan, shape, lie
+        assert any(needle in line and attacker in line for line in log.splitlines()), f"no line naming {attacker} for {needle!r}:\n{log[-3000:]}"
+    counters = [backend.robustness() for backend in backends[:HONEST]]
+    assert all(c["refused_parts"] >= 3 and c["refused_returns"] >= 1 for c in counters), counters
+    assert hostile_peer.ATTACKS  # the module under test is the hostile one

@@ -1,0 +1,165 @@
+"""Robust aggregation math (``averaging.robust``) on tensors alone: outliers, NaN, sign flips,
+scaled parts, huge weights, and parity with the weighted mean when everyone is honest."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from averaging import robust
+from averaging.robust import BanList, RobustConfig, aggregate, bound_weights
+from protocols.errors import ConfigError
+
+N = 4096
+
+
+def honest_parts(count: int, seed: int = 0, noise: float = 0.3) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randn(N, generator=generator)
+    return [common + noise * torch.randn(N, generator=generator) for _ in range(count)]
+
+
+def weighted_mean(parts, weights) -> torch.Tensor:
+    return sum(w * p.double() for w, p in zip(weights, parts)) / sum(weights)
+
+
+def rel_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.double() - reference).norm() / reference.norm())
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_an_honest_group_gets_the_weighted_mean(aggregation):
+    parts, weights = honest_parts(5), [1.0, 2.0, 0.5, 1.5, 1.0]
+    result = aggregate(parts, weights, RobustConfig(aggregation=aggregation))
+    assert rel_error(result.value, weighted_mean(parts, weights)) < 1e-6
+    assert result.clipped == []
+    assert result.value.dtype == torch.float32 and result.value.shape == parts[0].shape
+
+
+def test_trimmed_mean_of_an_honest_group_is_close_to_the_mean_not_equal():
+    parts = honest_parts(5)
+    result = aggregate(parts, [1.0] * 5, RobustConfig(aggregation="trimmed_mean"))
+    error = rel_error(result.value, weighted_mean(parts, [1.0] * 5))
+    assert 1e-6 < error < 0.1  # it drops each coordinate's extremes even when nobody attacks
+
+
+ATTACKS = {
+    "scaled x1000": lambda honest: 1000 * honest,
+    "sign flip x-50": lambda honest: -50 * honest,
+    "noise x99": lambda honest: honest + 99 * torch.randn(N, generator=torch.Generator().manual_seed(5)),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+@pytest.mark.parametrize("aggregation", ["centered_clip", "trimmed_mean"])
+def test_one_attacker_among_four_moves_the_result_little(attack, aggregation):
+    honest = honest_parts(3)
+    target = weighted_mean(honest, [1.0] * 3)
+    attacker = ATTACKS[attack](honest[0])
+    config = RobustConfig(aggregation=aggregation)
+    robust_value = aggregate([*honest, attacker], [1.0] * 4, config).value
+    plain_value = aggregate([*honest, attacker], [1.0] * 4, RobustConfig(aggregation="mean")).value
+    spread = max(rel_error(part, target) for part in honest)  # how far an honest peer is from the mean
+    assert rel_error(robust_value, target) < spread
+    assert rel_error(plain_value, target) > 10 * spread  # the attack would have worked on the mean
+
+
+def test_centered_clip_bounds_the_attackers_pull_by_tau_times_its_share():
+    honest = honest_parts(3)
+    attacker = -1e6 * honest[0]
+    config = RobustConfig(aggregation="centered_clip", clip_ratio=2.0)
+    result = aggregate([*honest, attacker], [1.0] * 4, config)
+    stacked = torch.stack([p.double() for p in [*honest, attacker]])
+    center = robust.coordinate_median(stacked)
+    distances = (stacked - center).norm(dim=1)
+    tau = 2.0 * float(distances.sort().values[1:3].mean())
+    assert float((result.value.double() - center).norm()) <= tau * 1.0001
+    assert 3 in result.clipped
+
+
+def test_a_huge_weight_is_bounded_to_three_times_the_median():
+    assert bound_weights([1.0, 2.0, 1e30], max_ratio=3.0) == [1.0, 2.0, 6.0]
+    assert bound_weights([1.0, 1.0, 1e30], max_ratio=3.0, max_weight=2.0) == [1.0, 1.0, 2.0]
+    assert bound_weights([0.0, 0.0], max_ratio=3.0) == [0.0, 0.0]
+    honest = honest_parts(3)
+    weights = bound_weights([1.0, 1.0, 1.0, 1e30], max_ratio=3.0)
+    result = aggregate([*honest, -honest[0]], weights, RobustConfig())
+    target = weighted_mean(honest, [1.0] * 3)
+    # The liar holds half the bounded weight, but its part is clipped to tau: far from its own values.
+    assert rel_error(result.value, target) < 0.5
+    assert rel_error(result.value, -honest[0].double()) > 1.5
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -1.0, -1e30])
+def test_invalid_weights_are_refused(weight):
+    assert robust.check_weight(weight) is not None
+
+
+def test_zero_weight_is_legal_and_all_zero_weights_count_equally():
+    assert robust.check_weight(0.0) is None
+    parts = honest_parts(3)
+    result = aggregate(parts, [0.0, 0.0, 0.0], RobustConfig())
+    assert rel_error(result.value, weighted_mean(parts, [1.0] * 3)) < 1e-6
+
+
+def test_check_part_refuses_wrong_shape_dtype_and_non_finite():
+    shape = torch.Size([8])
+    assert robust.check_part(torch.zeros(8), shape) is None
+    assert "shape" in robust.check_part(torch.zeros(1), shape)  # would broadcast in hivemind's add_
+    assert "shape" in robust.check_part(torch.zeros(2, 4), shape)
+    assert "dtype" in robust.check_part(torch.zeros(8, dtype=torch.float64), shape)
+    for bad in (float("nan"), float("inf")):
+        part = torch.zeros(8)
+        part[3] = bad
+        assert "NaN" in robust.check_part(part, shape)
+
+
+def test_norm_outliers_use_our_own_part_so_zeros_cannot_shrink_the_reference():
+    assert robust.norm_outliers([1.0, 1.2, 1000.0], own_norm=1.0, max_norm_ratio=30) == [2]
+    assert robust.norm_outliers([1.0, 1.2, 25.0], own_norm=1.0, max_norm_ratio=30) == []
+    # Two senders: us (1.0) and an attacker of zeros: the median is 0.5, but our own norm holds.
+    assert robust.norm_outliers([1.0, 0.0], own_norm=1.0, max_norm_ratio=30) == []
+    # Two senders, the other x1000: the median (500) alone would accept it; our own norm refuses it.
+    assert robust.norm_outliers([1.0, 1000.0], own_norm=1.0, max_norm_ratio=30) == [1]
+
+
+def test_two_senders_cannot_outvote_each_other():
+    """Documented limit: with two senders every rule returns their (weighted) mean."""
+    parts = honest_parts(1) + [-50 * honest_parts(1)[0]]
+    for aggregation in ("centered_clip", "trimmed_mean"):
+        value = aggregate(parts, [1.0, 1.0], RobustConfig(aggregation=aggregation)).value
+        assert rel_error(value, weighted_mean(parts, [1.0, 1.0])) < 1e-6
+
+
+def test_check_returned():
+    own = torch.ones(16)
+    assert robust.check_returned(torch.zeros(16), own, max_norm_ratio=30) is None
+    assert robust.check_returned(torch.full((16,), 5.0), own, max_norm_ratio=30) is None
+    assert "norm" in robust.check_returned(torch.full((16,), 1e4), own, max_norm_ratio=30)
+    assert robust.check_returned(torch.zeros(1), own, max_norm_ratio=30) is not None
+    assert robust.check_returned(torch.full((16,), math.nan), own, max_norm_ratio=30) is not None
+    # A peer with a zero part (no step this round) can check only shape and finiteness.
+    assert robust.check_returned(torch.full((16,), 1e4), torch.zeros(16), max_norm_ratio=30) is None
+
+
+def test_ban_list_excludes_for_n_rounds():
+    bans = BanList(rounds=2)
+    bans.next_round()  # round 1: the offence
+    assert bans.ban("peerA", "sent NaN") is True
+    assert bans.ban("peerA", "sent NaN again") is False
+    for _ in range(2):  # rounds 2 and 3: excluded
+        bans.next_round()
+        assert bans.is_banned("peerA")
+    bans.next_round()
+    assert not bans.is_banned("peerA")
+    assert BanList(rounds=0).ban("peerB", "x") is False
+
+
+@pytest.mark.parametrize("field, value", [("aggregation", "median"), ("max_weight_ratio", 0.5),
+                                          ("trim_fraction", 0.5), ("max_norm_ratio", 1.0),
+                                          ("clip_iterations", 0), ("max_group_size", 1)])
+def test_config_refuses_nonsense(field, value):
+    with pytest.raises(ConfigError):
+        RobustConfig(**{field: value})

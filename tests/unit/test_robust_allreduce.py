@@ -1,0 +1,168 @@
+"""The hivemind wiring of robust aggregation without a network: ``RobustPartReducer`` on an event
+loop, the returned-delta check, group vetting, and the check that hivemind's patched code is the
+code that was reviewed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import BannedException, TensorPartContainer
+from hivemind.p2p import PeerID
+from hivemind.utils.serializer import MSGPackSerializer
+
+from averaging import robust_allreduce
+from averaging.robust import RobustConfig
+from averaging.robust_allreduce import CheckedPartContainer, GroupRefused, RobustPartReducer, vet_group
+
+SHAPES = (torch.Size([64]), torch.Size([64]))
+
+
+def test_the_hivemind_code_we_override_is_the_reviewed_code():
+    assert robust_allreduce.check_hivemind() == []
+
+
+def test_the_self_check_notices_a_change(monkeypatch):
+    monkeypatch.setitem(robust_allreduce.REVIEWED, "AllReduceRunner._ban_sender", "0" * 64)
+    assert robust_allreduce.check_hivemind() == ["AllReduceRunner._ban_sender"]
+
+
+def make_reducer(senders: int, refused: list) -> RobustPartReducer:
+    """Build inside the event loop that uses it (the reducer creates asyncio futures)."""
+    def refuse(index, reason):  # what the runner does: record, then fail the sender
+        refused.append((index, reason))
+        reducer.on_sender_failed(index)
+
+    reducer = RobustPartReducer(SHAPES, senders, config=RobustConfig(), local_sender_index=0, refuse=refuse)
+    return reducer
+
+
+def run_senders(senders, refused, parts_by_sender, weights):
+    reducer = None
+
+    async def sender(index):
+        results = []
+        try:
+            for part_index, part in enumerate(parts_by_sender[index]):
+                results.append(await reducer.accumulate_part(index, part_index, part, weight=weights[index]))
+        except BannedException:
+            results.append("banned")
+        return results
+
+    async def main():
+        nonlocal reducer
+        reducer = make_reducer(senders, refused)
+        return await asyncio.wait_for(asyncio.gather(*(sender(i) for i in range(len(parts_by_sender)))), 5)
+
+    return asyncio.run(main())
+
+
+def honest(seed):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.ones(64) + 0.1 * torch.randn(64, generator=generator) for _ in SHAPES]
+
+
+@pytest.mark.parametrize("bad_part", [torch.zeros(1), torch.full((64,), float("nan")), torch.zeros(64).double()])
+def test_a_bad_part_fails_its_sender_at_once_and_the_others_finish(bad_part):
+    refused = []
+    parts = [honest(0), honest(1), [bad_part, bad_part]]
+    results = run_senders(3, refused, parts, [1.0, 1.0, 1.0])  # no timeout: nobody waits for sender 2
+    assert results[2] == ["banned"]
+    assert [index for index, _ in refused] == [2]
+    for part_index in range(2):
+        expected = (parts[0][part_index] + parts[1][part_index]) / 2
+        assert torch.allclose(results[0][part_index], expected)
+        assert torch.equal(results[0][part_index], results[1][part_index])
+
+
+def test_a_weight_that_changes_within_the_round_fails_the_sender():
+    refused = []
+
+    async def main():
+        reducer = make_reducer(2, refused)
+        first = asyncio.gather(reducer.accumulate_part(0, 0, honest(0)[0], weight=1.0),
+                               reducer.accumulate_part(1, 0, honest(1)[0], weight=1.0))
+        await asyncio.wait_for(first, 5)
+        with pytest.raises(BannedException):
+            await reducer.accumulate_part(1, 1, honest(1)[1], weight=1e30)
+        return await asyncio.wait_for(reducer.accumulate_part(0, 1, honest(0)[1], weight=1.0), 5)
+
+    result = asyncio.run(main())
+    assert torch.allclose(result, honest(0)[1])  # only our own part was left for part 1
+    assert "weight changed" in refused[0][1]
+
+
+def test_a_huge_part_is_refused_at_aggregation_and_left_out():
+    refused = []
+    parts = [honest(0), honest(1), [1000 * honest(2)[0], 1000 * honest(2)[1]]]
+    results = run_senders(3, refused, parts, [1.0, 1.0, 1.0])
+    assert refused and refused[0][0] == 2 and "norm" in refused[0][1]
+    expected = (parts[0][0] + parts[1][0]) / 2
+    assert torch.allclose(results[0][0], expected)
+
+
+def checked_container(tensor: torch.Tensor, peers: int) -> tuple[CheckedPartContainer, list]:
+    """Build inside the event loop that uses it (the container creates asyncio events)."""
+    bad = []
+    container = TensorPartContainer([tensor], [1.0] * peers, part_size_bytes=4 * 16)
+    container.__class__ = CheckedPartContainer
+    container.max_norm_ratio, container.on_bad_return, container.distrusted = 30.0, lambda i, r: bad.append(i), set()
+    return container, bad
+
+
+def test_a_lying_reducer_spoils_only_its_own_parts_which_we_then_keep_local():
+    async def collect():
+        container, bad = checked_container(torch.ones(64), 2)
+        assert container.num_parts_by_peer == (2, 2)
+        container.register_processed_part(0, 0, torch.full((16,), 0.5))  # honest reducer
+        container.register_processed_part(0, 1, torch.full((16,), 0.5))
+        container.register_processed_part(1, 0, torch.full((16,), 1e5))  # a lie: refused ...
+        container.register_processed_part(1, 1, torch.full((16,), 2.0))  # ... and its later parts too
+        return [t async for t in container.iterate_output_tensors()], bad
+
+    (delta,), bad = asyncio.run(collect())
+    assert bad == [1]
+    assert torch.equal(delta[:32], torch.full((32,), 0.5))
+    assert torch.equal(delta[32:], torch.zeros(32))
+
+
+def gathered(bandwidth, mode: AveragingMode) -> bytes:
+    return MSGPackSerializer.dumps([bandwidth, mode.value, MSGPackSerializer.dumps({"r": 1})])
+
+
+PEERS = [PeerID(f"peer-{i}".encode()) for i in range(3)]
+
+
+def vet(peers, entries, **kwargs):
+    options = dict(peer_id=PEERS[0], bandwidth=None, mode=AveragingMode.NODE, max_group_size=4,
+                   serializer=MSGPackSerializer)
+    return vet_group(GroupInfo(b"group", tuple(peers), tuple(entries)), **{**options, **kwargs})
+
+
+def test_vet_group_drops_bandwidths_so_a_leader_cannot_pick_the_reducer():
+    entries = [gathered(None, AveragingMode.NODE), gathered(0.0, AveragingMode.NODE), gathered(1e9, AveragingMode.NODE)]
+    group = vet(PEERS, entries)
+    assert group.peer_ids == tuple(PEERS)
+    assert [MSGPackSerializer.loads(raw)[0] for raw in group.gathered] == [None, None, None]
+    assert MSGPackSerializer.loads(MSGPackSerializer.loads(group.gathered[1])[2]) == {"r": 1}
+
+
+@pytest.mark.parametrize("case", ["too big", "duplicate", "our mode forged", "bad bandwidth", "garbage"])
+def test_vet_group_refuses(case):
+    entries = [gathered(None, AveragingMode.NODE) for _ in PEERS]
+    peers = list(PEERS)
+    if case == "too big":
+        peers, entries = [*peers, PeerID(b"peer-3"), PeerID(b"peer-4")], [*entries, *entries[:2]]
+    elif case == "duplicate":
+        peers[2] = peers[1]
+    elif case == "our mode forged":
+        entries[0] = gathered(None, AveragingMode.CLIENT)
+    elif case == "bad bandwidth":
+        entries[1] = gathered(float("nan"), AveragingMode.NODE)
+    else:
+        entries[2] = b"\xc1"
+    with pytest.raises(GroupRefused):
+        vet(peers, entries)
