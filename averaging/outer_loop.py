@@ -214,6 +214,14 @@ def suggested_round_seconds(lateness: float) -> float:
     return float(math.ceil(lateness * 1.25 + 1.0))
 
 
+def round_advice(lateness: float | None, round_seconds: float) -> str | None:
+    """What to tell a user whose syncs end more than a round after their deadline (None: they fit)."""
+    if lateness is None or lateness <= round_seconds:
+        return None
+    return (f"syncs end {lateness:.1f}s after the deadline, longer than a round ({round_seconds:g}s): "
+            f"use --round-seconds {suggested_round_seconds(lateness):g}")
+
+
 def validate_sync(mode: str, inner_steps: int) -> SyncMode:
     """The checks ``[round]`` and ``LoopConfig`` share; messages name the config keys."""
     if mode not in SYNC_MODES:

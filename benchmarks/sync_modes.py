@@ -1,6 +1,12 @@
 """Overlap vs blocking DiLoCo vs DDP on heterogeneous peers over capped links, side by side.
 
     sudo .venv/bin/python benchmarks/sync_modes.py [--peers 4] [--throttles 1,1.5,2,3] [--mbit 10] [--budget 120]
+    sudo .venv/bin/python benchmarks/sync_modes.py --regimes 0.5,1.5 --modes overlap,blocking,ceiling
+
+``--regimes`` runs the modes once per regime, each with its own link cap, chosen so that a blocking
+all-reduce (its bandwidth bound) costs that fraction of a round: 0.5 and 1.5 are the two regimes of
+"never idle on slow links". Each regime's table adds, per peer, the rounds it contributed to, the
+rounds it stayed out of, its catch-ups and full re-syncs, and its wait in ``begin_sync``.
 
 Each peer runs in its own network namespace (a bridge joins them; every link is capped with
 ``tc ... tbf``); without root it falls back to loopback with no cap and says so. Four runs on
@@ -92,7 +98,11 @@ def summarize(mode: str, records: dict[str, list[dict]], started: float, ended: 
         wall = sum(r["wall_s"] for r in rounds)
         tokens = sum(r["tokens"] for r in rounds)
         per_peer[name] = {"utilization": compute / wall if wall else 0.0, "tokens": tokens,
-                          "wait_s": sum(r["wait_s"] for r in rounds), "rounds": len(rounds)}
+                          "wait_s": sum(r["wait_s"] for r in rounds), "rounds": len(rounds),
+                          "contributed": sum(r["applied"] == "averaged" for r in rounds),
+                          "skipped": sum(bool(r.get("skipped")) for r in rounds),
+                          "catch_ups": sum(r.get("caught_up", 0) > 0 for r in rounds),
+                          "resyncs": sum(bool(r["resynced"]) for r in rounds)}
         tokens_total += tokens
         syncs += [r["allreduce_s"] for r in rounds if r["group_size"] == args.peers and r["applied"] == "averaged"]
     if mode in ("overlap", "blocking"):
@@ -102,9 +112,31 @@ def summarize(mode: str, records: dict[str, list[dict]], started: float, ended: 
         for r in (r for r in records["peer-0"] if r.get("event") == "round" and started <= r["time"] <= ended + 1):
             done = sum(t for when, t in ends if when <= r["time"])
             curve.append((r["time"] - started, done, r["eval_loss"]))
-    bound = 2 * (args.peers - 1) / args.peers * numel * 2 / (args.mbit * 1e6 / 8) if args.mbit else None
+    bound = allreduce_bound(numel, args.peers, args.mbit) if args.mbit else None
     return {"per_peer": per_peer, "tokens_per_s": tokens_total / window, "sync_median_s": statistics.median(syncs) if syncs else None,
             "allreduce_bound_s": bound, "curve": curve, "window_s": window}
+
+
+def allreduce_bound(numel: int, peers: int, mbit: float) -> float:
+    """Seconds a butterfly all-reduce of ``numel`` fp16 values needs at ``mbit`` per link: 2(N-1)/N·S/B."""
+    return 2 * (peers - 1) / peers * numel * 2 / (mbit * 1e6 / 8)
+
+
+def mbit_for(fraction: float, numel: int, peers: int, round_seconds: float) -> float:
+    """The link cap at which the all-reduce's bandwidth bound is ``fraction`` of a round."""
+    return allreduce_bound(numel, peers, 1.0) / (fraction * round_seconds)
+
+
+def peer_details(results: dict) -> list[str]:
+    """Per peer of each shoal mode: rounds contributed / skipped, catch-ups, re-syncs, wait."""
+    lines = ["| mode | peer | utilization | rounds | contributed | stayed out | catch-ups | full re-syncs | wait in begin_sync (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for mode in (m for m in ("overlap", "blocking") if m in results):
+        for name, p in results[mode]["per_peer"].items():
+            lines.append(f"| {mode} | {name} | {p['utilization']:.1%} | {p['rounds']} | {p.get('contributed', '-')} | "
+                         f"{p.get('skipped', '-')} | {p.get('catch_ups', '-')} | {p.get('resyncs', '-')} | "
+                         f"{p['wait_s']:.1f} |")
+    return lines
 
 
 def report(results: dict, args, capped: bool, numel: int) -> str:
@@ -135,7 +167,8 @@ def report(results: dict, args, capped: bool, numel: int) -> str:
               + (f"{bound:.2f} s; overlap's median all-reduce is {measured:.2f} s ({measured / bound:.2f}x)."
                  if capped and bound and measured else "n/a (no cap, or no overlap run)."),
               f"Equal tokens: {equal_tokens:,.0f} swarm tokens (the fewest any synced mode processed).",
-              "Utilization = compute_s / wall_s per peer (DDP: calibrated step compute x steps / wall).", ""]
+              "Utilization = compute_s / wall_s per peer (DDP: calibrated step compute x steps / wall).", "",
+              *peer_details(results), ""]
     return "\n".join(lines)
 
 
@@ -181,6 +214,8 @@ def main() -> int:
     parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "bench.toml")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "sync_modes")
+    parser.add_argument("--regimes", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                        help="all-reduce bound as fractions of a round, e.g. 0.5,1.5 (sets --mbit per regime)")
     args = parser.parse_args()
     assert len(args.throttles) == args.peers, "one throttle per peer"
     capped = netns.available()
@@ -192,8 +227,43 @@ def main() -> int:
     numel = count_parameters(build_model(load_config(args.config).model, seed=0))
     root = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
     os.environ.setdefault("SHOAL_CACHE_DIR", str(root / "cache"))
-    results = {}
     previous = signal.getsignal(signal.SIGINT)
+    round_seconds = load_config(args.config).round.seconds
+    regimes = args.regimes or [None]
+    texts, everything = [], {}
+    base_out = args.out
+    for regime in regimes:
+        if regime is not None:
+            args.mbit = mbit_for(regime, numel, args.peers, round_seconds)
+            print(f"== regime {regime:g}: all-reduce bound {regime:g} x {round_seconds:g} s -> {args.mbit:.2f} Mbit/s",
+                  file=sys.stderr, flush=True)
+        results = run_modes(args, capped, root / (f"regime-{regime:g}" if regime is not None else "run"), numel)
+        everything[f"{regime:g}" if regime is not None else "run"] = results
+        text = report(results, args, capped, numel)
+        if regime is not None:
+            text = (f"## Regime {regime:g}: a blocking all-reduce's bandwidth bound is {regime:g} x the "
+                    f"{round_seconds:g} s round ({args.mbit:.2f} Mbit/s)\n\n" + text)
+            args.out = base_out.with_name(f"{base_out.name}_regime_{regime:g}")
+        if plot(results, args.out.with_suffix(".png"), args.throttles):
+            text += f"\n![eval loss and utilization]({args.out.with_suffix('.png').name})\n"
+        texts.append(text)
+    signal.signal(signal.SIGINT, previous)
+    out = base_out.with_name(base_out.name + "_regimes") if args.regimes else base_out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(everything if args.regimes else everything["run"], indent=1))
+    text = "\n\n".join(texts)
+    if args.regimes:
+        text = (f"# Never idle on slow links: regimes {', '.join(f'{r:g}' for r in args.regimes)}\n\n"
+                f"Command: `sudo .venv/bin/python benchmarks/sync_modes.py --regimes "
+                f"{','.join(f'{r:g}' for r in args.regimes)} --modes {','.join(args.modes)} --budget {args.budget:g}`\n\n"
+                + text)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+def run_modes(args, capped: bool, root: Path, numel: int) -> dict:
+    results = {}
     with netns.Network(args.peers, mbit=args.mbit) if capped else nullcontext() as net:
         hosts = net.hosts if net else None
         for mode in args.modes:
@@ -203,15 +273,7 @@ def main() -> int:
             else:
                 records, started, ended = run_shoal(mode, args, hosts, root)
             results[mode] = summarize(mode, records, started, ended, args, numel)
-    signal.signal(signal.SIGINT, previous)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    text = report(results, args, capped, numel)
-    if plot(results, args.out.with_suffix(".png"), args.throttles):
-        text += f"\n![eval loss and utilization]({args.out.with_suffix('.png').name})\n"
-    args.out.with_suffix(".md").write_text(text)
-    print(text)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ Everything here is the public surface: ``shoal run`` itself uses nothing else of
 from __future__ import annotations
 
 from averaging.diloco import Applied, OuterConfig
-from averaging.outer_loop import RoundStats, SyncMode
+from averaging.outer_loop import RoundStats, SyncMode, round_advice
 from node.library.bootstrap import expand_initial_peers
 from node.library.config import AveragingConfig, RoundConfig
 from node.library.network import Network
@@ -49,4 +49,5 @@ __all__ = [
     "SyncMode",
     "choose_shard",
     "expand_initial_peers",
+    "round_advice",
 ]

@@ -33,6 +33,7 @@ MAX_TIME = 2.0**40  # unix seconds, ~36 800 years
 MAX_SUBKEY_BYTES = 64
 MAX_SHARDS = 2**16
 ROUND_BYTES = ("round_bytes_sent", "round_bytes_received")
+MAX_LATENESS = 86400.0  # seconds a sync may end after its deadline (a round is at most a day)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,8 @@ class ProgressRecord:
     # The last finished round's all-reduce payload (0: none ran); None in records of older peers.
     round_bytes_sent: int | None = None
     round_bytes_received: int | None = None
+    # How long after their round's deadline this peer's syncs end (EMA, seconds); None: not measured.
+    sync_late_s: float | None = None
 
 
 def encode(record: ProgressRecord) -> dict[str, Any]:
@@ -82,6 +85,7 @@ def encode(record: ProgressRecord) -> dict[str, Any]:
         **({"shard": record.shard} if record.shard is not None else {}),
         # New keys, optional: older readers ignore them, and older records lack them.
         **{key: getattr(record, key) for key in ROUND_BYTES if getattr(record, key) is not None},
+        **({"sync_late_s": record.sync_late_s} if record.sync_late_s is not None else {}),
     }
 
 
@@ -135,6 +139,7 @@ def decode(peer_id: str, value: Any) -> ProgressRecord:
         phase=_text(value, "phase"),
         shard=bounded_int(value, "shard", 0, MAX_SHARDS - 1) if value.get("shard") is not None else None,
         **{key: bounded_int(value, key, 0, MAX_COUNT) for key in ROUND_BYTES if value.get(key) is not None},
+        sync_late_s=_number(value, "sync_late_s", -MAX_LATENESS, MAX_LATENESS, optional=True),
     )
 
 

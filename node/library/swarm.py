@@ -371,6 +371,11 @@ class DiLoCoSwarm:
         stats = self.last_stats
         return min(1.0, stats.compute_s / stats.wall_s) if stats is not None and stats.wall_s > 0 else None
 
+    @property
+    def sync_lateness(self) -> float | None:
+        """How long after their round's deadline our syncs end (EMA, seconds), once measured."""
+        return self._loop.sync_lateness
+
     def _status(self) -> ProgressRecord:
         """Our progress record (monitor thread): the library's own figures, then the caller's."""
         beat = self._heartbeat() if self._heartbeat is not None else Heartbeat()
@@ -382,5 +387,5 @@ class DiLoCoSwarm:
             round_bytes_sent=self.last_stats.bytes_sent if self.last_stats else None,
             round_bytes_received=self.last_stats.bytes_received if self.last_stats else None,
             time=self._directory.now(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
-            shard=beat.shard,
+            shard=beat.shard, sync_late_s=self._loop.sync_lateness,
         )

@@ -8,8 +8,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from averaging.outer_loop import round_advice
 from node.library.snapshot import SwarmSnapshot
-from node.observe.fmt import number
+from node.observe.fmt import number, short_id
 from node.observe.ui import peer_table
 
 
@@ -33,6 +34,10 @@ def render_snapshot(snapshot: SwarmSnapshot) -> Panel:
     if snapshot.malformed or snapshot.malformed_manifests:
         grid.add_row("ignored", Text(f"{snapshot.malformed} malformed progress records, "
                                      f"{snapshot.malformed_manifests} malformed manifests", style="yellow"))
+    if schedule is not None:
+        for record in sorted(snapshot.records.values(), key=lambda r: r.peer_id):
+            if advice := round_advice(record.sync_late_s, schedule.round_seconds):
+                grid.add_row("round length", Text(f"peer {short_id(record.peer_id)}: {advice}", style="yellow"))
     parts: list = [grid]
     if snapshot.records:
         parts.append(peer_table(list(snapshot.records.values()), now=snapshot.time))

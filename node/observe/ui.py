@@ -63,6 +63,7 @@ class NodeStatus:
     sync_bytes_per_s: float | None = None  # this peer's payload (each way) over the last all-reduce's duration
     round_bytes_sent: int | None = None  # the last finished round's all-reduce payload (None: no round yet)
     round_bytes_received: int | None = None
+    sync_advice: str | None = None  # syncs end more than a round late: what to change (round_advice)
     peer_records: Sequence[ProgressRecord] = ()  # the swarm's progress records (replace, never mutate)
 
 
@@ -192,6 +193,8 @@ def _network_rows(grid: Table, s: NodeStatus) -> None:
         bandwidth += f"   round ↑ {human_bytes(s.round_bytes_sent)} ↓ {human_bytes(s.round_bytes_received)}"
     bandwidth += f"   total ↑ {human_bytes(s.bytes_sent)} ↓ {human_bytes(s.bytes_received)}"
     grid.add_row("network", f"group {s.group_size}   sync {s.sync_s:.2f}s   last {s.last_sync}{bandwidth}")
+    if s.sync_advice:
+        grid.add_row("round length", Text(s.sync_advice, style="yellow"))
 
 
 def _cell(value: str, width: int, right: bool) -> str:

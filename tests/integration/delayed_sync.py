@@ -1,0 +1,32 @@
+"""Test-only launcher: ``python tests/integration/delayed_sync.py DELAY -- <python> -m node.cli run ...``
+runs ``shoal run`` with every all-reduce of this peer triggered ``DELAY`` seconds after its sync job
+starts, as on a link too slow for the round: its whole group's all-reduce then ends late. Never
+reachable from the CLI; ``tests/integration/test_slow_sync.py`` starts it through the launcher's
+``prefix``."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def main() -> None:
+    delay, separator, *command = sys.argv[1:]
+    assert separator == "--" and command[1:3] == ["-m", "node.cli"], sys.argv
+    from averaging import hivemind_backend
+
+    original = hivemind_backend.HivemindBackend.average
+
+    def late_average(self, vector, **kwargs):
+        time.sleep(float(delay))
+        return original(self, vector, **kwargs)
+
+    hivemind_backend.HivemindBackend.average = late_average
+    sys.argv = ["shoal", *command[3:]]
+    from node.cli import main as shoal_main
+
+    shoal_main()
+
+
+if __name__ == "__main__":
+    main()
