@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from hivemind import DHT, DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.compression import (
@@ -101,6 +101,7 @@ def float_part_bytes(wire: WireFormat, numel: int) -> int:
 StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
 UpdateProvider = Callable[[int], AppliedUpdate | None]
 FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
+LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
 UPDATE_VERSION = 1
 
@@ -441,6 +442,7 @@ class HivemindBackend:
                 control = self._controls.pop(r)
                 if not control.done():
                     control.cancel()
+        self._settle_matchmaking(before=round)
         with self._averager._command_lock:
             # The round goes into the matchmaking key (hivemind's group bits), so a peer still
             # finishing round r-1 can never pull a peer of round r into its group (or wait for it).
@@ -454,6 +456,20 @@ class HivemindBackend:
             )
         with self._controls_lock:
             self._controls[round] = control
+
+    def _settle_matchmaking(self, *, before: int, wait_s: float = 5.0) -> None:
+        """The group bits are the averager's, not a step's: changing them while an older round's
+        step is still looking for a group would move that step into this round's key. Let it find
+        its group (or give up) first; one still looking after ``wait_s`` is a round late, cancel it."""
+        with self._controls_lock:
+            older = [c for r, c in self._controls.items() if r < before]
+        deadline = time.monotonic() + wait_s
+        for control in older:
+            while not control.done() and control.stage in LOOKING and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not control.done() and control.stage in LOOKING:
+                logger.warning("an older round's matchmaking was still running; cancelled it")
+                control.cancel()
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
                 round: int | None = None) -> AverageOutcome:

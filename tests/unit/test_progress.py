@@ -225,3 +225,18 @@ def test_a_malformed_per_round_byte_count_is_refused(bad):
     value["round_bytes_sent"] = bad
     with pytest.raises(MessageError, match="round_bytes_sent"):
         decode(ED25519_ID, value)
+
+
+def test_sync_lateness_round_trips_and_older_records_lack_it():
+    newer = record(sync_late_s=14.5)
+    assert decode(ED25519_ID, msgpack.unpackb(msgpack.packb(encode(newer)), raw=False)) == newer
+    assert "sync_late_s" not in encode(record())
+    assert decode(ED25519_ID, encode(record())).sync_late_s is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 1e9, -1e9, "3", True])
+def test_a_malformed_sync_lateness_is_refused(bad):
+    value = encode(record(sync_late_s=1.0))
+    value["sync_late_s"] = bad
+    with pytest.raises(MessageError, match="sync_late_s"):
+        decode(ED25519_ID, value)

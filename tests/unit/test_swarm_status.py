@@ -35,7 +35,7 @@ def snapshot(**changes) -> SwarmSnapshot:
     base = SwarmSnapshot(
         run_id="demo", time=NOW, schedule=RoundSchedule(start_time=NOW - 65.0, round_seconds=10.0),
         records={A: progress(A, tokens_per_s=3000.0, loss=2.0, eval_loss=2.5, device="cuda:0"),
-                 B: progress(B, round_bytes_sent=3, round_bytes_received=4)},
+                 B: progress(B, round_bytes_sent=3, round_bytes_received=4, sync_late_s=14.5)},
         malformed=2,
     )
     return dataclasses.replace(base, **changes)
@@ -53,8 +53,9 @@ def test_json_has_the_documented_keys():
     assert first == {"peer_id": A, "round": 7, "tokens_per_s": 3000.0, "loss": 2.0, "eval_loss": 2.5,
                      "device": "cuda:0", "utilization": 0.8, "mode": "full", "phase": "training", "version": "0.1.0",
                      "tokens": 100, "bytes_sent": 5, "bytes_received": 6, "shard": None, "round_bytes_sent": None,
-                     "round_bytes_received": None, "last_seen_s": 2.0}
+                     "round_bytes_received": None, "sync_late_s": None, "last_seen_s": 2.0}
     assert second["round_bytes_sent"] == 3 and second["round_bytes_received"] == 4
+    assert second["sync_late_s"] == 14.5
 
 
 def test_without_a_manifest_the_round_comes_from_the_peers():
@@ -74,6 +75,15 @@ def test_the_table_shows_the_figures():
     console = Console(file=io.StringIO(), width=100)
     console.print(render_snapshot(snapshot(records={}, malformed=0)))
     assert "no peer of run 'demo' is online" in console.file.getvalue()
+
+
+def test_a_peer_whose_syncs_outlast_the_round_gets_the_round_length_to_use():
+    console = Console(file=io.StringIO(), width=160)
+    console.print(render_snapshot(snapshot(records={A: progress(A, sync_late_s=14.5), B: progress(B, sync_late_s=3.0)})))
+    text = console.file.getvalue()
+    # 14.5 s late in 10 s rounds: a quarter more plus a second of room, whole seconds.
+    assert "syncs end 14.5s after the deadline, longer than a round (10s): use --round-seconds 20" in text
+    assert text.count("--round-seconds") == 1  # the peer whose syncs fit gets no advice
 
 
 def manifest(start: float, d_model: int = 64) -> RunManifest:
