@@ -49,6 +49,7 @@ MAX_AVERAGE_TO_LOCAL_RATIO = 100.0
 # a catch-up are applying the current round's step while the peer that is behind asks for the older ones.
 HISTORY_ROUNDS = 2
 HISTORY_KEPT = HISTORY_ROUNDS + 1
+MAX_CLAIMED_SCALE_RATIO = 2.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,13 +177,24 @@ class OuterState:
                 report = self.decode_report(raw)
                 if report.round != round:
                     raise MessageError(f"report for round {report.round}, expected {round}")
-                claims[peer] = claim_from_gather(report)
+                if report.rounds_done > round:  # a self-claimed count, bounded by the schedule
+                    raise MessageError(f"claims {report.rounds_done} outer steps by round {round}")
+                claims[peer] = self._capped(claim_from_gather(report))
             except MessageError as e:
                 bad += 1
                 logger.warning(f"round {round}: ignoring the report of {peer}: {e}")
         if len(claims) < 2:
             return None, bad, claims
         return consensus(claims, rel_tol=self.rel_tol, abs_tol=self.abs_tol), bad, claims
+
+    def _capped(self, claim: AnchorClaim) -> AnchorClaim:
+        """A claimed scale widens the tolerance of every comparison with that peer: it may not
+        exceed ``MAX_CLAIMED_SCALE_RATIO`` times ours (the same averaged pseudo-gradient's RMS on
+        every honest member, up to the return code's noise)."""
+        if claim.scale.shape != self._scale.shape:
+            return claim  # another layout: the fingerprints will not compare either
+        return AnchorClaim(claim.fingerprint, torch.minimum(claim.scale, MAX_CLAIMED_SCALE_RATIO * self._scale),
+                           claim.rounds_done)
 
     def apply(self, pseudo_grad: torch.Tensor, *, round: int) -> None:
         with self._lock:

@@ -332,3 +332,27 @@ def test_outer_config_accepts_the_bounds():
     assert OuterConfig(lr=10.0, momentum=0.0).lr == 10.0
     assert OuterConfig(lr=1e-6, momentum=0.999).momentum == 0.999
     assert (OuterConfig().lr, OuterConfig().momentum, OuterConfig().nesterov) == (0.7, 0.9, True)
+
+
+def test_a_report_claiming_more_outer_steps_than_rounds_is_refused():
+    states = three_states()
+    end_round(states, 1, randn(18, std=1e-3))
+    boastful = {**states["peer-a"].round_report(round=2).encode(), "rounds_done": 3}
+    conclusions = end_round(states, 2, randn(19, std=1e-3), extra={"mallory": boastful})
+    for conclusion in conclusions.values():
+        assert conclusion.bad_reports == 1 and "mallory" not in conclusion.verdict.agreeing
+
+
+def test_a_claimed_scale_cannot_widen_the_tolerance():
+    # mallory's anchor is far off, but it claims a scale large enough to "agree" with everybody: the
+    # claim is capped at twice our own scale, so it is seen as diverged, and nobody follows it.
+    states = three_states()
+    end_round(states, 1, randn(18, std=1e-3))
+    report = states["peer-a"].round_report(round=2)
+    far = {**report.encode(), "proj": struct.pack(f"<{len(report.projections)}d",
+                                                  *[p + 1.0 for p in report.projections]),
+           "scale": struct.pack(f"<{len(report.scale)}d", *[1e6] * len(report.scale))}
+    conclusions = end_round(states, 2, randn(19, std=1e-3), extra={"mallory": far})
+    for conclusion in conclusions.values():
+        assert conclusion.verdict.diverged == frozenset({"mallory"}), conclusion.verdict
+        assert conclusion.donors == []
