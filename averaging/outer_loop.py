@@ -254,7 +254,6 @@ class OuterLoop:
         self._device_correction = torch.empty(layout.numel, device=device) if cuda else None
         self._timer = StepTimer()
         self._jobs: deque[_Job] = deque()  # submitted, not yet merged (oldest first)
-        self._slot = 1
         self._skipped_tokens = 0  # tokens of rounds we stayed out of, for our next contribution
         self._carried_weight = 0.0  # worker thread: weight of syncs that folded, for the next one
         self._prepared_round = 0  # the last round we decided about (joined or skipped)
@@ -393,8 +392,8 @@ class OuterLoop:
             finished += self._report_later(self._skipped_stats(window))
             return finished
         assert len(self._jobs) < MAX_OUTSTANDING, "a round was joined with two syncs outstanding"
-        self._slot = 1 - self._slot
-        slot = self._slot
+        # Buffers: the other pair than the sync still in flight (allocated only if one ever is).
+        slot = 1 - self._jobs[-1].slot if self._jobs else 0
         if self._host_params[slot] is None:
             self._host_params[slot] = self.layout.new_buffer(pin_memory=self._pinned)
             self._host_correction[slot] = self.layout.new_buffer(pin_memory=self._pinned)

@@ -315,6 +315,8 @@ def test_overlap_rounds_average_in_the_background_while_training_goes_on(make_sw
         # at least the two steps (of 0.053 s at most) that the 0.1 s all-reduce outlasts.
         assert overlapped[peer.id] >= 2 * (last_round - 1)
         assert peer.outer.rounds_done == peer.outer.last_round == last_round
+        # Syncs that land within their round never need the second snapshot/correction buffers.
+        assert peer.loop._host_params[1] is None and peer.loop._host_correction[1] is None
     # LocalBackend averages exactly: every anchor is bit-identical, and it moved.
     anchor = peers[0].outer.anchor
     assert all(torch.equal(p.outer.anchor, anchor) for p in peers)
@@ -582,6 +584,7 @@ def test_a_sync_longer_than_a_round_never_stalls_training_nor_forces_a_resync(ma
         # after finish() are the anchor (the last contribution merged) plus nothing else.
         assert_close(peer.flat_params(), peer.outer.anchor, atol=1e-5)
         assert peer.loop.sync_lateness == pytest.approx(1.5 * round_seconds, abs=0.06)
+        assert peer.loop._host_params[1] is not None  # a sync was queued behind a running one
     anchor = peers[0].outer.anchor
     assert not torch.allclose(anchor, init, atol=STEP_SIZE)
     for peer in peers:
