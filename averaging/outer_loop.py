@@ -168,7 +168,7 @@ class _SyncResult:
     resynced: bool
     bytes_sent: int = 0
     bytes_received: int = 0
-    lateness_s: float = 0.0  # when the all-reduce ended, relative to its round's deadline
+    lateness_s: float | None = None  # when the all-reduce ended, relative to its round's deadline (None: none ran)
     rounds_done: int = 0  # outer steps applied once this round was concluded
 
 
@@ -454,7 +454,9 @@ class OuterLoop:
             bytes_sent=result.bytes_sent, bytes_received=result.bytes_received, caught_up=conclusion.caught_up,
         ), *(replace(skipped, rounds_done=result.rounds_done) for skipped in job.then)]
 
-    def _note_lateness(self, lateness: float) -> None:
+    def _note_lateness(self, lateness: float | None) -> None:
+        if lateness is None:
+            return
         previous = self._lateness
         self._lateness = lateness if previous is None else (1 - LATENESS_ALPHA) * previous + LATENESS_ALPHA * lateness
         round_seconds = self._schedule().round_seconds
@@ -533,7 +535,10 @@ class OuterLoop:
         outcome = self.worker.backend.average(averaged, weight=weight, timeout=timeout + self.worker.allreduce_timeout,
                                               round=round)
         sync_s = self.clock.monotonic() - started
-        lateness_s = self.clock.now() - self._schedule().round_end(round)
+        # Only a group's all-reduce tells how long the next one will take: a failed matchmaking
+        # (alone, or no group) ends on its own timeout, and peers with another history would then
+        # guess differently and stay out of different rounds.
+        lateness_s = self.clock.now() - self._schedule().round_end(round) if outcome.ok else None
         # 3. Consistency check (catching up with missed outer steps, or re-syncing if we cannot),
         #    then the outer step.
         old_anchor = self.outer.anchor.clone()

@@ -19,7 +19,9 @@ from tests.integration.swarm import REPO
 pytestmark = pytest.mark.integration
 
 ROUNDS = 10
-DELAYED = [sys.executable, str(REPO / "tests" / "integration" / "delayed_sync.py"), "7", "--"]
+LAUNCHER = str(REPO / "tests" / "integration" / "delayed_sync.py")
+DELAYED = [sys.executable, LAUNCHER, "7", "--"]
+FORGETFUL = [sys.executable, LAUNCHER, "0", "3", "--"]  # misses the matchmaking of every third round
 
 
 def rounds_of(peer) -> dict[int, dict]:
@@ -58,6 +60,31 @@ def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm):
     # The late peer's syncs outlast the round: the engine had to stay out of rounds or replay steps.
     everything = [r for rounds in per_peer.values() for r in rounds.values()]
     assert any(r["skipped"] or r["caught_up"] for r in everything), everything
+    anchors = {peer.name: anchor_of(peer) for peer in peers}
+    for x, y in itertools.combinations(anchors, 2):
+        rms = (anchors[x] - anchors[y]).square().mean().sqrt()
+        assert rms < 1e-3, (x, y, float(rms))
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_state(swarm):
+    args = ["--max-rounds", "8", "--round-seconds", "6"]
+    first = swarm.start("a", *args)
+    address = first.wait_for_address()[:1]
+    peers = [first, swarm.start("b", *args, initial=address),
+             swarm.start("forgetful", *args, initial=address, prefix=FORGETFUL)]
+    for peer in peers:
+        assert peer.wait(timeout=240) == 0, peer.log()[-4000:]
+    per_peer = {peer.name: rounds_of(peer) for peer in peers}
+    forgetful = per_peer["forgetful"]
+    print({name: [(r, x["applied"][0], x["caught_up"], x["resynced"]) for r, x in sorted(rounds.items())]
+           for name, rounds in per_peer.items()})  # shown on failure
+    assert not any(r["resynced"] for rounds in per_peer.values() for r in rounds.values()), per_peer
+    # After a missed round (folded), the next averaged round replayed the step the others applied.
+    caught_up = [r for r, x in forgetful.items() if x["caught_up"]]
+    assert caught_up and all(forgetful[r]["caught_up"] == 1 for r in caught_up), forgetful
+    assert all(forgetful.get(r - 1, {}).get("applied") == "folded" for r in caught_up), forgetful
+    assert "caught up with 1 missed outer step" in peers[2].log()
     anchors = {peer.name: anchor_of(peer) for peer in peers}
     for x, y in itertools.combinations(anchors, 2):
         rms = (anchors[x] - anchors[y]).square().mean().sqrt()
