@@ -6,12 +6,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from examples.swarm_launcher import LocalPeer, LocalSwarm, session_members, shoal_command
+from node.library.checkpoint import load_checkpoint, round_dir_name
+from node.observe.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny.toml"
 
-__all__ = ["REPO", "TINY", "LocalPeer", "Swarm", "session_members", "shoal_command", "wait_until"]
+__all__ = ["REPO", "TINY", "LocalPeer", "Swarm", "anchor_at", "every_round_checkpoints", "rounds_of",
+           "session_members", "shoal_command", "train_then_interrupt", "wait_until"]
 
 
 class Swarm(LocalSwarm):
@@ -32,3 +37,59 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> No
             return
         time.sleep(0.2)
     raise TimeoutError(what)
+
+
+def rounds_of(peer: LocalPeer) -> dict[int, dict]:
+    """A peer's round records by round (none while it is still starting)."""
+    if not peer.metrics_path.exists():
+        return {}
+    return {r["round"]: r for r in read_metrics(peer.metrics_path) if r["event"] == "round"}
+
+
+def every_round_checkpoints(path: Path, config: Path = TINY, text: str | None = None) -> Path:
+    """``config`` (or its ``text``) with a checkpoint after every round, written to ``path``: peers
+    stopped with Ctrl+C can then be compared at a round they all finished."""
+    text = config.read_text() if text is None else text
+    changed = text.replace("checkpoint_every_rounds = 5", "checkpoint_every_rounds = 1")
+    assert changed != text, "the config no longer says checkpoint_every_rounds = 5"
+    path.write_text(changed)
+    return path
+
+
+def anchor_at(peer: LocalPeer, round: int) -> torch.Tensor:
+    """The peer's shared model (anchor) as saved after ``round``, flattened."""
+    checkpoint = load_checkpoint(peer.checkpoint_dir / round_dir_name(round))
+    assert checkpoint.round == round, (peer.name, checkpoint.path)
+    return torch.cat([t.flatten() for t in checkpoint.params.values()])
+
+
+def train_then_interrupt(peers: list[LocalPeer], *, full_rounds: int, timeout: float) -> range:
+    """Let peers started without ``--max-rounds`` train until each has recorded ``full_rounds``
+    rounds from the first one that all of them trained from its start; then Ctrl+C them all and
+    check that each exits 0. Returns those common rounds.
+
+    Unlike a fixed ``--max-rounds``, the run is as long as the peers' start-up needs: short on an
+    idle machine, longer (not failing) when start-up is slow on a loaded one. The peers leave
+    during the round after the last one (before its sync starts, unless that round's start was
+    very late), so compare their models at a round with ``anchor_at`` rather than at exit."""
+    def started() -> bool:
+        for peer in peers:
+            if peer.proc.poll() is not None:
+                raise RuntimeError(f"{peer.name} exited with {peer.proc.returncode}:\n{peer.log()[-3000:]}")
+        return all(rounds_of(peer) for peer in peers)
+
+    deadline = time.time() + timeout
+    wait_until(started, timeout, "not every peer finished a round")
+    first = max(min(rounds_of(peer)) for peer in peers) + 1  # a peer's first round may be partial
+    last = first + full_rounds - 1
+    try:
+        wait_until(lambda: started() and all(last in rounds_of(peer) for peer in peers), deadline - time.time(),
+                   f"not every peer reached round {last}")
+    except TimeoutError:
+        raise TimeoutError(f"round {last} not reached by every peer:\n" + "\n".join(
+            f"--- {peer.name}, rounds {sorted(rounds_of(peer))}:\n{peer.log()[-2000:]}" for peer in peers)) from None
+    for peer in peers:
+        peer.interrupt()
+    for peer in peers:
+        assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
+    return range(first, last + 1)

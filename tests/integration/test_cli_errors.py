@@ -180,7 +180,7 @@ def test_bootstrap_peer_that_never_answers_times_out(tmp_path):
     threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(16)], daemon=True).start()
     try:
         started = time.monotonic()
-        result = shoal("run", "--no-ui", "--bootstrap-timeout", "8", "--listen", "/ip4/127.0.0.1/tcp/0",
+        result = shoal("run", "--no-ui", "--bootstrap-timeout", "4", "--listen", "/ip4/127.0.0.1/tcp/0",
                        "--initial-peer", f"/ip4/127.0.0.1/tcp/{server.getsockname()[1]}/p2p/{VALID_PEER_ID}")
         assert time.monotonic() - started < 45
         assert_one_line_error(result, 4, "could not reach")
