@@ -235,11 +235,12 @@ def bit_identity(device: torch.device, numel: int) -> dict:
     live = {n: t.to(device) for n, t in cpu.items()}
     engine = _engine(live, device)
     try:
-        event = engine._snapshot_params()
+        buffer = engine._host_params[0]  # the engine's first (pinned on CUDA) snapshot buffer
+        event = engine._snapshot_params(buffer)
         if event is not None:
             event.synchronize()
         reference = engine.layout.pack(cpu, engine.layout.new_buffer())
-        snapshot_equal = torch.equal(engine._host_params, reference)
+        snapshot_equal = torch.equal(buffer, reference)
         correction = torch.randn(engine.layout.numel, generator=generator)
         engine._merge(correction)
         expected = dict(cpu)

@@ -167,7 +167,9 @@ def report(results: dict, args, capped: bool, numel: int) -> str:
               + (f"{bound:.2f} s; overlap's median all-reduce is {measured:.2f} s ({measured / bound:.2f}x)."
                  if capped and bound and measured else "n/a (no cap, or no overlap run)."),
               f"Equal tokens: {equal_tokens:,.0f} swarm tokens (the fewest any synced mode processed).",
-              "Utilization = compute_s / wall_s per peer (DDP: calibrated step compute x steps / wall).", "",
+              "Utilization = compute_s / wall_s per peer (DDP: calibrated step compute x steps / wall).",
+              f"CPU demand of training alone: sum of 1/throttle = {sum(1 / t for t in args.throttles):.2f} cores of "
+              f"{os.cpu_count()} (one torch thread per peer): the rest is headroom for the network and the sync.", "",
               *peer_details(results), ""]
     return "\n".join(lines)
 
