@@ -278,6 +278,17 @@ class OuterLoop:
         return [(job.window.round, job.future) for job in self._jobs]
 
     @property
+    def sync_period(self) -> int:
+        """Every how many rounds this peer can sync: 1 while syncs end within a round of their
+        deadline; k when they take up to k rounds. Such a peer joins only rounds divisible by k.
+        Peers of one group measure the same lateness, so they stay in the same rounds; deciding
+        each round from its own timing alone, a peer could settle one round off the others' phase
+        and then always meet nobody."""
+        if self._lateness is None or self.config.mode == SyncMode.BLOCKING:
+            return 1
+        return max(1, math.ceil(self._lateness / self._schedule().round_seconds))
+
+    @property
     def sync_lateness(self) -> float | None:
         """How long after its round's deadline a sync typically ends (seconds, EMA), once measured."""
         return self._lateness
@@ -347,15 +358,23 @@ class OuterLoop:
             if self._can_join(round):
                 previous = self._jobs[-1].future if self._jobs else None
                 self._prepares[round] = self.worker.submit_prepare(self._prepare, round, previous=previous)
-            else:
+            elif self._jobs and self.sync_period == 1:
                 logger.info(f"round {round}: staying out, the sync of round {self._jobs[-1].window.round} is still "
                             "running; this round's work goes into the next contribution")
+            else:
+                logger.info(f"round {round}: staying out, syncs take about {self._lateness:.1f}s past their "
+                            f"deadline, so this peer averages in rounds divisible by {self.sync_period}")
 
     def _can_join(self, round: int) -> bool:
         """Whether our sync of ``round`` can start at its deadline: no more than one sync ahead of
         it, and that one expected to end by then (from how late past their deadlines recent syncs
         ended). A wrong guess costs lateness, not correctness: the sync is queued and runs late."""
-        if self.config.mode == SyncMode.BLOCKING or not self._jobs:
+        if self.config.mode == SyncMode.BLOCKING:
+            return True
+        period = self.sync_period
+        if period > 1 and round % period:
+            return False  # the rounds every peer whose syncs take this long joins: in phase
+        if not self._jobs:
             return True
         if len(self._jobs) >= MAX_OUTSTANDING:
             return False

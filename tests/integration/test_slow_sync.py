@@ -12,80 +12,94 @@ import sys
 import pytest
 import torch
 
-from node.library.checkpoint import load_latest_valid
-from node.observe.metrics import read_metrics
-from tests.integration.swarm import REPO
+from tests.integration.swarm import (
+    REPO,
+    anchor_at,
+    every_round_checkpoints,
+    rounds_of,
+    train_then_interrupt,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
-ROUNDS = 10
 LAUNCHER = str(REPO / "tests" / "integration" / "delayed_sync.py")
 DELAYED = [sys.executable, LAUNCHER, "7", "--"]
 FORGETFUL = [sys.executable, LAUNCHER, "0", "3", "--"]  # misses the matchmaking of every third round
 
 
-def rounds_of(peer) -> dict[int, dict]:
-    return {r["round"]: r for r in read_metrics(peer.metrics_path) if r["event"] == "round"}
-
-
-def anchor_of(peer) -> torch.Tensor:
-    checkpoint = load_latest_valid(peer.checkpoint_dir)
-    assert checkpoint is not None
-    return torch.cat([t.flatten() for t in checkpoint.params.values()])
+def assert_anchors_agree(anchors: dict[str, torch.Tensor]) -> None:
+    for x, y in itertools.combinations(anchors, 2):
+        rms = (anchors[x] - anchors[y]).square().mean().sqrt()
+        assert rms < 1e-3, (x, y, float(rms))  # fp16 noise is ~1e-4 here (see test_swarm); a failure ~1e-2
 
 
 @pytest.mark.timeout(420)
-def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm):
-    args = ["--max-rounds", str(ROUNDS), "--round-seconds", "6"]
-    first = swarm.start("a", *args)
+def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm, tmp_path):
+    config = every_round_checkpoints(tmp_path / "tiny.toml")
+    args = ["--round-seconds", "6"]
+    first = swarm.start("a", *args, config=config)
     address = first.wait_for_address()[:1]
-    peers = [first, swarm.start("b", *args, initial=address),
-             swarm.start("late", *args, initial=address, prefix=DELAYED)]
-    for peer in peers:
-        assert peer.wait(timeout=360) == 0, peer.log()[-4000:]
+    peers = [first, swarm.start("b", *args, initial=address, config=config),
+             swarm.start("late", *args, initial=address, prefix=DELAYED, config=config)]
+    common = train_then_interrupt(peers, full_rounds=6, timeout=300)
     per_peer = {peer.name: rounds_of(peer) for peer in peers}
-    start = max(min(r) for r in per_peer.values()) + 1  # every peer is in from here on
     for name, rounds in per_peer.items():  # shown on failure
         print(name, [(r, x["applied"][0], x["skipped"], x["caught_up"], x["resynced"], round(x["wait_s"], 2),
                       round(x["sync_s"], 1)) for r, x in sorted(rounds.items())])
+    # From the first round that every peer averaged together on: a peer that joins while syncs
+    # overlap can miss a step unseen (the reports in that round predate it) and re-sync once, a
+    # known gap; after that, none.
+    together = min(r for r in common if all(per_peer[name][r]["applied"] == "averaged" for name in per_peer))
+    steady = range(together, common[-1] + 1)
+    assert len(steady) >= 3, (together, common)
     for name, rounds in per_peer.items():
-        records = [rounds[r] for r in sorted(rounds) if r >= start]
-        assert len(records) >= 4, (name, sorted(rounds))
-        assert not any(r["resynced"] for r in records), (name, records)
-        # The loop never waited for the network (only the last round's merge, on leaving, may).
-        assert all(r["wait_s"] < 0.5 for r in records[:-1]), (name, records)
+        records = [rounds[r] for r in steady]
+        assert not any(r["resynced"] for r in records[1:]), (name, records)
+        # The loop never waited for the network.
+        assert all(r["wait_s"] < 0.5 for r in records), (name, records)
         averaged = [r["round"] for r in records if r["applied"] == "averaged"]
         gaps = [b - a for a, b in zip(averaged, averaged[1:])]
-        assert averaged and max(gaps, default=1) <= 2, (name, averaged)
+        assert max(gaps, default=0) <= 2 and averaged[-1] >= steady[-1] - 1, (name, averaged)  # every other round
     # The late peer's syncs outlast the round: the engine had to stay out of rounds or replay steps.
-    everything = [r for rounds in per_peer.values() for r in rounds.values()]
-    assert any(r["skipped"] or r["caught_up"] for r in everything), everything
-    anchors = {peer.name: anchor_of(peer) for peer in peers}
-    for x, y in itertools.combinations(anchors, 2):
-        rms = (anchors[x] - anchors[y]).square().mean().sqrt()
-        assert rms < 1e-3, (x, y, float(rms))
+    assert any(per_peer[name][r]["skipped"] for name in per_peer for r in steady)
+    # Compare the shared models after the last round that every peer averaged.
+    last = max(r for r in common if all(per_peer[name][r]["applied"] == "averaged" for name in per_peer))
+    assert_anchors_agree({peer.name: anchor_at(peer, last) for peer in peers})
 
 
 @pytest.mark.timeout(300)
-def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_state(swarm):
-    args = ["--max-rounds", "8", "--round-seconds", "6"]
-    first = swarm.start("a", *args)
+def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_state(swarm, tmp_path):
+    config = every_round_checkpoints(tmp_path / "tiny.toml")
+    args = ["--round-seconds", "6"]
+    first = swarm.start("a", *args, config=config)
     address = first.wait_for_address()[:1]
-    peers = [first, swarm.start("b", *args, initial=address),
-             swarm.start("forgetful", *args, initial=address, prefix=FORGETFUL)]
+    peers = [first, swarm.start("b", *args, initial=address, config=config),
+             swarm.start("forgetful", *args, initial=address, prefix=FORGETFUL, config=config)]
+    forgetful = peers[2]
+
+    def caught_up() -> list[int]:
+        return sorted(r for r, x in rounds_of(forgetful).items() if x["caught_up"])
+
+    def running_until_caught_up() -> list[int]:
+        for peer in peers:
+            assert peer.proc.poll() is None, peer.log()[-3000:]
+        return caught_up()
+
+    wait_until(running_until_caught_up, 240, "the forgetful peer never caught up")
     for peer in peers:
-        assert peer.wait(timeout=240) == 0, peer.log()[-4000:]
+        peer.interrupt()
+    for peer in peers:
+        assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
     per_peer = {peer.name: rounds_of(peer) for peer in peers}
-    forgetful = per_peer["forgetful"]
     print({name: [(r, x["applied"][0], x["caught_up"], x["resynced"]) for r, x in sorted(rounds.items())]
            for name, rounds in per_peer.items()})  # shown on failure
     assert not any(r["resynced"] for rounds in per_peer.values() for r in rounds.values()), per_peer
     # After a missed round (folded), the next averaged round replayed the step the others applied.
-    caught_up = [r for r, x in forgetful.items() if x["caught_up"]]
-    assert caught_up and all(forgetful[r]["caught_up"] == 1 for r in caught_up), forgetful
-    assert all(forgetful.get(r - 1, {}).get("applied") == "folded" for r in caught_up), forgetful
-    assert "caught up with 1 missed outer step" in peers[2].log()
-    anchors = {peer.name: anchor_of(peer) for peer in peers}
-    for x, y in itertools.combinations(anchors, 2):
-        rms = (anchors[x] - anchors[y]).square().mean().sqrt()
-        assert rms < 1e-3, (x, y, float(rms))
+    rounds = per_peer["forgetful"]
+    replayed = caught_up()[0]
+    assert rounds[replayed]["caught_up"] == 1 and rounds[replayed]["applied"] == "averaged", rounds
+    assert rounds[replayed - 1]["applied"] == "folded", rounds
+    assert "caught up with 1 missed outer step" in forgetful.log()
+    assert all(per_peer[name][replayed]["applied"] == "averaged" for name in per_peer), per_peer
+    assert_anchors_agree({peer.name: anchor_at(peer, replayed) for peer in peers})

@@ -585,6 +585,9 @@ def test_a_sync_longer_than_a_round_never_stalls_training_nor_forces_a_resync(ma
         assert_close(peer.flat_params(), peer.outer.anchor, atol=1e-5)
         assert peer.loop.sync_lateness == pytest.approx(1.5 * round_seconds, abs=0.06)
         assert peer.loop._host_params[1] is not None  # a sync was queued behind a running one
+        # Once measured, a sync takes two rounds: the peer joins the even rounds, as do the others.
+        assert peer.loop.sync_period == 2
+        assert [r for r in joined if r > 2] == [r for r in range(3, last_round + 1) if r % 2 == 0], joined
     anchor = peers[0].outer.anchor
     assert not torch.allclose(anchor, init, atol=STEP_SIZE)
     for peer in peers:
