@@ -98,8 +98,9 @@ def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_
     # After a missed round (folded), the next averaged round replayed the step the others applied.
     rounds = per_peer["forgetful"]
     replayed = caught_up()[0]
-    assert rounds[replayed]["caught_up"] == 1 and rounds[replayed]["applied"] == "averaged", rounds
+    # One missed round, or two when it also joined after its first group (both within the history).
+    assert rounds[replayed]["caught_up"] in (1, 2) and rounds[replayed]["applied"] == "averaged", rounds
     assert rounds[replayed - 1]["applied"] == "folded", rounds
-    assert "caught up with 1 missed outer step" in forgetful.log()
+    assert "missed outer step(s) from" in forgetful.log()
     assert all(per_peer[name][replayed]["applied"] == "averaged" for name in per_peer), per_peer
     assert_anchors_agree({peer.name: anchor_at(peer, replayed) for peer in peers})
