@@ -119,9 +119,13 @@ class OuterState:
     def claim(self) -> AnchorClaim:
         """Fingerprint of the current anchor (cached: the anchor only changes in outer steps)."""
         with self._lock:
-            if self._claim is None:
-                self._claim = AnchorClaim(fingerprint(self.anchor), self._scale.clone(), self.rounds_done)
-            return self._claim
+            return self._current_claim()
+
+    def _current_claim(self) -> AnchorClaim:
+        """``claim()`` for a caller that holds the lock."""
+        if self._claim is None:
+            self._claim = AnchorClaim(fingerprint(self.anchor), self._scale.clone(), self.rounds_done)
+        return self._claim
 
     def round_report(self, *, round: int) -> RoundGather:
         return claim_to_gather(self.claim(), round=round)
@@ -201,8 +205,7 @@ class OuterState:
             self._apply(pseudo_grad, round)
 
     def _apply(self, pseudo_grad: torch.Tensor, round: int) -> None:
-        self._past_claims.append(self._claim or AnchorClaim(fingerprint(self.anchor), self._scale.clone(),
-                                                            self.rounds_done))
+        self._past_claims.append(self._current_claim())
         outer_step_(self.anchor, pseudo_grad, self.momentum,
                     lr=self.config.lr, mu=self.config.momentum, nesterov=self.config.nesterov)
         self.rounds_done += 1
@@ -233,8 +236,7 @@ class OuterState:
                     break
                 self._apply(update.update.float(), update.round)
             else:
-                ours = self._claim or AnchorClaim(fingerprint(self.anchor), self._scale.clone(), self.rounds_done)
-                if _claims_agree(ours, reference, self.rel_tol, self.abs_tol):
+                if _claims_agree(self._current_claim(), reference, self.rel_tol, self.abs_tol):
                     return True
             (anchor, momentum, self.rounds_done, self.last_round, self._scale, self._last_rms, self._claim,
              history, past_claims) = saved

@@ -430,7 +430,6 @@ class HivemindBackend:
         # What state_provider returns: by default anchor and momentum (OuterState.shared_state).
         self._state_lengths = list(state_lengths) if state_lengths is not None else [numel, numel]
         self._request_timeout = request_timeout
-        self._numel = numel
         # Steps by round: prepare (the prepare lane) and average (the sync lane) run on two threads.
         self._controls: dict[int, StepControl] = {}
         self._controls_lock = threading.Lock()

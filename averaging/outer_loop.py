@@ -478,14 +478,11 @@ class OuterLoop:
             return
         previous = self._lateness
         self._lateness = lateness if previous is None else (1 - LATENESS_ALPHA) * previous + LATENESS_ALPHA * lateness
-        round_seconds = self._schedule().round_seconds
-        if self.config.mode == SyncMode.OVERLAP and not self._warned_round_seconds and previous is not None \
-                and self._lateness > round_seconds:
+        advice = round_advice(self._lateness, self._schedule().round_seconds)
+        if self.config.mode == SyncMode.OVERLAP and not self._warned_round_seconds and previous is not None and advice:
             self._warned_round_seconds = True
-            logger.warning(f"a sync takes about {self._lateness:.1f}s past its round's end, longer than a round "
-                           f"({round_seconds:g}s): this peer averages only every other round or less. For a sync "
-                           f"every round use round.seconds >= {suggested_round_seconds(self._lateness):g} "
-                           "(--round-seconds), or a smaller codec (averaging.compression)")
+            logger.warning(f"{advice} for a sync every round (or a smaller codec, averaging.compression); "
+                           "until then this peer averages every other round or less")
 
     @torch.no_grad()
     def _snapshot_params(self, buffer: torch.Tensor) -> torch.cuda.Event | None:

@@ -31,14 +31,7 @@ def encode_slice_request(index: int, count: int) -> bytes:
 
 def decode_slice_request(blob: bytes) -> tuple[int, int]:
     """``(index, count)`` from a peer's request, or MessageError: the donor refuses anything else."""
-    if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_SLICE_REQUEST_BYTES:
-        raise MessageError(f"slice request of {len(blob) if isinstance(blob, bytes) else '?'} bytes")
-    try:
-        request = msgpack.unpackb(blob, max_map_len=2, max_str_len=8, max_array_len=0, max_bin_len=0)
-    except Exception as e:  # msgpack raises several types for malformed input
-        raise MessageError(f"slice request is not msgpack: {type(e).__name__}") from None
-    if not isinstance(request, dict) or set(request) != {"slice", "of"}:
-        raise MessageError("slice request must be {slice: int, of: int}")
+    request = _unpack_request(blob, "slice", ("slice", "of"), MAX_SLICE_REQUEST_BYTES)
     index, count = request["slice"], request["of"]
     check_slice_index(index, count)
     return index, count
@@ -56,14 +49,7 @@ def encode_update_request(rounds_done: int) -> bytes:
 
 def decode_update_request(blob: bytes) -> int:
     """The ``rounds_done`` a peer asks the next update of, or MessageError."""
-    if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_UPDATE_REQUEST_BYTES:
-        raise MessageError(f"update request of {len(blob) if isinstance(blob, bytes) else '?'} bytes")
-    try:
-        request = msgpack.unpackb(blob, max_map_len=1, max_str_len=8, max_array_len=0, max_bin_len=0)
-    except Exception as e:  # msgpack raises several types for malformed input
-        raise MessageError(f"update request is not msgpack: {type(e).__name__}") from None
-    if not isinstance(request, dict) or set(request) != {"after"}:
-        raise MessageError("update request must be {after: int}")
+    request = _unpack_request(blob, "update", ("after",), MAX_UPDATE_REQUEST_BYTES)
     _check_steps(request["after"])
     return request["after"]
 
@@ -71,3 +57,17 @@ def decode_update_request(blob: bytes) -> int:
 def _check_steps(value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_STEPS:
         raise MessageError(f"after: expected an int in [0, 2**40), got {value!r:.40}")
+
+
+def _unpack_request(blob: bytes, kind: str, keys: tuple[str, ...], max_bytes: int) -> dict:
+    """A request's map of exactly ``keys`` (int values, checked by the caller), or MessageError;
+    msgpack is told the bounds first, so nothing larger is ever built."""
+    if not isinstance(blob, bytes) or not 0 < len(blob) <= max_bytes:
+        raise MessageError(f"{kind} request of {len(blob) if isinstance(blob, bytes) else '?'} bytes")
+    try:
+        request = msgpack.unpackb(blob, max_map_len=len(keys), max_str_len=8, max_array_len=0, max_bin_len=0)
+    except Exception as e:  # msgpack raises several types for malformed input
+        raise MessageError(f"{kind} request is not msgpack: {type(e).__name__}") from None
+    if not isinstance(request, dict) or set(request) != set(keys):
+        raise MessageError(f"{kind} request must be {{{', '.join(f'{k}: int' for k in keys)}}}")
+    return request

@@ -34,14 +34,19 @@ def assert_anchors_agree(anchors: dict[str, torch.Tensor]) -> None:
         assert rms < 1e-3, (x, y, float(rms))  # fp16 noise is ~1e-4 here (see test_swarm); a failure ~1e-2
 
 
-@pytest.mark.timeout(420)
-def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm, tmp_path):
+def start_three(swarm, tmp_path, name: str, prefix: list[str]) -> list:
+    """Two plain peers and ``name`` run through ``prefix``, in 6 s rounds with a checkpoint each round."""
     config = every_round_checkpoints(tmp_path / "tiny.toml")
     args = ["--round-seconds", "6"]
     first = swarm.start("a", *args, config=config)
     address = first.wait_for_address()[:1]
-    peers = [first, swarm.start("b", *args, initial=address, config=config),
-             swarm.start("late", *args, initial=address, prefix=DELAYED, config=config)]
+    return [first, swarm.start("b", *args, initial=address, config=config),
+            swarm.start(name, *args, initial=address, prefix=prefix, config=config)]
+
+
+@pytest.mark.timeout(420)
+def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm, tmp_path):
+    peers = start_three(swarm, tmp_path, "late", DELAYED)
     common = train_then_interrupt(peers, full_rounds=6, timeout=300)
     per_peer = {peer.name: rounds_of(peer) for peer in peers}
     for name, rounds in per_peer.items():  # shown on failure
@@ -70,12 +75,7 @@ def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm, tmp_path
 
 @pytest.mark.timeout(300)
 def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_state(swarm, tmp_path):
-    config = every_round_checkpoints(tmp_path / "tiny.toml")
-    args = ["--round-seconds", "6"]
-    first = swarm.start("a", *args, config=config)
-    address = first.wait_for_address()[:1]
-    peers = [first, swarm.start("b", *args, initial=address, config=config),
-             swarm.start("forgetful", *args, initial=address, prefix=FORGETFUL, config=config)]
+    peers = start_three(swarm, tmp_path, "forgetful", FORGETFUL)
     forgetful = peers[2]
 
     def caught_up() -> list[int]:
