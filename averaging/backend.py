@@ -62,11 +62,13 @@ class AveragingBackend(Protocol):
         the last one prepared), weighted by ``weight``. ``prepare`` may run concurrently (another
         thread: matchmaking for the next round starts while this one's all-reduce runs)."""
 
-    def download_state(self, peers: list[str], *, timeout: float,
-                       progress: Progress | None = None) -> DownloadedState | None:
+    def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
+                       same_state: Callable[[Any, Any], bool] | None = None) -> DownloadedState | None:
         """Fetch the shared state from ``peers`` (the hivemind backend spreads it over all of them);
         None if no consistent state could be had. ``progress(done_bytes, total_bytes)`` is called
-        in the calling thread, never backwards, ending at total_bytes on success."""
+        in the calling thread, never backwards, ending at total_bytes on success. With
+        ``same_state(metadata_a, metadata_b)``, parts of the state come only from donors whose
+        metadata it says describe one state (``OuterState.same_state``)."""
 
     def fetch_update(self, peers: list[str], *, rounds_done: int, numel: int,
                      timeout: float) -> AppliedUpdate | None:

@@ -45,10 +45,12 @@ STATE_VERSION = 1
 # broken: a weighted mean of honest peers cannot be far outside the spread of its inputs.
 MAX_AVERAGE_TO_LOCAL_RATIO = 100.0
 # A peer up to this many outer steps behind catches up by replaying them instead of downloading the
-# whole state (8 bytes/param). Every peer keeps one more (fp16, 2 bytes/param each): the donors of
-# a catch-up are applying the current round's step while the peer that is behind asks for the older ones.
+# whole state (8 bytes/param). Every peer keeps two more (fp16, 2 bytes/param each): the donors of
+# a catch-up are applying the current round's step while the peer that is behind asks for the older
+# ones, and peers with fast links may already have applied the next round's too (a pair that syncs
+# every round beside a slow peer that syncs every other round: seen with real peers).
 HISTORY_ROUNDS = 2
-HISTORY_KEPT = HISTORY_ROUNDS + 1
+HISTORY_KEPT = HISTORY_ROUNDS + 2
 MAX_CLAIMED_SCALE_RATIO = 2.0
 
 
@@ -262,7 +264,12 @@ class OuterState:
             return self.anchor.clone()
 
     def shared_state(self) -> tuple[dict, list[torch.Tensor]]:
-        """A consistent copy for a peer that downloads our state (hivemind's fetcher thread)."""
+        """A consistent copy for a peer that downloads our state (hivemind's fetcher thread).
+
+        ``claim`` is the fingerprint of this anchor: a joiner assembling slices from several donors
+        takes slices only from donors whose claims agree (``same_state``), so that two donors that
+        diverged cannot be mixed into a state that neither holds, and checks the assembled anchor
+        against it (``adopt``). Checkpoints keep the other fields only (``node.library.resume``)."""
         with self._lock:
             metadata = {
                 "v": STATE_VERSION,
@@ -270,12 +277,34 @@ class OuterState:
                 "round": self.last_round,
                 "rounds_done": self.rounds_done,
                 "scale": struct.pack(f"<{len(self._scale)}d", *self._scale.tolist()),
+                "claim": claim_to_gather(self._current_claim(), round=self.last_round).encode(),
             }
             return metadata, [self.anchor.clone(), self.momentum.clone()]
 
-    def adopt(self, state: DownloadedState) -> int:
+    def state_claim(self, metadata: Any) -> AnchorClaim:
+        """The claim a donor's state metadata carries, validated against our layout (MessageError)."""
+        if not isinstance(metadata, dict) or "claim" not in metadata:
+            raise MessageError("no fingerprint of its anchor")
+        claim = claim_from_gather(self.decode_report(metadata["claim"]))
+        if claim.rounds_done != metadata.get("rounds_done"):
+            raise MessageError("its fingerprint describes another outer step than its state")
+        return claim
+
+    def same_state(self, a: Any, b: Any) -> bool:
+        """Whether two donors' state metadata describe the same anchor (up to the noise of the
+        all-reduce's return codec): the slices of a download must all come from one state."""
+        try:
+            return _claims_agree(self.state_claim(a), self.state_claim(b), self.rel_tol, self.abs_tol)
+        except MessageError:
+            return False
+
+    def adopt(self, state: DownloadedState, *, require_claim: bool = False) -> int:
         """Replace our anchor and momentum with a downloaded state after validating it; returns
-        the global round of that state. Raises MessageError (and changes nothing) if invalid."""
+        the global round of that state. Raises MessageError (and changes nothing) if invalid.
+
+        A state from the network must carry its donors' claim (``require_claim``) and its anchor
+        must match it: slices assembled from donors that held different anchors, or a donor whose
+        data is not what it claims, are refused. A checkpoint has no claim (its file is verified)."""
         metadata, tensors = state.metadata, state.tensors
         if not isinstance(metadata, dict) or metadata.get("v") != STATE_VERSION:
             raise MessageError(f"state from {state.peer}: unknown state version")
@@ -294,6 +323,18 @@ class OuterState:
             scale = floats(metadata.get("scale"), len(self._scale), "scale")
         except MessageError as e:
             raise MessageError(f"state from {state.peer}: bad scale ({e})") from None
+        if require_claim or "claim" in metadata:
+            try:
+                claim = self.state_claim(metadata)
+            except MessageError as e:
+                raise MessageError(f"state from {state.peer}: bad claim ({e})") from None
+            # The tolerance of the claimed scale, capped by ours once we have one (a donor cannot
+            # widen it at will); an exact copy of one donor's anchor matches to rounding.
+            claim = self._capped(claim) if self._scale.any() else claim
+            fp = fingerprint(tensors[0])
+            if not agree(fp, claim.fingerprint, claim.scale, claim.scale, rel_tol=self.rel_tol, abs_tol=self.abs_tol):
+                raise MessageError(f"state from {state.peer}: the anchor does not match its donors' fingerprint "
+                                   "(donors that diverged, or one that sent another state than it claims)")
         with self._lock:
             self.anchor.copy_(tensors[0])
             self.momentum.copy_(tensors[1])

@@ -4,7 +4,8 @@ Why: one donor serving the whole state is a choke point (hivemind issue #169) an
 of failure halfway through a large download. The shared state (all tensors concatenated into one
 flat fp32 vector) is cut into ``count`` contiguous slices. Each donor serves at most one slice at a
 time, so k healthy donors share the load; a donor that fails, stalls or sends something invalid is
-dropped and its slice goes to another; slices are assembled only when all come from one state round.
+dropped and its slice goes to another; slices are assembled only when all come from one state (one
+round, and donors whose fingerprints agree: two donors that diverged are never mixed).
 
 This module is pure: no hivemind, no processes. The network fetch of one slice is a callable the
 caller supplies (``HivemindBackend`` routes it through its averager process); unit tests use fakes.
@@ -38,6 +39,9 @@ MIN_DONOR_BYTES_PER_S = 128 * 1024  # a donor slower than 1 Mbit/s over a whole 
 
 # fetch(donor, index, count) -> (metadata, flat fp32 slice); raises on any failure.
 Fetch = Callable[[str, int, int], tuple[Any, torch.Tensor]]
+# same_state(metadata_a, metadata_b): whether two donors' slices of one round may be assembled
+# together (their claims describe one state); the first donor's slice held for a round decides.
+SameState = Callable[[Any, Any], bool]
 
 
 # -- what "slice i of n" means, on both ends -------------------------------------------------------
@@ -131,8 +135,9 @@ class _Book:
     hold the target round. So a failed fetch, a discarded stale slice and a change of target
     round all put slices back to work without extra code paths."""
 
-    def __init__(self, donors: list[str], lengths: Sequence[int], count: int):
+    def __init__(self, donors: list[str], lengths: Sequence[int], count: int, same_state: SameState | None = None):
         self.lengths = list(lengths)
+        self.same_state = same_state
         self.total = sum(self.lengths)
         self.count = count
         self.bounds = [slice_bounds(self.total, i, count) for i in range(count)]
@@ -177,6 +182,12 @@ class _Book:
             self.drop(donor)
             return problem
         round = metadata["round"]
+        if self.same_state is not None:
+            held = next((i for i, r in enumerate(self.held) if r == round), None)
+            if held is not None and not self.same_state(self.metadata[held], metadata):
+                self.drop(donor)
+                return (f"serves another state of round {round} than {self.held_by[held]} (their anchors "
+                        "diverged; slices of both would make a state neither holds)")
         self.donor_round[donor] = round
         if round == self.target():  # else: stale or ahead of the vote, its region stays pending
             self.buffer[start:stop].copy_(tensor)
@@ -217,6 +228,7 @@ def download_slices(
     progress: Progress | None = None,
     slice_timeout: float | None = None,
     max_fetches: int | None = None,
+    same_state: SameState | None = None,
 ) -> Assembled | None:
     """Fetch the state (tensors of ``lengths`` fp32 values, concatenated) as ``count`` slices from
     ``donors``, at most one fetch in flight per donor; None if it cannot be completed.
@@ -225,6 +237,8 @@ def download_slices(
     donor and its slice goes to another. ``progress(done_bytes, total_bytes)`` is called at the
     start and whenever the bytes held for the target round grow; it never goes backwards (after a
     change of round it pauses until the refetched slices overtake it) and ends at total_bytes.
+    With ``same_state``, a donor whose slice of the target round describes another state than the
+    slices already held is dropped like one that sent an invalid slice.
     """
     donors = list(dict.fromkeys(donors))  # a donor listed twice must not get two slices at once
     total = sum(lengths)
@@ -232,7 +246,7 @@ def download_slices(
         raise ValueError(f"cannot cut {total} values into {count} slices (1..{MAX_SLICES}, at most one per value)")
     if not donors:
         return None
-    book = _Book(donors, lengths, count)
+    book = _Book(donors, lengths, count, same_state)
     fetches = _Fetches(fetch, count, workers=len(donors), slice_timeout=slice_timeout,
                        budget=default_max_fetches(count, len(donors)) if max_fetches is None else max_fetches)
     progress_bytes = _MonotoneProgress(progress, STATE_BYTES_PER_VALUE * total)

@@ -54,6 +54,7 @@ from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_st
 
 from averaging.backend import AppliedUpdate, AverageOutcome, DownloadedState, Progress
 from averaging.download import (
+    SameState,
     default_slice_count,
     download_slices,
     flat_slice,
@@ -435,12 +436,8 @@ class HivemindBackend:
         self._controls_lock = threading.Lock()
 
     def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float) -> None:
-        with self._controls_lock:
-            stale = [r for r in self._controls if r < round - 1]  # r - 1 may still be waiting for its sync
-            for r in stale:
-                control = self._controls.pop(r)
-                if not control.done():
-                    control.cancel()
+        # Older rounds' steps stay: their syncs may still be queued on the sync lane (a sync can
+        # outlast a round, and the next one waits behind it); ``average`` cancels the ones it passed.
         self._settle_matchmaking(before=round)
         with self._averager._command_lock:
             # The round goes into the matchmaking key (hivemind's group bits), so a peer still
@@ -476,7 +473,14 @@ class HivemindBackend:
             if round is None and self._controls:
                 round = max(self._controls)
             control = self._controls.pop(round, None)
+            # Syncs run in round order: a step of an older round will never be averaged (that round
+            # was skipped or jumped); cancel it, so no group waits for it.
+            passed = [self._controls.pop(r) for r in [r for r in self._controls if round is not None and r < round]]
+        for old in passed:
+            if not old.done():
+                old.cancel()
         if control is None:
+            logger.warning(f"round {round}: no averaging step was prepared (steps held: {sorted(self._controls)})")
             return AverageOutcome(ok=False, error="no averaging step was prepared")
         if control.done():
             return AverageOutcome(ok=False, error=f"matchmaking ended early: {_reason(control)}")
@@ -504,7 +508,7 @@ class HivemindBackend:
                               allreduce_s=allreduce_s)
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
-                       slices: int | None = None) -> DownloadedState | None:
+                       slices: int | None = None, same_state: SameState | None = None) -> DownloadedState | None:
         """Fetch the shared state from all of ``peers`` at once, in ``slices`` slices (default: two
         per donor); None if it cannot be completed from slices of one round.
 
@@ -526,7 +530,7 @@ class HivemindBackend:
 
         # The scheduler's own timeout is a backstop behind fetch_slice's (which cancels its future).
         result = download_slices(donors, lengths=self._state_lengths, count=count, fetch=fetch, progress=progress,
-                                 slice_timeout=deadline_s + 2 * FETCH_GRACE_S)
+                                 slice_timeout=deadline_s + 2 * FETCH_GRACE_S, same_state=same_state)
         if result is None:
             return None
         served = tuple(sorted(result.served))

@@ -108,9 +108,10 @@ class LocalBackend:
         return AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered,
                               sync_s=time.perf_counter() - started)
 
-    def download_state(self, peers: list[str], *, timeout: float,
-                       progress: Progress | None = None) -> DownloadedState | None:
-        # Whole state from the first known peer: slicing is the hivemind backend's (tested on its own).
+    def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
+                       same_state: Callable[[Any, Any], bool] | None = None) -> DownloadedState | None:
+        # Whole state from the first known peer (one donor: nothing to mix, same_state unused);
+        # slicing is the hivemind backend's (tested on its own).
         for peer in peers:
             if peer != self.peer_id and peer in self.hub.state_providers:
                 metadata, tensors = self.hub.state_providers[peer]()

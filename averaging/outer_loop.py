@@ -303,14 +303,15 @@ class OuterLoop:
         it is not newer than ``newer_than`` (a peer resumed from a checkpoint keeps its own).
         ``progress(done_bytes, total_bytes)`` is called on the worker thread."""
         state = self.clock.wait(self.worker.submit(self.worker.backend.download_state, donors,
-                                                   timeout=self.config.download_timeout, progress=progress))
+                                                   timeout=self.config.download_timeout, progress=progress,
+                                                   same_state=self.outer.same_state))
         if state is None:
             return None
         offered = state.metadata.get("round") if isinstance(state.metadata, dict) else None
         if isinstance(offered, int) and offered <= newer_than:
             logger.info(f"the swarm's state (round {offered}) is not newer than ours (round {newer_than}): kept ours")
             return None
-        adopted = self.outer.adopt(state)  # MessageError if invalid: the caller reports it
+        adopted = self.outer.adopt(state, require_claim=True)  # MessageError if invalid: the caller reports it
         self.load_anchor_into_params()
         self.last_download = state
         return adopted
@@ -602,11 +603,12 @@ class OuterLoop:
         logger.warning(f"round {round}: our anchor diverged from the group's; re-syncing from {conclusion.donors}")
         adopted = None
         for _ in range(RESYNC_ATTEMPTS):
-            state = self.worker.backend.download_state(conclusion.donors, timeout=self.config.download_timeout)
+            state = self.worker.backend.download_state(conclusion.donors, timeout=self.config.download_timeout,
+                                                       same_state=self.outer.same_state)
             if state is None:
                 continue
             try:
-                adopted = self.outer.adopt(state)
+                adopted = self.outer.adopt(state, require_claim=True)
             except MessageError as e:
                 logger.warning(f"round {round}: refused the state of {state.peer}: {e}")
                 continue

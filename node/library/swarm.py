@@ -125,6 +125,7 @@ class DiLoCoSwarm:
         self._heartbeat = heartbeat
         self.reachability = Reachability(client_mode=client_mode, use_relay=use_relay)
         self._resumed_round = -1
+        self._served_at = 0.0  # when a peer last downloaded our state (see _alone)
         self._traffic = Traffic()
         self.tokens_contributed = 0
         self.last_stats: RoundStats | None = None
@@ -176,7 +177,7 @@ class DiLoCoSwarm:
         allows), the sync worker, the peer monitor and the round engine."""
         avg = self.averaging
         backend = self._network.backend(run_id=self.run_id, numel=self._layout.numel,
-                                        state_provider=self._outer.shared_state, averaging=avg,
+                                        state_provider=self._serve_state, averaging=avg,
                                         client_mode=self.reachability.client_mode,
                                         update_provider=self._outer.update_after)
         self._worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
@@ -194,9 +195,23 @@ class DiLoCoSwarm:
             config=LoopConfig(mode=self.rounds.sync_mode, inner_steps=self.rounds.inner_steps,
                               matchmaking_seconds=avg.matchmaking_seconds, download_timeout=avg.allreduce_timeout,
                               prepare_lead=avg.matchmaking_seconds + avg.request_timeout),
-            peer_id=self.peer_id, alone=lambda: self._monitor.peer_count <= 1,
+            peer_id=self.peer_id, alone=self._alone,
             device=self.device, wire=avg.wire, client_mode=self.reachability.client_mode,
         )
+
+    def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
+        """Our shared state for a peer downloading it (hivemind's fetcher thread, in this process)."""
+        self._served_at = time.time()
+        return self._outer.shared_state()
+
+    def _alone(self) -> bool:
+        """Whether a round that found no group applies our own pseudo-gradient (we define the shared
+        model). Not while another peer is known, nor within two rounds of a peer downloading our
+        state: that joiner holds our anchor as it was, and a local step now would leave it one step
+        behind unseen (our next report may predate the step), to be found only after both moved on:
+        a re-sync. Folding the round instead costs nothing; the work goes into our next contribution."""
+        joining = time.time() - self._served_at < 2 * self._monitor.schedule.round_seconds
+        return self._monitor.peer_count <= 1 and not joining
 
     # -- the training loop's calls -------------------------------------------------------------
     def resume(self, state: DownloadedState) -> int:

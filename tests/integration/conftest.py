@@ -33,7 +33,10 @@ def swarm():
         leaked = {peer.name: peer.leftovers() for peer in exited if peer.leftovers()}
         swarm.kill_all()
         remove_stale(hivemind_sockets() - sockets_before)  # peers killed with -9 cannot clean up
-        shutil.rmtree(root, ignore_errors=True)
+        if os.environ.get("SHOAL_KEEP_SWARM"):  # to read the peers' logs after a failure
+            print(f"swarm kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
         assert not leaked, f"processes left behind by peers that exited: {leaked}"
 
 

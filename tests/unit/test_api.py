@@ -97,6 +97,21 @@ def test_a_lone_peer_applies_its_own_update():
         peer.close()
 
 
+def test_a_lone_peer_whose_state_was_just_downloaded_folds_instead_of_stepping_alone():
+    # A joiner holds the anchor as it was when it downloaded it: a local step now would leave the
+    # joiner one step behind, unseen until both had moved on (a re-sync).
+    hub = LocalSwarmHub()
+    peer = swarm(hub, "donor")
+    try:
+        hub.averaging.state_providers[peer.peer_id]()  # a joiner downloads our state
+        finished = run_together([peer], rounds=3)[0]
+        applied = [s.applied for s in finished]
+        assert applied[0] == Applied.FOLDED and Applied.LOCAL in applied, applied  # two rounds later: alone again
+        assert peer.rounds_done == applied.count(Applied.LOCAL)
+    finally:
+        peer.close()
+
+
 def test_an_incompatible_run_is_refused_naming_the_field():
     hub = LocalSwarmHub()
     first = swarm(hub, "first")

@@ -294,6 +294,43 @@ def test_adopt_rejects_an_invalid_state_and_changes_nothing(make_state, match):
     assert_same_snapshot(snapshot(receiver), before)
 
 
+def test_a_state_from_the_network_must_match_the_fingerprint_its_donors_claim():
+    receiver = new_state(anchor_seed=40)
+    receiver.apply(randn(41, std=1e-3), round=1)
+    before = snapshot(receiver)
+    # Slices of two donors that diverged by one outer step, assembled: neither donor's anchor.
+    mixed = valid_download()
+    other = donor_state()
+    other.apply(randn(34, std=1e-3), round=6)
+    mixed.tensors[0][NUMEL // 2:] = other.anchor[NUMEL // 2:]
+    with pytest.raises(MessageError, match="does not match its donors' fingerprint"):
+        receiver.adopt(mixed, require_claim=True)
+    unclaimed = valid_download()
+    del unclaimed.metadata["claim"]
+    with pytest.raises(MessageError, match="bad claim"):
+        receiver.adopt(unclaimed, require_claim=True)
+    lying = with_metadata(claim={**valid_download().metadata["claim"], "rounds_done": 1})
+    with pytest.raises(MessageError, match="another outer step"):
+        receiver.adopt(lying, require_claim=True)
+    assert_same_snapshot(snapshot(receiver), before)
+    # A checkpoint has no claim; an honest download adopts.
+    assert receiver.adopt(unclaimed) == 6
+    assert new_state(anchor_seed=40).adopt(valid_download(), require_claim=True) == 6
+
+
+def test_same_state_tells_donors_of_one_anchor_from_donors_that_diverged():
+    judge, one, same = new_state(anchor_seed=40), donor_state(), donor_state()
+    ahead = donor_state()
+    ahead.apply(randn(34, std=1e-3), round=7)
+    diverged = donor_state()
+    diverged.anchor.add_(randn(35, std=1e-2))
+    diverged._claim = None  # as if it had applied another step
+    assert judge.same_state(one.shared_state()[0], same.shared_state()[0])
+    assert not judge.same_state(one.shared_state()[0], ahead.shared_state()[0])
+    assert not judge.same_state(one.shared_state()[0], diverged.shared_state()[0])
+    assert not judge.same_state(one.shared_state()[0], {"round": 6})  # no claim: never the same
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_adopt_rejects_a_non_finite_scale(bad):
     receiver = new_state(anchor_seed=40)

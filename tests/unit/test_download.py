@@ -317,3 +317,32 @@ def test_a_donor_listed_twice_still_gets_one_fetch_at_a_time():
 def test_an_impossible_slice_count_is_a_caller_error(lengths, count):
     with pytest.raises(ValueError, match="slices"):
         download_slices(["a"], lengths=lengths, count=count, fetch=lambda *a: pytest.fail("fetched"))
+
+
+def diverged(round: int = 5) -> Serve:
+    """A donor at the same round as the others whose state is not theirs (it missed a step)."""
+    def serve(index: int, count: int, nth: int) -> tuple:
+        start, stop = slice_bounds(TOTAL, index, count)
+        return {"round": round, "v": 1, "lineage": "other"}, state_of(round + 100)[start:stop].clone()
+    return serve
+
+
+def same_lineage(a: dict, b: dict) -> bool:
+    return a.get("lineage") == b.get("lineage")
+
+
+def test_donors_whose_states_differ_are_never_mixed_into_one_state():
+    swarm = FakeSwarm({"a": healthy(), "odd": diverged(), "b": healthy()}, delay=0.01, slow={"odd": 0.03})
+    result = swarm.download(count=6, same_state=same_lineage)
+    assert_state(result, 5)
+    assert "odd" not in result.served and swarm.calls["odd"] == 1  # dropped at its first slice
+    # Without the check the odd donor's slice would be assembled with the others'.
+    mixed = FakeSwarm({"a": healthy(), "odd": diverged(), "b": healthy()}, delay=0.01, slow={"odd": 0.03})
+    assert "odd" in mixed.download(count=6).served
+
+
+def test_the_first_donor_held_decides_the_state_when_donors_differ():
+    swarm = FakeSwarm({"odd": diverged(), "a": healthy()}, delay=0.01, slow={"a": 0.05})
+    result = swarm.download(count=4, same_state=same_lineage)
+    assert result is not None and result.served == {"odd": 4}
+    assert torch.equal(torch.cat(result.tensors), state_of(105))
