@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from node.library.checkpoint import round_dir_name
+from node.library.checkpoint import list_checkpoints
 from tests.integration.swarm import (
     REPO,
     anchor_at,
@@ -33,6 +33,10 @@ def assert_anchors_agree(anchors: dict[str, torch.Tensor]) -> None:
     for x, y in itertools.combinations(anchors, 2):
         rms = (anchors[x] - anchors[y]).square().mean().sqrt()
         assert rms < 1e-3, (x, y, float(rms))  # fp16 noise is ~1e-4 here (see test_swarm); a failure ~1e-2
+
+
+def saved_rounds(peer) -> set[int]:
+    return {int(path.name.removeprefix("round-")) for path in list_checkpoints(peer.checkpoint_dir)}
 
 
 def start_three(swarm, tmp_path, name: str, prefix: list[str]) -> list:
@@ -83,11 +87,15 @@ def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm, tmp_path
         averaged = [r for r in steady if rounds[r]["applied"] == "averaged"]
         gaps = [b - a for a, b in zip(averaged, averaged[1:])]
         assert max(gaps, default=0) <= 2 and averaged[-1] >= steady[-1] - 1, (name, averaged)  # every other round
-    # Compare the shared models after the last round that every peer averaged.
-    # (Peers keep their newest checkpoints only: the last such round that every peer still holds.)
-    last = max(r for r in common if all(per_peer[name][r]["applied"] == "averaged" for name in per_peer)
-               and all((peer.checkpoint_dir / round_dir_name(r)).is_dir() for peer in peers))
-    assert_anchors_agree({peer.name: anchor_at(peer, last) for peer in peers})
+    # Compare the shared models: a checkpoint is named by the round of its state's last outer step,
+    # and peers keep their newest three, so each pair at the newest round both still hold.
+    compared = set()
+    for x, y in itertools.combinations(peers, 2):
+        both = saved_rounds(x) & saved_rounds(y)
+        if both:
+            assert_anchors_agree({peer.name: anchor_at(peer, max(both)) for peer in (x, y)})
+            compared |= {x.name, y.name}
+    assert compared == set(per_peer), (compared, {peer.name: saved_rounds(peer) for peer in peers})
 
 
 @pytest.mark.timeout(300)
