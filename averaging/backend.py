@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from protocols.messages import MAX_ROUND
+
 # progress(done_bytes, total_bytes) of a state download; called in the thread that downloads.
 Progress = Callable[[int, int], None]
 
@@ -63,17 +65,23 @@ class AveragingBackend(Protocol):
         thread: matchmaking for the next round starts while this one's all-reduce runs)."""
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
-                       same_state: Callable[[Any, Any], bool] | None = None) -> DownloadedState | None:
+                       same_state: Callable[[Any, Any], bool] | None = None,
+                       max_round: int = MAX_ROUND) -> DownloadedState | None:
         """Fetch the shared state from ``peers`` (the hivemind backend spreads it over all of them);
         None if no consistent state could be had. ``progress(done_bytes, total_bytes)`` is called
         in the calling thread, never backwards, ending at total_bytes on success. With
         ``same_state(metadata_a, metadata_b)``, parts of the state come only from donors whose
-        metadata it says describe one state (``OuterState.same_state``)."""
+        metadata it says describe one state (``OuterState.same_state``); none that claims a round
+        past ``max_round`` (the schedule's round: a claimed round is not trusted)."""
 
     def fetch_update(self, peers: list[str], *, rounds_done: int, numel: int,
                      timeout: float) -> AppliedUpdate | None:
         """The outer step that took the run from ``rounds_done`` to ``rounds_done + 1`` steps, from
         the first of ``peers`` that still holds it (``OuterState.update_after``); None if none does.
         Validated as a message (shape, dtype, finite, the step asked for), not yet as a state."""
+
+    def robustness(self) -> dict[str, int]:
+        """What robust aggregation refused since start, by kind (``refused_parts``,
+        ``refused_returns``, ``clipped_parts``, ``bans``); cumulative, never decreasing."""
 
     def shutdown(self) -> None: ...

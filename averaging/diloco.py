@@ -298,13 +298,14 @@ class OuterState:
         except MessageError:
             return False
 
-    def adopt(self, state: DownloadedState, *, require_claim: bool = False) -> int:
+    def adopt(self, state: DownloadedState, *, require_claim: bool = False, max_round: int = MAX_ROUND) -> int:
         """Replace our anchor and momentum with a downloaded state after validating it; returns
         the global round of that state. Raises MessageError (and changes nothing) if invalid.
 
         A state from the network must carry its donors' claim (``require_claim``) and its anchor
         must match it: slices assembled from donors that held different anchors, or a donor whose
-        data is not what it claims, are refused. A checkpoint has no claim (its file is verified)."""
+        data is not what it claims, are refused. A checkpoint has no claim (its file is verified).
+        A round past ``max_round`` (the schedule's) is refused: it would name our checkpoints."""
         metadata, tensors = state.metadata, state.tensors
         if not isinstance(metadata, dict) or metadata.get("v") != STATE_VERSION:
             raise MessageError(f"state from {state.peer}: unknown state version")
@@ -316,7 +317,7 @@ class OuterState:
             if not torch.isfinite(tensor).all():
                 raise MessageError(f"state from {state.peer}: non-finite values")
         try:
-            rounds = [bounded_int(metadata, key, 0, MAX_ROUND) for key in ("round", "rounds_done")]
+            rounds = [bounded_int(metadata, key, 0, max_round) for key in ("round", "rounds_done")]
         except MessageError as e:
             raise MessageError(f"state from {state.peer}: bad round counters ({e})") from None
         try:

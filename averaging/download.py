@@ -73,12 +73,13 @@ def flat_slice(tensors: Sequence[torch.Tensor], start: int, stop: int) -> torch.
 
 
 # -- checks and choices on the joiner's side ------------------------------------------------------
-def slice_problem(metadata: Any, tensor: Any, expected_numel: int) -> str | None:
-    """Why a received slice must not be used, or None. Everything from a donor is untrusted."""
+def slice_problem(metadata: Any, tensor: Any, expected_numel: int, max_round: int = MAX_ROUND) -> str | None:
+    """Why a received slice must not be used, or None. Everything from a donor is untrusted: a
+    round past ``max_round`` (the schedule's) is a lie that would otherwise win the round vote."""
     if not isinstance(metadata, dict):
         return "no state metadata"
     try:
-        bounded_int(metadata, "round", 0, MAX_ROUND)
+        bounded_int(metadata, "round", 0, max_round)
     except MessageError as e:
         return f"bad round ({e})"
     if not isinstance(tensor, torch.Tensor):
@@ -135,9 +136,10 @@ class _Book:
     hold the target round. So a failed fetch, a discarded stale slice and a change of target
     round all put slices back to work without extra code paths."""
 
-    def __init__(self, donors: list[str], lengths: Sequence[int], count: int, same_state: SameState | None = None):
+    def __init__(self, donors: list[str], lengths: Sequence[int], count: int, same_state: SameState | None = None,
+                 max_round: int = MAX_ROUND):
         self.lengths = list(lengths)
-        self.same_state = same_state
+        self.same_state, self.max_round = same_state, max_round
         self.total = sum(self.lengths)
         self.count = count
         self.bounds = [slice_bounds(self.total, i, count) for i in range(count)]
@@ -177,7 +179,7 @@ class _Book:
         assert self.busy.get(donor) == index
         del self.busy[donor]
         start, stop = self.bounds[index]
-        problem = slice_problem(metadata, tensor, stop - start)
+        problem = slice_problem(metadata, tensor, stop - start, self.max_round)
         if problem is not None:
             self.drop(donor)
             return problem
@@ -229,6 +231,7 @@ def download_slices(
     slice_timeout: float | None = None,
     max_fetches: int | None = None,
     same_state: SameState | None = None,
+    max_round: int = MAX_ROUND,
 ) -> Assembled | None:
     """Fetch the state (tensors of ``lengths`` fp32 values, concatenated) as ``count`` slices from
     ``donors``, at most one fetch in flight per donor; None if it cannot be completed.
@@ -238,7 +241,8 @@ def download_slices(
     start and whenever the bytes held for the target round grow; it never goes backwards (after a
     change of round it pauses until the refetched slices overtake it) and ends at total_bytes.
     With ``same_state``, a donor whose slice of the target round describes another state than the
-    slices already held is dropped like one that sent an invalid slice.
+    slices already held is dropped like one that sent an invalid slice, and so is one that serves a
+    round past ``max_round``.
     """
     donors = list(dict.fromkeys(donors))  # a donor listed twice must not get two slices at once
     total = sum(lengths)
@@ -246,7 +250,7 @@ def download_slices(
         raise ValueError(f"cannot cut {total} values into {count} slices (1..{MAX_SLICES}, at most one per value)")
     if not donors:
         return None
-    book = _Book(donors, lengths, count, same_state)
+    book = _Book(donors, lengths, count, same_state, max_round)
     fetches = _Fetches(fetch, count, workers=len(donors), slice_timeout=slice_timeout,
                        budget=default_max_fetches(count, len(donors)) if max_fetches is None else max_fetches)
     progress_bytes = _MonotoneProgress(progress, STATE_BYTES_PER_VALUE * total)

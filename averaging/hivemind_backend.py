@@ -68,6 +68,7 @@ from averaging.robust_allreduce import GroupRefused, RobustAllReduceRunner, Robu
 from averaging.robust_allreduce import check_hivemind as check_robust_hooks
 from averaging.traffic import STATE_BYTES_PER_VALUE
 from averaging.wire import OPEN_GROUP_PARTS, WireFormat
+from protocols.messages import MAX_ROUND
 from protocols.state_slices import (
     decode_slice_request,
     decode_update_request,
@@ -508,7 +509,8 @@ class HivemindBackend:
                               allreduce_s=allreduce_s)
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
-                       slices: int | None = None, same_state: SameState | None = None) -> DownloadedState | None:
+                       slices: int | None = None, same_state: SameState | None = None,
+                       max_round: int = MAX_ROUND) -> DownloadedState | None:
         """Fetch the shared state from all of ``peers`` at once, in ``slices`` slices (default: two
         per donor); None if it cannot be completed from slices of one round.
 
@@ -530,7 +532,8 @@ class HivemindBackend:
 
         # The scheduler's own timeout is a backstop behind fetch_slice's (which cancels its future).
         result = download_slices(donors, lengths=self._state_lengths, count=count, fetch=fetch, progress=progress,
-                                 slice_timeout=deadline_s + 2 * FETCH_GRACE_S, same_state=same_state)
+                                 slice_timeout=deadline_s + 2 * FETCH_GRACE_S, same_state=same_state,
+                                 max_round=max_round)
         if result is None:
             return None
         served = tuple(sorted(result.served))

@@ -19,6 +19,7 @@ import torch
 
 from averaging.backend import AppliedUpdate, AverageOutcome, DownloadedState, Progress
 from averaging.wire import returned
+from protocols.messages import MAX_ROUND
 
 
 class LocalHub:
@@ -109,9 +110,10 @@ class LocalBackend:
                               sync_s=time.perf_counter() - started)
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
-                       same_state: Callable[[Any, Any], bool] | None = None) -> DownloadedState | None:
-        # Whole state from the first known peer (one donor: nothing to mix, same_state unused);
-        # slicing is the hivemind backend's (tested on its own).
+                       same_state: Callable[[Any, Any], bool] | None = None,
+                       max_round: int = MAX_ROUND) -> DownloadedState | None:
+        # Whole state from the first known peer (one donor: nothing to mix, same_state unused;
+        # the round is checked by OuterState.adopt); slicing is the hivemind backend's.
         for peer in peers:
             if peer != self.peer_id and peer in self.hub.state_providers:
                 metadata, tensors = self.hub.state_providers[peer]()
@@ -129,6 +131,9 @@ class LocalBackend:
             if update is not None and update.update.shape == (numel,) and update.rounds_done == rounds_done + 1:
                 return AppliedUpdate(update.round, update.rounds_done, update.update.clone())
         return None
+
+    def robustness(self) -> dict[str, int]:
+        return {}  # exact in-process averaging: nothing to refuse
 
     def shutdown(self) -> None:
         pass

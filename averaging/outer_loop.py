@@ -142,6 +142,9 @@ class RoundStats:
     bytes_received: int = 0
     caught_up: int = 0  # outer steps we had missed and replayed from the group (instead of a re-sync)
     skipped: bool = False  # we stayed out of this round: our previous sync was still running
+    # What robust aggregation refused during this round's sync (``AveragingBackend.robustness``),
+    # only the kinds that occurred: e.g. {"refused_parts": 2, "bans": 1}; {} on a clean round.
+    robust: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -170,6 +173,7 @@ class _SyncResult:
     bytes_received: int = 0
     lateness_s: float | None = None  # when the all-reduce ended, relative to its round's deadline (None: none ran)
     rounds_done: int = 0  # outer steps applied once this round was concluded
+    robust: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -259,6 +263,7 @@ class OuterLoop:
         self._prepared_round = 0  # the last round we decided about (joined or skipped)
         self._prepares: dict[int, Future] = {}  # round -> its matchmaking job (prepare lane)
         self._lateness: float | None = None  # EMA of how long after its deadline a sync ends
+        self._robust_seen: dict[str, int] = {}  # worker thread: the backend's counters at the last sync
         self._warned_round_seconds = False
         self.window: _Window | None = None
         self.last_download: DownloadedState | None = None  # the state adopted by initial_sync
@@ -304,14 +309,15 @@ class OuterLoop:
         ``progress(done_bytes, total_bytes)`` is called on the worker thread."""
         state = self.clock.wait(self.worker.submit(self.worker.backend.download_state, donors,
                                                    timeout=self.config.download_timeout, progress=progress,
-                                                   same_state=self.outer.same_state))
+                                                   same_state=self.outer.same_state, max_round=self._now_round()))
         if state is None:
             return None
         offered = state.metadata.get("round") if isinstance(state.metadata, dict) else None
         if isinstance(offered, int) and offered <= newer_than:
             logger.info(f"the swarm's state (round {offered}) is not newer than ours (round {newer_than}): kept ours")
             return None
-        adopted = self.outer.adopt(state, require_claim=True)  # MessageError if invalid: the caller reports it
+        # MessageError if invalid: the caller reports it.
+        adopted = self.outer.adopt(state, require_claim=True, max_round=self._now_round())
         self.load_anchor_into_params()
         self.last_download = state
         return adopted
@@ -321,6 +327,10 @@ class OuterLoop:
         adopted = self.outer.adopt(state)
         self.load_anchor_into_params()
         return adopted
+
+    def _now_round(self) -> int:
+        """The schedule's round now: no honest state is newer (a donor's claimed round is not trusted)."""
+        return self._schedule().round_at(self.clock.now())
 
     def progress(self, now: float | None = None) -> float:
         """Global progress in rounds, for the inner learning-rate schedule."""
@@ -472,6 +482,7 @@ class OuterLoop:
             error=conclusion.error, diverged=sorted(conclusion.verdict.diverged) if conclusion.verdict else [],
             bad_reports=conclusion.bad_reports, resynced=result.resynced, rounds_done=result.rounds_done,
             bytes_sent=result.bytes_sent, bytes_received=result.bytes_received, caught_up=conclusion.caught_up,
+            robust=result.robust,
         ), *(replace(skipped, rounds_done=result.rounds_done) for skipped in job.then)]
 
     def _note_lateness(self, lateness: float | None) -> None:
@@ -552,6 +563,7 @@ class OuterLoop:
         outcome = self.worker.backend.average(averaged, weight=weight, timeout=timeout + self.worker.allreduce_timeout,
                                               round=round)
         sync_s = self.clock.monotonic() - started
+        robust = self._robust_since_last()
         # Only a group's all-reduce tells how long the next one will take: a failed matchmaking
         # (alone, or no group) ends on its own timeout, and peers with another history would then
         # guess differently and stay out of different rounds.
@@ -577,7 +589,16 @@ class OuterLoop:
             send_bytes_per_value=self.wire.send_bytes_per_value(),
             return_bytes_per_value=self.wire.return_bytes_per_value())
         return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
-                           sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.outer.rounds_done)
+                           sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.outer.rounds_done,
+                           robust=robust)
+
+    def _robust_since_last(self) -> dict[str, int]:
+        """What robust aggregation refused since the previous sync (syncs run one at a time, so the
+        difference of the backend's cumulative counters belongs to this one), kinds that occurred."""
+        counters = self.worker.backend.robustness()
+        delta = {kind: count - self._robust_seen.get(kind, 0) for kind, count in counters.items()}
+        self._robust_seen = counters
+        return {kind: count for kind, count in delta.items() if count}
 
     def _catch_up(self, round: int, donors: list[str], behind: int, reference: AnchorClaim) -> bool:
         """Replay the ``behind`` outer steps we missed, fetched from ``donors`` (2 bytes/param each)."""
@@ -602,13 +623,14 @@ class OuterLoop:
         """Our anchor disagrees with the group's: take the state of a peer that agrees."""
         logger.warning(f"round {round}: our anchor diverged from the group's; re-syncing from {conclusion.donors}")
         adopted = None
+        newest = max(round, self._now_round())  # the donors may have applied this round's step
         for _ in range(RESYNC_ATTEMPTS):
             state = self.worker.backend.download_state(conclusion.donors, timeout=self.config.download_timeout,
-                                                       same_state=self.outer.same_state)
+                                                       same_state=self.outer.same_state, max_round=newest)
             if state is None:
                 continue
             try:
-                adopted = self.outer.adopt(state, require_claim=True)
+                adopted = self.outer.adopt(state, require_claim=True, max_round=newest)
             except MessageError as e:
                 logger.warning(f"round {round}: refused the state of {state.peer}: {e}")
                 continue

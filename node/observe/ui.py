@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich.cells import cell_len, set_cell_size
 from rich.console import Console, Group
@@ -64,6 +64,7 @@ class NodeStatus:
     round_bytes_sent: int | None = None  # the last finished round's all-reduce payload (None: no round yet)
     round_bytes_received: int | None = None
     sync_advice: str | None = None  # syncs end more than a round late: what to change (round_advice)
+    robust: dict[str, int] = field(default_factory=dict)  # what robust aggregation refused since start, by kind
     peer_records: Sequence[ProgressRecord] = ()  # the swarm's progress records (replace, never mutate)
 
 
@@ -195,6 +196,18 @@ def _network_rows(grid: Table, s: NodeStatus) -> None:
     grid.add_row("network", f"group {s.group_size}   sync {s.sync_s:.2f}s   last {s.last_sync}{bandwidth}")
     if s.sync_advice:
         grid.add_row("round length", Text(s.sync_advice, style="yellow"))
+    if any(s.robust.values()):
+        grid.add_row("refused", Text(robust_summary(s.robust), style="yellow"))
+
+
+ROBUST_WORDS = {"refused_parts": "parts", "refused_returns": "returned averages", "clipped_parts": "clipped",
+                "bans": "peers banned"}
+
+
+def robust_summary(counts: dict[str, int]) -> str:
+    """What robust aggregation refused since start, in words (the peers are named in the log)."""
+    return "   ".join(f"{count:,} {ROBUST_WORDS.get(kind, kind)}" for kind, count in counts.items() if count) + \
+        "   (see the log for who)"
 
 
 def _cell(value: str, width: int, right: bool) -> str:

@@ -301,6 +301,8 @@ class Peer:
         status.eval_loss, status.group_size, status.sync_s = self.last_eval, stats.group_size, stats.sync_s
         status.round_bytes_sent, status.round_bytes_received = stats.bytes_sent, stats.bytes_received
         status.sync_advice = round_advice(self.swarm.sync_lateness, self.swarm.schedule.round_seconds)
+        for kind, count in stats.robust.items():
+            status.robust[kind] = status.robust.get(kind, 0) + count
         if stats.applied == Applied.AVERAGED and stats.allreduce_s > 0:
             status.sync_bytes_per_s = self.swarm.allreduce_payload(stats.group_size) / stats.allreduce_s
         if stats.compute_s > 0:  # the finished round's rate (the live figure restarts with the next window)

@@ -318,6 +318,13 @@ def test_a_state_from_the_network_must_match_the_fingerprint_its_donors_claim():
     assert new_state(anchor_seed=40).adopt(valid_download(), require_claim=True) == 6
 
 
+def test_a_state_newer_than_the_schedule_is_refused():
+    receiver = new_state(anchor_seed=40)
+    with pytest.raises(MessageError, match="round counters"):
+        receiver.adopt(valid_download(), require_claim=True, max_round=5)  # the donor claims round 6
+    assert receiver.adopt(valid_download(), require_claim=True, max_round=6) == 6
+
+
 def test_same_state_tells_donors_of_one_anchor_from_donors_that_diverged():
     judge, one, same = new_state(anchor_seed=40), donor_state(), donor_state()
     ahead = donor_state()

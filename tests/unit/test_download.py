@@ -346,3 +346,11 @@ def test_the_first_donor_held_decides_the_state_when_donors_differ():
     result = swarm.download(count=4, same_state=same_lineage)
     assert result is not None and result.served == {"odd": 4}
     assert torch.equal(torch.cat(result.tensors), state_of(105))
+
+
+def test_a_round_past_the_schedule_never_wins_the_vote():
+    # Sybils claiming a far-future round would outvote the honest donors (ties go to the newer).
+    swarm = FakeSwarm({"liar1": healthy(2**40), "liar2": healthy(2**40), "honest": healthy(5)}, delay=0.01)
+    result = swarm.download(count=4, max_round=9)
+    assert_state(result, 5)
+    assert set(result.served) == {"honest"} and swarm.calls["liar1"] == swarm.calls["liar2"] == 1

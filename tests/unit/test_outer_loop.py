@@ -54,6 +54,7 @@ class FaultyBackend(LocalBackend):
         self.fail_rounds = set(fail_rounds)
         self.clock, self.allreduce_seconds = clock, allreduce_seconds
         self.sent: dict[int, tuple[torch.Tensor, float]] = {}  # round -> (pseudo-gradient, weight)
+        self.refusals_per_sync = 0  # robust aggregation's counters grow by this much per sync
         self.prepared_at: dict[int, float] = {}  # round -> when matchmaking began, on the peer's clock
         self._scheduled: dict[int, float] = {}  # prepared round -> its scheduled time
 
@@ -73,6 +74,10 @@ class FaultyBackend(LocalBackend):
         if round in self.fail_rounds:
             return AverageOutcome(ok=False, error="injected")
         return super().average(vector, weight=weight, timeout=timeout, round=round)
+
+    def robustness(self) -> dict[str, int]:
+        # Cumulative, like HivemindBackend's: grows with every sync that asked.
+        return {"refused_parts": self.refusals_per_sync * len(self.sent), "bans": 0}
 
 
 class FullGroupHub(LocalHub):
@@ -619,3 +624,12 @@ class DecidedHub(LocalHub):
         with self._cond:
             self._cond.wait_for(lambda: all(self.decided.get(p, 0) >= round for p in self.peers), timeout=WAIT)
         return super().average(peer, round, *args, **kwargs)
+
+
+def test_each_round_record_counts_what_robust_aggregation_refused_during_its_sync(make_swarm):
+    peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS)
+    peers[0].backend.refusals_per_sync = 2
+    run_by_hand(peers, rounds=3)
+    # Per round, not cumulative; kinds that did not occur are left out.
+    assert [s.robust for s in peers[0].stats] == [{"refused_parts": 2}] * 3
+    assert [s.robust for s in peers[1].stats] == [{}] * 3

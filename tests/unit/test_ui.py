@@ -82,6 +82,13 @@ def test_network_and_peer_table_show_the_last_rounds_payload():
     assert any("1.6 MB" in row for row in rows) and any(" - " in row for row in rows)  # older peers: unknown
 
 
+def test_what_robust_aggregation_refused_is_shown_only_when_something_was():
+    assert "refused" not in draw_status(status())
+    text = draw_status(status(robust={"refused_parts": 3, "refused_returns": 0, "bans": 1}))
+    row = next(line for line in text.splitlines() if "refused" in line)
+    assert "3 parts" in row and "1 peers banned" in row and "returned" not in row and "the log" in row
+
+
 def test_alone_is_said_plainly():
     text = draw_status(status(peers=1, peer_records=(progress(ME),), last_sync="local", group_size=1))
     assert "alone: waiting for other peers to join" in text

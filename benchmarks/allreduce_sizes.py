@@ -1,0 +1,171 @@
+"""All-reduce time against its bandwidth bound for 1, 10 and 50 MB vectors, CPU idle (issue 12).
+
+Each peer is a process in its own network namespace (``benchmarks/netns.py``: a bridge, links
+capped with ``tc tbf`` both ways) running a DHT and a ``HivemindBackend`` exactly as shoal runs it
+(fp16 on the wire, balanced parts, robust aggregation); nothing trains. Every round all peers
+prepare the same scheduled time and average one vector; the figure is the backend's
+``allreduce_s`` (from the scheduled start, or the trigger if later, to the result), against the
+bound of a butterfly all-reduce, 2(N-1)/N·S/B for S bytes on links of B bytes/s.
+
+    sudo .venv/bin/python benchmarks/allreduce_sizes.py            # 4 peers, 100 Mbit/s, 1/10/50 MB
+    sudo .venv/bin/python benchmarks/allreduce_sizes.py --mbit 50 --sizes 1,10 --rounds 5
+
+Writes ``benchmarks/results/allreduce_sizes.{json,md}``. Needs root (namespaces); without it,
+says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import netns  # noqa: E402
+
+BYTES_PER_VALUE = 2  # fp16 on the wire (WireFormat's default codec)
+TARGETS = {10: 1.2}  # at >= 10 MB: at most 1.2x the bound (issue 12)
+
+
+def allreduce_bound(size_bytes: int, peers: int, mbit: float) -> float:
+    """Seconds for a butterfly all-reduce of ``size_bytes`` over ``peers`` links of ``mbit``."""
+    return 2 * (peers - 1) / peers * size_bytes / (mbit * 1e6 / 8)
+
+
+# -- one peer (runs inside its namespace) -----------------------------------------------------------
+def worker(args) -> int:
+    import hivemind
+    import torch
+
+    from averaging.hivemind_backend import HivemindBackend
+
+    torch.set_num_threads(1)
+    dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.address}/tcp/0"],
+                       initial_peers=[args.initial] if args.initial else [])
+    if not args.initial:
+        print(next(str(a) for a in dht.get_visible_maddrs()), flush=True)
+    timeout = max(30.0, 6 * args.bound)
+    backend = HivemindBackend(dht, numel=args.numel, prefix=args.prefix, state_provider=lambda: ({}, [torch.zeros(1)]),
+                              target_group_size=args.peers, min_group_size=args.peers, min_matchmaking_time=3.0,
+                              request_timeout=1.5, allreduce_timeout=timeout)
+    vector = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.index))
+    results = []
+    try:
+        for k in range(args.rounds):
+            scheduled = args.start + k * args.period
+            time.sleep(max(0.0, scheduled - 4.5 - time.time()))
+            backend.prepare(round=k + 1, scheduled_time=scheduled, gather={"i": args.index}, timeout=8.0)
+            time.sleep(max(0.0, scheduled - time.time()))
+            result = vector.clone()
+            outcome = backend.average(result, weight=1.0, timeout=timeout + 10, round=k + 1)
+            results.append({"round": k + 1, "ok": outcome.ok, "group": len(outcome.group),
+                            "allreduce_s": round(outcome.allreduce_s, 3), "error": outcome.error})
+    finally:
+        backend.shutdown()
+        dht.shutdown()
+    Path(args.out).write_text(json.dumps(results))
+    return 0
+
+
+# -- the driver ---------------------------------------------------------------------------------------
+def measure(size_mb: float, args, net: netns.Network, root: Path) -> dict:
+    size_bytes = int(size_mb * 1e6)
+    numel = size_bytes // BYTES_PER_VALUE
+    bound = allreduce_bound(size_bytes, args.peers, args.mbit)
+    period = 8.0 + 3 * bound  # room for the all-reduce and the next matchmaking
+    start = time.time() + 25.0  # the peers' start-up (DHT, averager fork)
+    prefix = f"sizes-{uuid.uuid4().hex[:6]}"
+    procs, outs = [], []
+    try:
+        initial = ""
+        for i, host in enumerate(net.hosts):
+            out = root / f"{size_mb:g}mb-{i}.json"
+            outs.append(out)
+            command = [*host.prefix(), sys.executable, __file__, "--worker", "--index", str(i), "--address",
+                       host.address, "--peers", str(args.peers), "--numel", str(numel), "--rounds", str(args.rounds),
+                       "--start", str(start), "--period", str(period), "--prefix", prefix, "--bound", str(bound),
+                       "--out", str(out)] + (["--initial", initial] if initial else [])
+            proc = subprocess.Popen(command, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL, text=True,
+                                    cwd=REPO)
+            procs.append(proc)
+            if i == 0:
+                initial = proc.stdout.readline().strip()
+                if not initial:
+                    raise RuntimeError("the first peer printed no address")
+        deadline = start + args.rounds * period + 120
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    per_peer = [json.loads(out.read_text()) if out.exists() else [] for out in outs]
+    times = [r["allreduce_s"] for rounds in per_peer for r in rounds if r["ok"] and r["group"] == args.peers]
+    failed = sum(not r["ok"] for rounds in per_peer for r in rounds)
+    median = statistics.median(times) if times else None
+    return {"size_mb": size_mb, "numel": numel, "bound_s": round(bound, 3), "median_s": median,
+            "ratio": round(median / bound, 2) if median else None, "min_s": min(times, default=None),
+            "max_s": max(times, default=None), "samples": len(times), "failed": failed}
+
+
+def report(results: list[dict], args) -> str:
+    sizes = ",".join(f"{r['size_mb']:g}" for r in results)
+    lines = [f"# All-reduce vs bandwidth bound: {args.peers} peers, links capped at {args.mbit:g} Mbit/s, CPU idle", "",
+             f"Command: `sudo .venv/bin/python benchmarks/allreduce_sizes.py --peers {args.peers} --mbit {args.mbit:g} "
+             f"--sizes {sizes} --rounds {args.rounds}`; fp16 on the wire, "
+             "robust aggregation on (as shipped); bound 2(N-1)/N·S/B.", "",
+             "| vector | bound (s) | median all-reduce (s) | min / max (s) | ratio | target | samples | failed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        target = next((f"≤ {t}x" for mb, t in TARGETS.items() if r["size_mb"] >= mb), "-")
+        median = f"{r['median_s']:.2f}" if r["median_s"] is not None else "-"
+        spread = f"{r['min_s']:.2f} / {r['max_s']:.2f}" if r["samples"] else "-"
+        lines.append(f"| {r['size_mb']:g} MB | {r['bound_s']:.2f} | {median} | {spread} | "
+                     f"{r['ratio'] if r['ratio'] is not None else '-'}x | {target} | {r['samples']} | {r['failed']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--mbit", type=float, default=100.0)
+    parser.add_argument("--sizes", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 10.0, 50.0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "allreduce_sizes")
+    # a peer's own arguments (the driver passes them)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name, kind in (("index", int), ("address", str), ("initial", str), ("numel", int), ("start", float),
+                       ("period", float), ("prefix", str), ("bound", float)):
+        parser.add_argument(f"--{name}", type=kind, default=None, help=argparse.SUPPRESS)
+    args, _ = parser.parse_known_args()
+    if args.worker:
+        args.out = str(args.out)
+        return worker(args)
+    if not netns.available():
+        print("allreduce_sizes needs root (network namespaces and tc); run it with sudo", file=sys.stderr)
+        return 2
+    root = Path("/tmp") / f"shoal-allreduce-sizes-{uuid.uuid4().hex[:6]}"
+    root.mkdir(parents=True)
+    results = []
+    with netns.Network(args.peers, mbit=args.mbit) as net:
+        for size in args.sizes:
+            results.append(measure(size, args, net, root))
+            print(json.dumps(results[-1]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"peers": args.peers, "mbit": args.mbit, "results": results},
+                                                        indent=2) + "\n")
+    text = report(results, args)
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
