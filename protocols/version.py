@@ -7,7 +7,7 @@ from importlib import metadata
 
 # Bump when peers of two versions can no longer average together (message schemas, state layout).
 # Carried in every round report and run manifest; a joiner with another version is refused.
-PROTOCOL_VERSION = 2  # 2: balanced fp16/fp32 parts, the outer-update RPC (catch-up)
+PROTOCOL_VERSION = 3  # 2: balanced fp16/fp32 parts, the outer-update RPC (catch-up); 3: claims in state metadata
 
 
 @cache

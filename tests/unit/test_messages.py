@@ -58,7 +58,8 @@ def test_rejects_a_non_map(obj):
         decode(obj)
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, "2", None, b"\x02"])
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, str(PROTOCOL_VERSION), None,
+                                     bytes([PROTOCOL_VERSION])])
 def test_rejects_another_protocol_version(version):
     with pytest.raises(MessageError, match="protocol version"):
         decode(encoded(v=version))
