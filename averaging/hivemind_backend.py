@@ -64,16 +64,24 @@ from averaging.download import (
 from averaging.error_feedback import balanced_part_size
 from averaging.hivemind_codecs import ShoalCodec
 from averaging.robust import BanList, RobustConfig
-from averaging.robust_allreduce import GroupRefused, RobustAllReduceRunner, RobustCounters, vet_group
+from averaging.robust_allreduce import (
+    GroupRefused,
+    RobustAllReduceRunner,
+    RobustCounters,
+    gathered_proof,
+    vet_group,
+)
 from averaging.robust_allreduce import check_hivemind as check_robust_hooks
 from averaging.traffic import STATE_BYTES_PER_VALUE
 from averaging.wire import OPEN_GROUP_PARTS, WireFormat
+from protocols.admission import admitted, make_proof
 from protocols.messages import MAX_ROUND
 from protocols.state_slices import (
     decode_slice_request,
     decode_update_request,
     encode_slice_request,
     encode_update_request,
+    request_proof,
 )
 
 logger = logging.getLogger(__name__)
@@ -120,8 +128,12 @@ class ShoalAverager(DecentralizedAverager):
     _stub_type = None
 
     def __init__(self, *args, state_provider: StateProvider, update_provider: UpdateProvider | None = None,
-                 registration_wait: float = 10.0, robust: RobustConfig | None = None, **kwargs):
+                 registration_wait: float = 10.0, robust: RobustConfig | None = None,
+                 admission: bytes | None = None, **kwargs):
         self._state_provider = state_provider
+        # A private swarm's admission key (protocols.admission): every request we serve and every
+        # member of a group we join must prove it; None (a public swarm) admits everyone.
+        self._admission = admission
         self._update_provider = update_provider
         self._registration_wait = registration_wait
         # Several threads (downloads, the prepare lane) send commands at once; a pipe has no lock
@@ -191,7 +203,8 @@ class ShoalAverager(DecentralizedAverager):
         # The leader's group, vetted: size cap, our own entry, bandwidths dropped (vet_group).
         try:
             group_info = vet_group(group_info, peer_id=self.peer_id, bandwidth=self.bandwidth, mode=self.mode,
-                                   max_group_size=self._max_group_size, serializer=self.serializer)
+                                   max_group_size=self._max_group_size, serializer=self.serializer,
+                                   admission=self._admission)
         except GroupRefused as e:
             logger.warning(f"refused group {group_info.group_id.hex()[:8]} of {len(group_info.peer_ids)}: {e}")
             raise MatchmakingException(f"refused the group: {e}") from None
@@ -222,8 +235,38 @@ class ShoalAverager(DecentralizedAverager):
     # -- donor side -------------------------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by
     # the hint's ``_name``, which collections.abc.AsyncIterator[...] does not have.
+    def proof(self) -> bytes | None:
+        """What our requests carry to show we hold the swarm key (None in a public swarm)."""
+        return make_proof(self._admission, str(self.peer_id)) if self._admission is not None else None
+
+    def _refused(self, what: str, proof: object, context: P2PContext) -> bool:
+        """True (and logged, naming the peer) if the caller did not prove the swarm key."""
+        if admitted(self._admission, str(context.remote_id), proof):
+            return False
+        logger.warning(f"refused {what} from {context.remote_id}: it did not prove the swarm key")
+        return True
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's, after the joiner's gather proved the swarm key (a private swarm)."""
+        if self._admission is not None and self._refused("a join request",
+                                                         gathered_proof(self.serializer, request.gather), context):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_download_state(
+        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """Not served: hivemind's whole-state download carries no request to prove the swarm key
+        with, and shoal peers download in slices (``rpc_download_state_slice``). An empty answer."""
+        return
+        yield  # an async generator
+
     async def rpc_download_state_slice(
-        self, request: averaging_pb2.JoinRequest, _context: P2PContext
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         """Stream slice i of n of our flat fp32 state, exactly (no compression), metadata first.
         The request's ``gather`` field carries ``encode_slice_request(i, n)``. Runs in the averager
@@ -231,6 +274,8 @@ class ShoalAverager(DecentralizedAverager):
         if not self.allow_state_sharing:
             return  # like rpc_download_state: an empty answer sends the joiner elsewhere
         index, count = decode_slice_request(request.gather)
+        if self._refused("a state download", request_proof(request.gather), context):
+            return
         # The host process copies the whole state per request (the provider has no notion of slices).
         metadata, tensors, _ = await self._get_current_state_from_host_process()
         start, stop = slice_bounds(sum(t.numel() for t in tensors), index, count)
@@ -240,12 +285,14 @@ class ShoalAverager(DecentralizedAverager):
             metadata = b""  # only in the first message
 
     async def rpc_download_update(
-        self, request: averaging_pb2.JoinRequest, _context: P2PContext
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         """Stream the outer update that took us from ``rounds_done`` to ``rounds_done + 1`` steps
         (fp16, exactly as kept), metadata first; the request's ``gather`` is ``encode_update_request``.
         Nothing (an empty answer) if we no longer hold it."""
         rounds_done = decode_update_request(request.gather)
+        if self._refused("an outer update request", request_proof(request.gather), context):
+            return
         metadata, tensors, _ = await self._ask_host(rounds_done)
         if not tensors:
             return
@@ -314,7 +361,8 @@ class ShoalAverager(DecentralizedAverager):
         max_bytes = numel * 2
         max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
         stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-        stream = await stub.rpc_download_update(averaging_pb2.JoinRequest(gather=encode_update_request(rounds_done)))
+        stream = await stub.rpc_download_update(
+            averaging_pb2.JoinRequest(gather=encode_update_request(rounds_done, self.proof())))
         metadata, parts, received = None, [], 0
         try:
             async for message in stream:
@@ -351,7 +399,7 @@ class ShoalAverager(DecentralizedAverager):
         max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
         stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
         stream = await stub.rpc_download_state_slice(
-            averaging_pb2.JoinRequest(gather=encode_slice_request(index, count)))
+            averaging_pb2.JoinRequest(gather=encode_slice_request(index, count, self.proof())))
         metadata, parts, received = None, [], 0
         try:
             async for message in aiter_with_timeout(stream, timeout=stall_timeout):
@@ -401,7 +449,9 @@ class HivemindBackend:
         client_mode: bool = False,
         state_lengths: Sequence[int] | None = None,
         robust: RobustConfig | None = RobustConfig(),
+        admission: bytes | None = None,
     ):
+        """``admission``: a private swarm's admission key (``protocols.admission.admission_key``)."""
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
         assert request_timeout < min_matchmaking_time
         wire = wire or WireFormat()
@@ -426,6 +476,7 @@ class HivemindBackend:
             client_mode=client_mode,
             shutdown_timeout=3,
             robust=robust,
+            admission=admission,
             **extra,
         )
         self.peer_id = str(dht.peer_id)
@@ -444,8 +495,9 @@ class HivemindBackend:
             # The round goes into the matchmaking key (hivemind's group bits), so a peer still
             # finishing round r-1 can never pull a peer of round r into its group (or wait for it).
             self._averager.set_group_bits(round_bits(round))
+            proof = self._averager.proof()
             control = self._averager.step(
-                gather=gather,
+                gather=gather if proof is None else {**gather, "admit": proof},
                 scheduled_time=scheduled_time,
                 timeout=max(timeout, scheduled_time - time.time() + self._request_timeout),
                 require_trigger=True,

@@ -44,6 +44,7 @@ from hivemind.p2p import PeerID
 
 from averaging import robust
 from averaging.robust import BanList, RobustConfig
+from protocols.admission import admitted
 
 logger = logging.getLogger(__name__)
 
@@ -286,8 +287,27 @@ class GroupRefused(ValueError):
     """The group a leader assembled is not one we take part in."""
 
 
+def gathered_proof(serializer, raw: bytes) -> bytes | None:
+    """The admission proof in a peer's matchmaking metadata (``[bandwidth, mode, user data]``, as a
+    join request or a group entry carries it; our user data is the round report plus ``admit``)."""
+    try:
+        _, _, user_data = serializer.loads(raw)
+    except Exception:  # noqa: BLE001 - undecodable: no proof
+        return None
+    return _proof_in(serializer, user_data)
+
+
+def _proof_in(serializer, user_data: object) -> bytes | None:
+    try:
+        data = serializer.loads(user_data) if isinstance(user_data, bytes) else None
+    except Exception:  # noqa: BLE001 - undecodable: no proof
+        return None
+    proof = data.get("admit") if isinstance(data, dict) else None
+    return proof if isinstance(proof, bytes) else None
+
+
 def vet_group(group_info: GroupInfo, *, peer_id: PeerID, bandwidth: float | None, mode: AveragingMode,
-              max_group_size: int, serializer) -> GroupInfo:
+              max_group_size: int, serializer, admission: bytes | None = None) -> GroupInfo:
     """The group to run, with every declared bandwidth replaced by None; raises ``GroupRefused``.
 
     In hivemind 1.1.12 a follower takes the leader's peer order and gathered metadata
@@ -299,7 +319,10 @@ def vet_group(group_info: GroupInfo, *, peer_id: PeerID, bandwidth: float | None
     the leader) then only decides which equal share each reducer gets. A leader can still forge
     another peer's mode (claim it is a client, which reduces nothing); each peer refuses a group
     that misstates its own entry, so an honest reducer never takes part in such a group. Forging
-    a third peer's entry undetectably would need signed metadata, which hivemind does not have."""
+    a third peer's entry undetectably would need signed metadata, which hivemind does not have.
+
+    In a private swarm (``admission``) every member's user data must carry its proof of the swarm
+    key (``protocols.admission``): a leader cannot slip in a peer that lacks it."""
     peers, gathered = group_info.peer_ids, group_info.gathered
     if len(peers) > max_group_size:
         raise GroupRefused(f"group of {len(peers)} peers, over the cap of {max_group_size}")
@@ -316,6 +339,8 @@ def vet_group(group_info: GroupInfo, *, peer_id: PeerID, bandwidth: float | None
         if declared_bandwidth is not None and not (isinstance(declared_bandwidth, (int, float))
                                                    and math.isfinite(declared_bandwidth) and declared_bandwidth >= 0):
             raise GroupRefused(f"bandwidth {declared_bandwidth!r:.20} for {peer}")
+        if admission is not None and not admitted(admission, str(peer), _proof_in(serializer, user_data)):
+            raise GroupRefused(f"{peer} did not prove the swarm key")
         if peer == peer_id and (declared_mode != mode or declared_bandwidth != bandwidth):
             raise GroupRefused(f"the leader misstated our own entry (mode {declared_mode.name}, "
                                f"bandwidth {declared_bandwidth!r:.20})")

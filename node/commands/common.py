@@ -52,4 +52,6 @@ def configure_logging(ui: bool) -> None:
     logging.getLogger("asyncio").setLevel(hivemind_level if hivemind_level != "WARNING" else "CRITICAL")
     # A failed averaging step is expected (a lone peer, a peer that left) and shoal reports it
     # itself, in one line and in the metrics; hivemind would log it with a traceback.
-    logging.getLogger("hivemind.averaging.averager").setLevel("CRITICAL")
+    # SHOAL_HIVEMIND_LOGLEVEL=INFO or DEBUG (debugging hivemind itself) shows them.
+    if logging.getLevelName(hivemind_level) in (logging.WARNING, logging.ERROR, logging.CRITICAL):
+        logging.getLogger("hivemind.averaging.averager").setLevel("CRITICAL")

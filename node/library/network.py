@@ -22,6 +22,7 @@ from averaging.hivemind_backend import HivemindBackend
 from node.library.config import AveragingConfig
 from node.library.dht import Reachability, RecordRules, start_dht, stop_dht
 from node.library.run_record import DhtDirectory, RunDirectory
+from protocols.admission import admission_key
 from protocols.keys import averager_prefix
 
 StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
@@ -47,8 +48,9 @@ class Network(Protocol):
 class HivemindNetwork:
     """hivemind's DHT (a forked process with its p2pd) and, once asked for, the averager process."""
 
-    def __init__(self, dht: DHT):
+    def __init__(self, dht: DHT, *, swarm_key: bytes | None = None):
         self.dht = dht
+        self.swarm_key = swarm_key  # a private swarm: the averager admits only peers proving it
         self.peer_id = str(dht.peer_id)
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
         self._backend: HivemindBackend | None = None
@@ -58,7 +60,7 @@ class HivemindNetwork:
               identity: Path | None, reachability: Reachability, rules: RecordRules = RecordRules()) -> HivemindNetwork:
         """Start our DHT node (``NetworkError`` if no initial peer answers within ``timeout``)."""
         return cls(start_dht(initial_peers=initial_peers, listen=listen, announce=announce, timeout=timeout,
-                             identity=identity, reachability=reachability, rules=rules))
+                             identity=identity, reachability=reachability, rules=rules), swarm_key=rules.swarm_key)
 
     def directory(self, run_id: str) -> RunDirectory:
         return DhtDirectory(self.dht, run_id, owner=self.dht.shoal_key.public)
@@ -72,7 +74,7 @@ class HivemindNetwork:
             wire=avg.wire, target_group_size=avg.target_group_size or None,
             min_group_size=avg.min_group_size, min_matchmaking_time=avg.matchmaking_seconds,
             request_timeout=avg.request_timeout, allreduce_timeout=avg.allreduce_timeout, client_mode=client_mode,
-            robust=avg.robust,
+            robust=avg.robust, admission=admission_key(self.swarm_key) if self.swarm_key is not None else None,
         )
         return self._backend
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import Counter
@@ -18,8 +19,16 @@ from averaging.download import (
     flat_slice,
     slice_bounds,
 )
+from protocols.admission import admission_key, admitted, make_proof
 from protocols.messages import MessageError
-from protocols.state_slices import MAX_SLICES, decode_slice_request, encode_slice_request
+from protocols.state_slices import (
+    MAX_SLICES,
+    decode_slice_request,
+    decode_update_request,
+    encode_slice_request,
+    encode_update_request,
+    request_proof,
+)
 
 LENGTHS = [600, 600]  # anchor and momentum
 TOTAL = sum(LENGTHS)
@@ -354,3 +363,28 @@ def test_a_round_past_the_schedule_never_wins_the_vote():
     result = swarm.download(count=4, max_round=9)
     assert_state(result, 5)
     assert set(result.served) == {"honest"} and swarm.calls["liar1"] == swarm.calls["liar2"] == 1
+
+
+def test_a_request_may_carry_an_admission_proof_of_exactly_its_size():
+    proof = make_proof(admission_key(b"swarm"), "QmPeer")
+    assert decode_slice_request(encode_slice_request(3, 8, proof)) == (3, 8)
+    assert request_proof(encode_slice_request(3, 8, proof)) == proof
+    assert request_proof(encode_slice_request(3, 8)) is None
+    assert decode_update_request(encode_update_request(5, proof)) == 5
+    assert request_proof(encode_update_request(5, proof)) == proof
+    for bad in (proof[:-1], proof + b"x"):
+        with pytest.raises(MessageError):
+            decode_slice_request(msgpack.packb({"slice": 1, "of": 8, "admit": bad}))
+        with pytest.raises(MessageError):
+            encode_update_request(5, bad)
+
+
+def test_a_proof_binds_the_swarm_key_to_one_peer():
+    key = admission_key(b"swarm")
+    proof = make_proof(key, "QmAlice")
+    assert admitted(key, "QmAlice", proof)
+    assert not admitted(key, "QmBob", proof)  # useless to anyone else
+    assert not admitted(admission_key(b"another swarm"), "QmAlice", proof)
+    assert not admitted(key, "QmAlice", None) and not admitted(key, "QmAlice", "x" * 32)
+    assert admitted(None, "QmAnyone", None)  # a public swarm
+    assert key != hashlib.sha256(b"shoal swarm key\0" + b"swarm").digest()  # not the DHT records' seal key

@@ -16,7 +16,14 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from averaging import robust_allreduce
 from averaging.robust import RobustConfig
-from averaging.robust_allreduce import CheckedPartContainer, GroupRefused, RobustPartReducer, vet_group
+from averaging.robust_allreduce import (
+    CheckedPartContainer,
+    GroupRefused,
+    RobustPartReducer,
+    gathered_proof,
+    vet_group,
+)
+from protocols.admission import admission_key, make_proof
 
 SHAPES = (torch.Size([64]), torch.Size([64]))
 
@@ -166,3 +173,22 @@ def test_vet_group_refuses(case):
         entries[2] = b"\xc1"
     with pytest.raises(GroupRefused):
         vet(peers, entries)
+
+
+def admitted_entry(key: bytes | None, peer: PeerID) -> bytes:
+    user_data = {"r": 1, **({"admit": make_proof(key, str(peer))} if key else {})}
+    return MSGPackSerializer.dumps([None, AveragingMode.NODE.value, MSGPackSerializer.dumps(user_data)])
+
+
+def test_in_a_private_swarm_every_member_of_a_group_must_prove_the_key():
+    key = admission_key(b"swarm")
+    group = vet(PEERS, [admitted_entry(key, peer) for peer in PEERS], admission=key)
+    assert group.peer_ids == tuple(PEERS)
+    for entries in ([*[admitted_entry(key, p) for p in PEERS[:2]], admitted_entry(None, PEERS[2])],  # no proof
+                    [*[admitted_entry(key, p) for p in PEERS[:2]], admitted_entry(key, PEERS[0])],  # someone else's
+                    [*[admitted_entry(key, p) for p in PEERS[:2]], admitted_entry(admission_key(b"x"), PEERS[2])]):
+        with pytest.raises(GroupRefused, match="did not prove the swarm key"):
+            vet(PEERS, entries, admission=key)
+    assert gathered_proof(MSGPackSerializer, admitted_entry(key, PEERS[1])) == make_proof(key, str(PEERS[1]))
+    assert gathered_proof(MSGPackSerializer, b"\xc1") is None
+    vet(PEERS, [admitted_entry(None, peer) for peer in PEERS])  # a public swarm asks for nothing
