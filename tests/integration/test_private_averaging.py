@@ -1,6 +1,6 @@
 """A private swarm's averaging RPCs (issue 11, admission): real hivemind averagers on loopback. A
-donor holding the swarm key serves its state and its outer updates to a peer that proves the key,
-and refuses a peer without it (or with another key) — a state download, an update request and a
+donor holding the swarm key serves its state and its outer updates to a peer that proves the key
+(and averages with it), and refuses a peer without it (or with another key) — a state download, an update request and a
 join request alike, naming the peer in its log — even though that peer can reach it directly."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import hivemind
 import pytest
@@ -86,6 +88,14 @@ def test_only_peers_proving_the_swarm_key_get_the_state_an_update_or_a_group(tmp
         assert got is not None and torch.equal(got.tensors[0], state()[1][0])
         update = member.fetch_update([donor.peer_id], rounds_done=3, numel=NUMEL, timeout=10.0)
         assert update is not None and update.rounds_done == 4
+        # ...and the two average together: each one's gather carries its proof, each vets the group.
+        scheduled = time.time() + 3.0
+        for peer in (donor, member):
+            peer.prepare(round=1, scheduled_time=scheduled, gather={"round": 1}, timeout=20.0)
+        with ThreadPoolExecutor(2) as pool:
+            outcomes = list(pool.map(lambda peer: peer.average(torch.ones(NUMEL), weight=1.0, timeout=30.0, round=1),
+                                     (donor, member)))
+        assert all(outcome.ok and len(outcome.group) == 2 for outcome in outcomes), outcomes
         # Peers without the key (or with another) get nothing: the download and the fetch fail.
         for outsider in (stranger, other):
             assert outsider.download_state([donor.peer_id], timeout=5.0) is None
