@@ -25,6 +25,7 @@ Hazards this module owns (docs/hivemind.md):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -143,6 +144,7 @@ class ShoalAverager(DecentralizedAverager):
         # created before the fork.
         self._host_request = torch.full((1,), STATE_REQUEST, dtype=torch.int64).share_memory_()
         self._host_lock: asyncio.Lock | None = None  # averager process, created on its event loop
+        self._running: set[asyncio.Task] = set()  # averager process: commands in flight (_kept_alive)
         if changed := check_robust_hooks():
             raise RuntimeError(f"hivemind changed {', '.join(changed)} since shoal's robust all-reduce was "
                                "written; re-check averaging/robust_allreduce.py against it before running")
@@ -154,6 +156,24 @@ class ShoalAverager(DecentralizedAverager):
         target = kwargs.get("target_group_size")
         self._max_group_size = min(robust.max_group_size if robust is not None else 2**31, target or 2**31)
         super().__init__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _kept_alive(self):
+        """Hold a strong reference to the running command's task. hivemind's command loop drops the
+        task it creates per command, and what a step waits on (its trigger, an MPFuture) refers to
+        it only weakly: a garbage collection while a step awaits its trigger destroyed the step
+        ("Task was destroyed but it is pending"), and its group waited for its parts until their
+        sender timeout (seen with a slow peer: a 40 s stall, then rounds lost)."""
+        task = asyncio.current_task()
+        self._running.add(task)
+        try:
+            yield
+        finally:
+            self._running.discard(task)
+
+    async def _step(self, **kwargs):
+        with self._kept_alive():
+            return await super()._step(**kwargs)
 
     def get_current_state(self):
         # Runs in the host process, in hivemind's state-fetcher thread.
@@ -320,6 +340,11 @@ class ShoalAverager(DecentralizedAverager):
     async def _fetch_slice(self, peer: str, index: int, count: int, expected_numel: int, stall_timeout: float,
                            deadline_s: float, future: MPFuture) -> None:
         # Runs in the averager process, one task per slice; bounded by deadline_s so no task lingers.
+        with self._kept_alive():
+            await self._fetch_slice_into(peer, index, count, expected_numel, stall_timeout, deadline_s, future)
+
+    async def _fetch_slice_into(self, peer: str, index: int, count: int, expected_numel: int, stall_timeout: float,
+                                deadline_s: float, future: MPFuture) -> None:
         try:
             result = await asyncio.wait_for(
                 self._receive_slice(peer, index, count, expected_numel, stall_timeout), timeout=deadline_s)
@@ -346,6 +371,11 @@ class ShoalAverager(DecentralizedAverager):
                 future.cancel()
 
     async def _fetch_update(self, peer: str, rounds_done: int, numel: int, timeout: float, future: MPFuture) -> None:
+        with self._kept_alive():
+            await self._fetch_update_into(peer, rounds_done, numel, timeout, future)
+
+    async def _fetch_update_into(self, peer: str, rounds_done: int, numel: int, timeout: float,
+                                 future: MPFuture) -> None:
         try:
             result = await asyncio.wait_for(self._receive_update(peer, rounds_done, numel), timeout=timeout)
         except Exception as e:
