@@ -329,8 +329,9 @@ class OuterLoop:
         return adopted
 
     def _now_round(self) -> int:
-        """The schedule's round now: no honest state is newer (a donor's claimed round is not trusted)."""
-        return self._schedule().round_at(self.clock.now())
+        """The newest round an honest state can have: the schedule's round now, plus one for a donor
+        whose clock runs ahead of ours (a donor's claimed round is not trusted beyond that)."""
+        return self._schedule().round_at(self.clock.now()) + 1
 
     def progress(self, now: float | None = None) -> float:
         """Global progress in rounds, for the inner learning-rate schedule."""

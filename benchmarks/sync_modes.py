@@ -265,6 +265,7 @@ def main() -> int:
 
 
 def run_modes(args, capped: bool, root: Path, numel: int) -> dict:
+    root.mkdir(parents=True, exist_ok=True)  # one folder per regime
     results = {}
     with netns.Network(args.peers, mbit=args.mbit) if capped else nullcontext() as net:
         hosts = net.hosts if net else None
