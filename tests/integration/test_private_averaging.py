@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +20,8 @@ from hivemind.proto import averaging_pb2
 from averaging.backend import AppliedUpdate
 from averaging.hivemind_backend import HivemindBackend
 from averaging.wire import WireFormat
-from node.library.cleanup import hivemind_sockets, remove_stale
 from protocols.admission import admission_key
+from tests.integration.averagers import loopback_averagers
 
 pytestmark = pytest.mark.integration
 
@@ -70,46 +69,38 @@ def test_only_peers_proving_the_swarm_key_get_the_state_an_update_or_a_group(tmp
     backend_logger = logging.getLogger("averaging.hivemind_backend")
     backend_logger.addHandler(handler)  # before the averagers fork: they inherit it
     backend_logger.setLevel(logging.INFO)
-    sigint = signal.getsignal(signal.SIGINT)
-    sockets_before = hivemind_sockets()
     prefix = f"private-{uuid.uuid4().hex[:6]}"
-    dhts, backends = [], []
-    try:
-        for key in (KEY, KEY, None, admission_key(b"another swarm")):  # donor, member, stranger, other swarm
-            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
-            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
-            backends.append(HivemindBackend(dhts[-1], numel=NUMEL, prefix=prefix, state_provider=state,
-                                            update_provider=update_after, wire=WireFormat.of("fp32"),
-                                            admission=key, allreduce_timeout=10.0))
-        donor, member, stranger, other = backends
+    keys = (KEY, KEY, None, admission_key(b"another swarm"))  # donor, member, stranger, other swarm
 
-        # A member of the swarm gets the state and the update, and may join.
-        got = member.download_state([donor.peer_id], timeout=10.0)
-        assert got is not None and torch.equal(got.tensors[0], state()[1][0])
-        update = member.fetch_update([donor.peer_id], rounds_done=3, numel=NUMEL, timeout=10.0)
-        assert update is not None and update.rounds_done == 4
-        # ...and the two average together: each one's gather carries its proof, each vets the group.
-        scheduled = time.time() + 3.0
-        for peer in (donor, member):
-            peer.prepare(round=1, scheduled_time=scheduled, gather={"round": 1}, timeout=20.0)
-        with ThreadPoolExecutor(2) as pool:
-            outcomes = list(pool.map(lambda peer: peer.average(torch.ones(NUMEL), weight=1.0, timeout=30.0, round=1),
-                                     (donor, member)))
-        assert all(outcome.ok and len(outcome.group) == 2 for outcome in outcomes), outcomes
-        # Peers without the key (or with another) get nothing: the download and the fetch fail.
-        for outsider in (stranger, other):
-            assert outsider.download_state([donor.peer_id], timeout=5.0) is None
-            assert outsider.fetch_update([donor.peer_id], rounds_done=3, numel=NUMEL, timeout=5.0) is None
-            assert join_answer(donor, outsider) == averaging_pb2.PROTOCOL_VIOLATION
+    def make(i: int, dht: hivemind.DHT) -> HivemindBackend:
+        return HivemindBackend(dht, numel=NUMEL, prefix=prefix, state_provider=state, update_provider=update_after,
+                               wire=WireFormat.of("fp32"), admission=keys[i], allreduce_timeout=10.0)
+
+    try:
+        with loopback_averagers(len(keys), make) as backends:
+            donor, member, stranger, other = backends
+
+            # A member of the swarm gets the state and the update, and may join.
+            got = member.download_state([donor.peer_id], timeout=10.0)
+            assert got is not None and torch.equal(got.tensors[0], state()[1][0])
+            update = member.fetch_update([donor.peer_id], rounds_done=3, numel=NUMEL, timeout=10.0)
+            assert update is not None and update.rounds_done == 4
+            # ...and the two average together: each one's gather carries its proof, each vets the group.
+            scheduled = time.time() + 3.0
+            for peer in (donor, member):
+                peer.prepare(round=1, scheduled_time=scheduled, gather={"round": 1}, timeout=20.0)
+            with ThreadPoolExecutor(2) as pool:
+                outcomes = list(pool.map(lambda peer: peer.average(torch.ones(NUMEL), weight=1.0, timeout=30.0, round=1),
+                                         (donor, member)))
+            assert all(outcome.ok and len(outcome.group) == 2 for outcome in outcomes), outcomes
+            # Peers without the key (or with another) get nothing: the download and the fetch fail.
+            for outsider in (stranger, other):
+                assert outsider.download_state([donor.peer_id], timeout=5.0) is None
+                assert outsider.fetch_update([donor.peer_id], rounds_done=3, numel=NUMEL, timeout=5.0) is None
+                assert join_answer(donor, outsider) == averaging_pb2.PROTOCOL_VIOLATION
     finally:
-        for backend in backends:
-            backend.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        signal.signal(signal.SIGINT, sigint)
         backend_logger.removeHandler(handler)
         handler.close()
-        remove_stale(hivemind_sockets() - sockets_before)
     log = log_path.read_text()
     for outsider in (stranger, other):
         assert f"refused a state download from {outsider.peer_id}" in log, log[-2000:]

@@ -6,7 +6,6 @@ stall), end near the honest mean (never at the attacker's values), and name the 
 from __future__ import annotations
 
 import logging
-import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import torch
 from averaging.hivemind_backend import HivemindBackend
 from averaging.robust import RobustConfig
 from tests.integration import hostile_peer
+from tests.integration.averagers import loopback_averagers
 from tests.integration.hostile_peer import ATTACK, HostileBackend
 
 pytestmark = pytest.mark.integration
@@ -48,46 +48,39 @@ def test_honest_peers_survive_every_attack(tmp_path):
     vectors = [common + 0.05 * torch.randn(NUMEL, generator=generator) for _ in range(HONEST + 1)]
     honest_mean = torch.stack(vectors[:HONEST]).double().mean(0)
 
-    sigint = signal.getsignal(signal.SIGINT)
-    dhts, backends = [], []
     prefix = f"robust-{uuid.uuid4().hex[:8]}"
     robust = RobustConfig(ban_rounds=0)  # every attack meets the validation, not the ban list
+
+    def make(i: int, dht: hivemind.DHT) -> HivemindBackend:
+        backend_type = HostileBackend if i == HONEST else HivemindBackend
+        return backend_type(dht, numel=NUMEL, prefix=prefix, state_provider=no_state, target_group_size=HONEST + 1,
+                            min_group_size=HONEST + 1, min_matchmaking_time=2.0, request_timeout=1.0,
+                            allreduce_timeout=ALLREDUCE_TIMEOUT, robust=robust)
+
     try:
-        for i in range(HONEST + 1):
-            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
-            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
-            backend_type = HostileBackend if i == HONEST else HivemindBackend
-            backends.append(backend_type(dhts[i], numel=NUMEL, prefix=prefix, state_provider=no_state,
-                                         target_group_size=HONEST + 1, min_group_size=HONEST + 1,
-                                         min_matchmaking_time=2.0, request_timeout=1.0,
-                                         allreduce_timeout=ALLREDUCE_TIMEOUT, robust=robust))
-        attacker = backends[HONEST].peer_id
+        with loopback_averagers(HONEST + 1, make) as backends:
+            attacker = backends[HONEST].peer_id
 
-        with ThreadPoolExecutor(HONEST + 1) as pool:
-            for round, attack in enumerate(ATTACKS, start=1):
-                ATTACK.value = attack.encode()
-                scheduled = time.time() + 4.0
-                for backend in backends:
-                    backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round}, timeout=30)
-                results = [vector.clone() for vector in vectors]
-                futures = [pool.submit(backend.average, result, weight=1.0, timeout=60)
-                           for backend, result in zip(backends, results)]
-                outcomes = [future.result(timeout=90) for future in futures]
+            with ThreadPoolExecutor(HONEST + 1) as pool:
+                for round, attack in enumerate(ATTACKS, start=1):
+                    ATTACK.value = attack.encode()
+                    scheduled = time.time() + 4.0
+                    for backend in backends:
+                        backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round}, timeout=30)
+                    results = [vector.clone() for vector in vectors]
+                    futures = [pool.submit(backend.average, result, weight=1.0, timeout=60)
+                               for backend, result in zip(backends, results)]
+                    outcomes = [future.result(timeout=90) for future in futures]
 
-                for i in range(HONEST):
-                    outcome = outcomes[i]
-                    assert outcome.ok, f"{attack}: honest peer {i} failed: {outcome.error}"
-                    assert attacker in outcome.group
-                    assert outcome.sync_s < 0.8 * ALLREDUCE_TIMEOUT * 0.4, f"{attack}: stalled {outcome.sync_s:.1f}s"
-                    error = float((results[i].double() - honest_mean).norm() / honest_mean.norm())
-                    assert error < 0.1, f"{attack}: honest peer {i} is {error:.3f} away from the honest mean"
-                assert all(backend._averager.is_alive() for backend in backends)
+                    for i in range(HONEST):
+                        outcome = outcomes[i]
+                        assert outcome.ok, f"{attack}: honest peer {i} failed: {outcome.error}"
+                        assert attacker in outcome.group
+                        assert outcome.sync_s < 0.8 * ALLREDUCE_TIMEOUT * 0.4, f"{attack}: stalled {outcome.sync_s:.1f}s"
+                        error = float((results[i].double() - honest_mean).norm() / honest_mean.norm())
+                        assert error < 0.1, f"{attack}: honest peer {i} is {error:.3f} away from the honest mean"
+                    assert all(backend._averager.is_alive() for backend in backends)
     finally:
-        for backend in backends:
-            backend.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        signal.signal(signal.SIGINT, sigint)
         for logger in loggers:
             logger.removeHandler(handler)
         handler.close()

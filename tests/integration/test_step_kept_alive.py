@@ -9,7 +9,6 @@ its step waits for the trigger, and then they average."""
 from __future__ import annotations
 
 import gc
-import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from hivemind.averaging.control import AveragingStage
 
 from averaging.hivemind_backend import HivemindBackend, ShoalAverager
 from averaging.wire import WireFormat
-from node.library.cleanup import hivemind_sockets, remove_stale
+from tests.integration.averagers import loopback_averagers
 
 pytestmark = pytest.mark.integration
 
@@ -51,16 +50,13 @@ def no_state():
 
 @pytest.mark.timeout(120)
 def test_a_step_awaiting_its_trigger_survives_a_garbage_collection():
-    sigint = signal.getsignal(signal.SIGINT)
-    sockets_before = hivemind_sockets()
     prefix = f"kept-{uuid.uuid4().hex[:6]}"
-    dhts, backends = [], []
-    try:
-        for _ in range(2):
-            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
-            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
-            backends.append(CollectingBackend(dhts[-1], numel=NUMEL, prefix=prefix, state_provider=no_state,
-                                              wire=WireFormat.of("fp32"), allreduce_timeout=10.0))
+
+    def make(_i: int, dht: hivemind.DHT) -> CollectingBackend:
+        return CollectingBackend(dht, numel=NUMEL, prefix=prefix, state_provider=no_state, wire=WireFormat.of("fp32"),
+                                 allreduce_timeout=10.0)
+
+    with loopback_averagers(2, make) as backends:
         scheduled = time.time() + 3.0
         for backend in backends:
             backend.prepare(round=1, scheduled_time=scheduled, gather={"round": 1}, timeout=20.0)
@@ -78,10 +74,3 @@ def test_a_step_awaiting_its_trigger_survives_a_garbage_collection():
                                      zip(backends, vectors)))
         assert all(outcome.ok for outcome in outcomes), outcomes
         assert all(torch.allclose(vector, torch.full((NUMEL,), 0.5)) for vector in vectors)
-    finally:
-        for backend in backends:
-            backend.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        signal.signal(signal.SIGINT, sigint)
-        remove_stale(hivemind_sockets() - sockets_before)
