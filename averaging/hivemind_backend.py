@@ -82,7 +82,6 @@ from protocols.state_slices import (
     decode_update_request,
     encode_slice_request,
     encode_update_request,
-    request_proof,
 )
 
 logger = logging.getLogger(__name__)
@@ -293,8 +292,8 @@ class ShoalAverager(DecentralizedAverager):
         process, one task per request; a refusal raises, and hivemind relays the message."""
         if not self.allow_state_sharing:
             return  # like rpc_download_state: an empty answer sends the joiner elsewhere
-        index, count = decode_slice_request(request.gather)
-        if self._refused("a state download", request_proof(request.gather), context):
+        index, count, proof = decode_slice_request(request.gather)
+        if self._refused("a state download", proof, context):
             return
         # The host process copies the whole state per request (the provider has no notion of slices).
         metadata, tensors, _ = await self._get_current_state_from_host_process()
@@ -310,8 +309,8 @@ class ShoalAverager(DecentralizedAverager):
         """Stream the outer update that took us from ``rounds_done`` to ``rounds_done + 1`` steps
         (fp16, exactly as kept), metadata first; the request's ``gather`` is ``encode_update_request``.
         Nothing (an empty answer) if we no longer hold it."""
-        rounds_done = decode_update_request(request.gather)
-        if self._refused("an outer update request", request_proof(request.gather), context):
+        rounds_done, proof = decode_update_request(request.gather)
+        if self._refused("an outer update request", proof, context):
             return
         metadata, tensors, _ = await self._ask_host(rounds_done)
         if not tensors:

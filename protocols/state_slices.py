@@ -31,12 +31,13 @@ def encode_slice_request(index: int, count: int, proof: bytes | None = None) -> 
     return msgpack.packb({"slice": index, "of": count, **_proof(proof)})
 
 
-def decode_slice_request(blob: bytes) -> tuple[int, int]:
-    """``(index, count)`` from a peer's request, or MessageError: the donor refuses anything else."""
+def decode_slice_request(blob: bytes) -> tuple[int, int, bytes | None]:
+    """``(index, count, admission proof or None)`` from a peer's request, or MessageError: the donor
+    refuses anything else."""
     request = _unpack_request(blob, "slice", ("slice", "of"), MAX_SLICE_REQUEST_BYTES)
     index, count = request["slice"], request["of"]
     check_slice_index(index, count)
-    return index, count
+    return index, count, request.get("admit")
 
 
 # An update request: "send me the outer update after your n-th step" (a peer catching up → donor).
@@ -49,19 +50,11 @@ def encode_update_request(rounds_done: int, proof: bytes | None = None) -> bytes
     return msgpack.packb({"after": rounds_done, **_proof(proof)})
 
 
-def decode_update_request(blob: bytes) -> int:
-    """The ``rounds_done`` a peer asks the next update of, or MessageError."""
+def decode_update_request(blob: bytes) -> tuple[int, bytes | None]:
+    """``(rounds_done, admission proof or None)``: the step a peer asks the next update of, or MessageError."""
     request = _unpack_request(blob, "update", ("after",), MAX_UPDATE_REQUEST_BYTES)
     _check_steps(request["after"])
-    return request["after"]
-
-
-def request_proof(blob: bytes) -> bytes | None:
-    """The admission proof a slice or update request carries (None without one); call after the
-    request decoded, which bounded it."""
-    request = msgpack.unpackb(blob, max_map_len=3, max_str_len=8, max_array_len=0, max_bin_len=PROOF_BYTES)
-    proof = request.get("admit") if isinstance(request, dict) else None
-    return proof if isinstance(proof, bytes) else None
+    return request["after"], request.get("admit")
 
 
 def _proof(proof: bytes | None) -> dict:

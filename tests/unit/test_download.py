@@ -27,7 +27,6 @@ from protocols.state_slices import (
     decode_update_request,
     encode_slice_request,
     encode_update_request,
-    request_proof,
 )
 
 LENGTHS = [600, 600]  # anchor and momentum
@@ -138,8 +137,8 @@ def test_flat_slice_refuses_other_dtypes_rather_than_casting():
 
 
 def test_slice_request_round_trips():
-    assert decode_slice_request(encode_slice_request(3, 8)) == (3, 8)
-    assert decode_slice_request(encode_slice_request(MAX_SLICES - 1, MAX_SLICES)) == (MAX_SLICES - 1, MAX_SLICES)
+    assert decode_slice_request(encode_slice_request(3, 8)) == (3, 8, None)
+    assert decode_slice_request(encode_slice_request(MAX_SLICES - 1, MAX_SLICES)) == (MAX_SLICES - 1, MAX_SLICES, None)
 
 
 @pytest.mark.parametrize("blob", [
@@ -367,11 +366,9 @@ def test_a_round_past_the_schedule_never_wins_the_vote():
 
 def test_a_request_may_carry_an_admission_proof_of_exactly_its_size():
     proof = make_proof(admission_key(b"swarm"), "QmPeer")
-    assert decode_slice_request(encode_slice_request(3, 8, proof)) == (3, 8)
-    assert request_proof(encode_slice_request(3, 8, proof)) == proof
-    assert request_proof(encode_slice_request(3, 8)) is None
-    assert decode_update_request(encode_update_request(5, proof)) == 5
-    assert request_proof(encode_update_request(5, proof)) == proof
+    assert decode_slice_request(encode_slice_request(3, 8, proof)) == (3, 8, proof)
+    assert decode_update_request(encode_update_request(5, proof)) == (5, proof)
+    assert decode_update_request(encode_update_request(5)) == (5, None)
     for bad in (proof[:-1], proof + b"x"):
         with pytest.raises(MessageError):
             decode_slice_request(msgpack.packb({"slice": 1, "of": 8, "admit": bad}))
