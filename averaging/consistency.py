@@ -32,6 +32,7 @@ int8 returns (opt-in) are off by up to ``1/254`` of a block's ``|avg - local|`` 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -128,23 +129,37 @@ class AnchorClaim:
 
     fingerprint: Fingerprint
     scale: torch.Tensor  # per-chunk RMS of the peer's last averaged pseudo-gradient (zeros before any)
-    rounds_done: int  # outer steps this peer has applied: a veteran is trusted over a newcomer
+    rounds_done: int  # outer steps this peer has applied (self-claimed: picks catch-ups, never the reference)
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """The group's view of who holds the reference anchor; every member computes the same one."""
+    """The group's view of who holds the reference anchor; every member computes the same one.
+
+    ``contested``: another set of members, as large as the reference's, agrees on another anchor,
+    so the reference won a tie (a hash), not a majority."""
 
     reference: str
     agreeing: frozenset[str]
     diverged: frozenset[str]
+    contested: bool = False
 
 
-def consensus(claims: dict[str, AnchorClaim], *, rel_tol: float = DEFAULT_REL_TOL, abs_tol: float = DEFAULT_ABS_TOL) -> Verdict:
-    """Pick the reference anchor: the one most members agree with, then the most experienced peer.
+def tie_rank(peer: str, salt: str) -> bytes:
+    """A peer's rank in a tie: a hash of its id and the round, so that nobody picks it by claiming
+    something (a claimed step count is free to inflate) and no peer id wins every round."""
+    return hashlib.sha256(f"shoal-tie/{salt}/{peer}".encode()).digest()
 
-    Deterministic given the same claims, so all members reach the same verdict without another
-    message. Members that do not agree with the reference must re-sync from the agreeing ones.
+
+def consensus(claims: dict[str, AnchorClaim], *, rel_tol: float = DEFAULT_REL_TOL, abs_tol: float = DEFAULT_ABS_TOL,
+              salt: str = "") -> Verdict:
+    """Pick the reference anchor: the one most members agree with; a tie goes to the smallest
+    ``tie_rank`` (``salt``: the round, the same on every member).
+
+    Deterministic given the same claims and salt, so all members reach the same verdict without
+    another message. Members that do not agree with the reference must catch up or re-sync from
+    the agreeing ones. Nothing self-claimed decides a tie: a peer claiming more outer steps than
+    anyone would otherwise win every tie it is part of (issue 11: consensus hijack).
     """
     assert claims, "consensus of an empty group"
     peers = sorted(claims)
@@ -153,9 +168,11 @@ def consensus(claims: dict[str, AnchorClaim], *, rel_tol: float = DEFAULT_REL_TO
                                                claims[p].scale, claims[q].scale, rel_tol=rel_tol, abs_tol=abs_tol)}
         for p in peers
     }
-    reference = min(peers, key=lambda p: (-len(agrees_with[p]), -claims[p].rounds_done, p))
+    reference = min(peers, key=lambda p: (-len(agrees_with[p]), tie_rank(p, salt)))
     agreeing = frozenset(agrees_with[reference])
-    return Verdict(reference, agreeing, frozenset(peers) - agreeing)
+    diverged = frozenset(peers) - agreeing
+    contested = any(len(agrees_with[p]) == len(agreeing) for p in diverged)
+    return Verdict(reference, agreeing, diverged, contested)
 
 
 def claim_to_gather(claim: AnchorClaim, *, round: int) -> RoundGather:

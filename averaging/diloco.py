@@ -52,6 +52,18 @@ MAX_AVERAGE_TO_LOCAL_RATIO = 100.0
 HISTORY_ROUNDS = 2
 HISTORY_KEPT = HISTORY_ROUNDS + 2
 MAX_CLAIMED_SCALE_RATIO = 2.0
+# A replayed outer step may be at most this many times larger (RMS) than the last one we applied.
+# The replay is also checked against the claimed fingerprint, but whoever claims a fingerprint can
+# craft a step that reaches it from our anchor (our state is public): this bounds what one such
+# step can move us, to the order of what a peer moves the all-reduce's result. Honest steps differ
+# from ours by the group's spread and by rounds folded into them: a few times, not ten.
+MAX_CATCH_UP_TO_LAST_RATIO = 10.0
+# In a contested verdict (a tie: no majority says whose anchor is right, e.g. two peers), we re-sync
+# to the winner of the tie only if its anchor is within this many of our last outer step's size
+# (per chunk). Honest ties are a failed all-reduce part (about 1.3 steps of difference) or a peer
+# a few steps behind; a stranger in a two-peer group would otherwise replace our model with any
+# anchor it likes by winning a coin flip. Further apart, we keep ours until a majority forms.
+CONTESTED_REACH = 8.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,16 +166,23 @@ class OuterState:
         if outcome.ok and averaged is not None:
             conclusion.group_size = len(outcome.group)
             conclusion.verdict, conclusion.bad_reports, claims = self._judge(outcome.gathered, round)
-            if conclusion.verdict is not None and self_id in conclusion.verdict.diverged:
-                agreeing = sorted(conclusion.verdict.agreeing)
-                reference = claims[conclusion.verdict.reference]
+            verdict = conclusion.verdict
+            if verdict is not None and self_id in verdict.diverged:
+                agreeing = sorted(verdict.agreeing)
+                reference = claims[verdict.reference]
                 behind = reference.rounds_done - self.rounds_done
                 if behind < 0 and self.agreed_before(reference):
                     pass  # the reference's report predates steps we applied since: we are ahead, not apart
                 elif catch_up is not None and 0 <= behind <= HISTORY_ROUNDS and catch_up(agreeing, behind, reference):
                     conclusion.caught_up = behind
+                elif verdict.contested and not self._within_reach(claims.get(self_id), reference):
+                    logger.warning(f"round {round}: our anchor and {verdict.reference}'s disagree, and no majority "
+                                   f"says which is right; its anchor is further from ours than {CONTESTED_REACH:g} "
+                                   "outer steps, so we keep ours until a group with a majority forms")
                 else:
                     conclusion.donors = agreeing
+            elif verdict is not None and verdict.contested and self_id in verdict.agreeing and catch_up is not None:
+                conclusion.caught_up = self._catch_up_with_ahead(verdict, claims, catch_up)
             problem = check_average(averaged, local_pseudo_grad, reference_rms=self._last_rms)
             if problem is None:
                 self.apply(averaged, round=round)
@@ -174,6 +193,26 @@ class OuterState:
             self.apply(local_pseudo_grad, round=round)
             conclusion.applied = Applied.LOCAL
         return conclusion
+
+    def _within_reach(self, ours: AnchorClaim | None, reference: AnchorClaim) -> bool:
+        """Whether ``reference`` is within ``CONTESTED_REACH`` outer steps of our anchor, on every
+        chunk (fingerprints' RMS difference against the scale of our last step, capped claims)."""
+        ours = ours or self.claim()
+        a, b = ours.fingerprint, reference.fingerprint
+        if (a.numel, a.chunk_len) != (b.numel, b.chunk_len):
+            return False
+        return agree(a, b, ours.scale, ours.scale, rel_tol=CONTESTED_REACH, abs_tol=self.abs_tol)
+
+    def _catch_up_with_ahead(self, verdict: Verdict, claims: dict[str, AnchorClaim], catch_up: CatchUp) -> int:
+        """We won a tie, but a diverged member may simply be ahead of us (we folded a round that it
+        averaged): replay its steps, verified against its claim, as it would have replayed ours had
+        the tie gone the other way. A false claim costs a small fetch and changes nothing."""
+        ahead = sorted((claims[p].rounds_done - self.rounds_done, p) for p in verdict.diverged
+                       if 0 < claims[p].rounds_done - self.rounds_done <= HISTORY_ROUNDS)
+        for behind, peer in reversed(ahead):  # the furthest ahead first
+            if catch_up([peer], behind, claims[peer]):
+                return behind
+        return 0
 
     def _judge(self, gathered: dict[str, Any], round: int) -> tuple[Verdict | None, int, dict[str, AnchorClaim]]:
         claims: dict[str, AnchorClaim] = {}
@@ -191,7 +230,7 @@ class OuterState:
                 logger.warning(f"round {round}: ignoring the report of {peer}: {e}")
         if len(claims) < 2:
             return None, bad, claims
-        return consensus(claims, rel_tol=self.rel_tol, abs_tol=self.abs_tol), bad, claims
+        return consensus(claims, rel_tol=self.rel_tol, abs_tol=self.abs_tol, salt=str(round)), bad, claims
 
     def _capped(self, claim: AnchorClaim) -> AnchorClaim:
         """A claimed scale widens the tolerance of every comparison with that peer: it may not
@@ -233,8 +272,13 @@ class OuterState:
         with self._lock:
             saved = (self.anchor.clone(), self.momentum.clone(), self.rounds_done, self.last_round,
                      self._scale, self._last_rms, self._claim, list(self._history), list(self._past_claims))
+            reference_rms = self._last_rms
             for update in updates:
                 if update.rounds_done != self.rounds_done + 1 or update.update.shape != (self.layout.numel,):
+                    break
+                if reference_rms > 0 and _rms(update.update) > MAX_CATCH_UP_TO_LAST_RATIO * reference_rms:
+                    logger.warning(f"refused outer step {update.rounds_done}: {_rms(update.update) / reference_rms:.3g}x "
+                                   "larger than the last one we applied")
                     break
                 self._apply(update.update.float(), update.round)
             else:
@@ -351,6 +395,10 @@ def _claims_agree(ours: AnchorClaim, reference: AnchorClaim, rel_tol: float, abs
     a, b = ours.fingerprint, reference.fingerprint
     return (ours.rounds_done == reference.rounds_done and (a.numel, a.chunk_len) == (b.numel, b.chunk_len)
             and agree(a, b, ours.scale, reference.scale, rel_tol=rel_tol, abs_tol=abs_tol))
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.double().square().mean().sqrt())
 
 
 def check_average(averaged: torch.Tensor, local: torch.Tensor, reference_rms: float = 0.0) -> str | None:

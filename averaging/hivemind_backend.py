@@ -38,7 +38,7 @@ from hivemind import DHT, DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
 from hivemind.compression import (
     CompressionBase,
     Float16Compression,
@@ -69,6 +69,7 @@ from averaging.robust_allreduce import (
     GroupRefused,
     RobustAllReduceRunner,
     RobustCounters,
+    ShoalMatchmaking,
     gathered_proof,
     vet_group,
 )
@@ -155,6 +156,21 @@ class ShoalAverager(DecentralizedAverager):
         target = kwargs.get("target_group_size")
         self._max_group_size = min(robust.max_group_size if robust is not None else 2**31, target or 2**31)
         super().__init__(*args, **kwargs)
+
+    # hivemind builds its Matchmaking in the averager process (``self._matchmaking = Matchmaking(...)``
+    # in ``_run``, no hook): this setter gives it our class, which keeps banned peers out of groups.
+    @property
+    def _matchmaking(self) -> ShoalMatchmaking:
+        try:
+            return self.__dict__["_matchmaking"]
+        except KeyError:
+            raise AttributeError("_matchmaking") from None
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking: Matchmaking) -> None:
+        matchmaking.__class__ = ShoalMatchmaking
+        matchmaking.ban_list = self._ban_list
+        self.__dict__["_matchmaking"] = matchmaking
 
     @contextlib.contextmanager
     def _kept_alive(self):

@@ -609,12 +609,12 @@ class OuterLoop:
                                                       timeout=self.config.download_timeout)
             if update is None:
                 logger.warning(f"round {round}: no peer of {donors} could send outer step {rounds_done + 1}; "
-                               "re-syncing instead")
+                               "not caught up")
                 return False
             updates.append(update)
         if not self.outer.catch_up(updates, reference):
             logger.warning(f"round {round}: replaying {behind} missed outer step(s) did not reach the group's "
-                           "anchor; re-syncing instead")
+                           "anchor; not caught up")
             return False
         if behind:
             logger.info(f"round {round}: caught up with {behind} missed outer step(s) from {donors}")

@@ -13,8 +13,10 @@ What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any o
   ``register_processed_part`` checks every delta a reducer returns: a bad one, and every later
   part from that reducer, is replaced by zeros (we keep our local values, as hivemind does for a
   reducer that failed), and the reducer is reported.
-- A peer on the ban list (``averaging.robust.BanList``, one per averager process) is treated as
-  failed from the start of the round: its parts are not counted and ours are not sent to it.
+- A peer on the ban list (``averaging.robust.BanList``, one per averager process) is kept out of
+  our groups (``ShoalMatchmaking``: we do not ask it to lead us, and as a leader we turn it away);
+  in a group that holds it anyway (another leader's), it is treated as failed from the start of
+  the round: its parts are not counted and ours are not sent to it.
 - hivemind has no hook for either class (the averager constructs them by name), so
   ``ShoalAverager._run_allreduce_inplace_`` (``averaging.hivemind_backend``) is a copy of
   hivemind's that constructs ``RobustAllReduceRunner``.
@@ -41,6 +43,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
 
 from averaging import robust
 from averaging.robust import BanList, RobustConfig
@@ -62,6 +65,8 @@ REVIEWED = {
     "TensorPartReducer.check_current_part_finished": "ec9b059c42f3ca271d3e89ff63177006d66e0fc4a6bb99427eb08ab25d3d3640",
     "TensorPartContainer.register_processed_part": "ff5ebad6141c4a8886c1e661b81c22ae87dd54e624dc016ee30d94ca72285089",
     "Matchmaking.follower_assemble_group": "2fc9715f5e6de487d880a919217efea5ae3d917cba393fcbe30301e72df4df3d",
+    "Matchmaking._request_join_group": "df823040a94d1c1ddb28c15536b631502954dd03024ac943820a21075e335b43",
+    "Matchmaking._check_reasons_to_reject": "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3",
 }
 ORIGINALS: dict[str, Callable] = {
     "DecentralizedAverager._aggregate_with_group": DecentralizedAverager._aggregate_with_group,
@@ -75,6 +80,8 @@ ORIGINALS: dict[str, Callable] = {
     "TensorPartReducer.check_current_part_finished": TensorPartReducer.check_current_part_finished,
     "TensorPartContainer.register_processed_part": TensorPartContainer.register_processed_part,
     "Matchmaking.follower_assemble_group": Matchmaking.follower_assemble_group,
+    "Matchmaking._request_join_group": Matchmaking._request_join_group,
+    "Matchmaking._check_reasons_to_reject": Matchmaking._check_reasons_to_reject,
 }
 
 
@@ -212,6 +219,26 @@ class CheckedPartContainer(TensorPartContainer):
                 part = torch.zeros_like(own)  # keep our local values for this reducer's parts
                 self.failed_size += part.numel()
         super().register_processed_part(peer_index, part_index, part)
+
+
+class ShoalMatchmaking(Matchmaking):
+    """hivemind's matchmaking without the peers on our ban list (set up by ``ShoalAverager``: an
+    existing instance is given this class and a ``ban_list``). In a group, a banned peer is a
+    reducer whose share every member refuses and keeps at its local values: the members' anchors
+    then differ on that share, and all but one re-sync the next round (seen in
+    benchmarks/attacks.py: 7 re-syncs in 12 rounds). Out of the group, it costs nothing."""
+
+    ban_list: BanList
+
+    async def _request_join_group(self, leader: PeerID):
+        if self.ban_list.is_banned(str(leader)):
+            return None  # hivemind then asks the next potential leader
+        return await super()._request_join_group(leader)
+
+    def _check_reasons_to_reject(self, request, context):
+        if self.ban_list.is_banned(str(context.remote_id)):
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        return super()._check_reasons_to_reject(request, context)
 
 
 class RobustAllReduceRunner(AllReduceRunner):

@@ -80,13 +80,14 @@ class LocalSwarm:
 
     def start(self, name: str, *args: str, initial: list[str] | None = None, config: Path | None = None,
               ui: bool = False, env: dict[str, str] | None = None, prefix: list[str] | None = None,
-              listen: str = "/ip4/127.0.0.1/tcp/0") -> LocalPeer:
+              listen: str = "/ip4/127.0.0.1/tcp/0", program: list[str] | None = None) -> LocalPeer:
         """Start one peer; with ``ui`` it draws its live view on our terminal, else it logs to a file.
-        ``prefix`` runs it inside something (e.g. ``ip netns exec <host>``)."""
+        ``prefix`` runs it inside something (e.g. ``ip netns exec <host>``); ``program`` replaces
+        ``shoal run`` with a command that takes the same options (a benchmark's test-only peer)."""
         workdir = self.root / name
         workdir.mkdir(parents=True, exist_ok=True)
         metrics, checkpoints = workdir / "metrics.jsonl", workdir / "checkpoints"
-        cmd = [*(prefix or []), *shoal_command(), "run", "--run-id", self.run_id, "--listen", listen,
+        cmd = [*(prefix or []), *(program or [*shoal_command(), "run"]), "--run-id", self.run_id, "--listen", listen,
                "--metrics-file", str(metrics), "--checkpoint-dir", str(checkpoints)]
         if config is not None:
             cmd += ["--config", str(config)]

@@ -91,3 +91,46 @@ def test_honest_peers_survive_every_attack(tmp_path):
     counters = [backend.robustness() for backend in backends[:HONEST]]
     assert all(c["refused_parts"] >= 3 and c["refused_returns"] >= 1 for c in counters), counters
     assert hostile_peer.ATTACKS  # the module under test is the hostile one
+
+
+@pytest.mark.timeout(240)
+def test_a_banned_peer_is_kept_out_of_the_next_groups():
+    """Once the honest peers ban a sender, they neither follow it nor accept it as a follower: the
+    next groups are the honest peers alone, and they end with the same average (a banned peer kept
+    inside a group is a reducer whose share every member keeps at its local values: apart)."""
+    generator = torch.Generator().manual_seed(12)
+    common = torch.randn(NUMEL, generator=generator)
+    vectors = [common + 0.05 * torch.randn(NUMEL, generator=generator) for _ in range(HONEST + 1)]
+    honest_mean = torch.stack(vectors[:HONEST]).double().mean(0)
+    prefix = f"banned-{uuid.uuid4().hex[:8]}"
+
+    def make(i: int, dht: hivemind.DHT) -> HivemindBackend:
+        backend_type = HostileBackend if i == HONEST else HivemindBackend
+        return backend_type(dht, numel=NUMEL, prefix=prefix, state_provider=no_state, target_group_size=HONEST + 1,
+                            min_group_size=HONEST, min_matchmaking_time=2.0, request_timeout=1.0,
+                            allreduce_timeout=ALLREDUCE_TIMEOUT, robust=RobustConfig(ban_rounds=10))
+
+    ATTACK.value = b"flip"
+    with loopback_averagers(HONEST + 1, make) as backends, ThreadPoolExecutor(HONEST + 1) as pool:
+        attacker = backends[HONEST].peer_id
+        for round in (1, 2):
+            scheduled = time.time() + 4.0
+            for backend in backends:  # the attacker, turned away by everyone, gives up sooner
+                backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round},
+                                timeout=10 if backend is backends[HONEST] else 30)
+            results = [vector.clone() for vector in vectors]
+            futures = [pool.submit(backend.average, result, weight=1.0, timeout=60)
+                       for backend, result in zip(backends, results)]
+            outcomes = [future.result(timeout=90) for future in futures]
+            honest = outcomes[:HONEST]
+            assert all(o.ok for o in honest), [o.error for o in honest]
+            if round == 1:
+                assert all(attacker in o.group for o in honest)  # the attack: refused, and banned
+                assert all(b.robustness()["bans"] == 1 for b in backends[:HONEST])
+                continue
+            for i, outcome in enumerate(honest):
+                assert attacker not in outcome.group, f"round {round}: the banned peer is in peer {i}'s group"
+                assert len(outcome.group) == HONEST
+                error = float((results[i].double() - honest_mean).norm() / honest_mean.norm())
+                assert error < 1e-3, f"round {round}: honest peer {i} is {error:.2e} away from the honest mean"
+            assert not outcomes[HONEST].ok or len(outcomes[HONEST].group) == 1

@@ -18,6 +18,7 @@ from averaging.consistency import (
     consensus,
     fingerprint,
     rms_difference,
+    tie_rank,
 )
 from averaging.outer import outer_step_
 from protocols.messages import RoundGather
@@ -203,36 +204,39 @@ def anchors():
 def test_consensus_flags_exactly_the_one_diverged_peer(anchors):
     grad, noisy, diverged = anchors
     claims = {f"peer{i}": make_claim(a, grad, rounds_done=5) for i, a in enumerate(noisy)}
-    claims["peer9"] = make_claim(diverged, grad, rounds_done=50)  # a veteran, but alone
-    verdict = consensus(claims)
+    claims["peer9"] = make_claim(diverged, grad, rounds_done=50)  # claims to be a veteran, but alone
+    verdict = consensus(claims, salt="7")
     assert verdict.diverged == frozenset({"peer9"})
     assert verdict.agreeing == frozenset({"peer0", "peer1", "peer2"})
-    assert verdict.reference == "peer0"  # equal agreement and rounds: the smallest id
+    assert not verdict.contested  # three against one: a majority, not a tie
+    # Equal agreement: the reference is the agreeing peer of smallest tie rank, never the claimant.
+    assert verdict.reference == min(("peer0", "peer1", "peer2"), key=lambda p: tie_rank(p, "7"))
 
 
 def test_consensus_all_agree():
     grad = randn(NUMEL, seed=31, std=1e-3)
     anchor = randn(NUMEL, seed=32)
     claims = {p: make_claim(anchor, grad, rounds_done=r) for p, r in (("a", 3), ("b", 7), ("c", 7))}
-    verdict = consensus(claims)
-    assert (verdict.reference, verdict.agreeing, verdict.diverged) == ("b", frozenset("abc"), frozenset())
+    verdict = consensus(claims, salt="3")
+    assert (verdict.agreeing, verdict.diverged, verdict.contested) == (frozenset("abc"), frozenset(), False)
+    assert verdict.reference == min("abc", key=lambda p: tie_rank(p, "3"))
 
 
-@pytest.mark.parametrize(
-    ("rounds", "reference", "diverged"),
-    [
-        ({"p0": 3, "p1": 5}, "p1", "p0"),  # the veteran is the reference
-        ({"p0": 5, "p1": 3}, "p0", "p1"),
-        ({"p0": 4, "p1": 4}, "p0", "p1"),  # then the smallest peer id
-    ],
-)
-def test_a_two_peer_disagreement_is_broken_by_rounds_done_then_peer_id(anchors, rounds, reference, diverged):
+@pytest.mark.parametrize("claimed", [(3, 5), (5, 3), (4, 4), (0, 2**40)])
+def test_a_two_peer_tie_is_broken_by_a_hash_never_by_a_claimed_step_count(anchors, claimed):
+    """Consensus hijack (issue 11): a claimed step count decided ties, so a peer claiming the most
+    steps won every tie it was in. Now the hash of (round, peer id) does, whatever is claimed."""
     grad, noisy, far = anchors
-    claims = {"p0": make_claim(noisy[0], grad, rounds["p0"]), "p1": make_claim(far, grad, rounds["p1"])}
-    verdict = consensus(claims)
-    assert verdict.reference == reference
-    assert verdict.agreeing == frozenset({reference})
-    assert verdict.diverged == frozenset({diverged})
+    winners = set()
+    for round in range(40):
+        claims = {"p0": make_claim(noisy[0], grad, claimed[0]), "p1": make_claim(far, grad, claimed[1])}
+        verdict = consensus(claims, salt=str(round))
+        assert verdict.contested
+        assert verdict.reference == min(("p0", "p1"), key=lambda p: tie_rank(p, str(round)))
+        assert verdict.agreeing == frozenset({verdict.reference})
+        assert verdict.diverged == frozenset({"p0", "p1"} - {verdict.reference})
+        winners.add(verdict.reference)
+    assert winners == {"p0", "p1"}  # the hash changes with the round: no peer id wins every tie
 
 
 def test_consensus_is_the_same_for_every_insertion_order(anchors):
@@ -243,11 +247,14 @@ def test_consensus_is_the_same_for_every_insertion_order(anchors):
         "bob": make_claim(noisy[1], grad, 2),
         "kim": make_claim(far + randn(NUMEL, seed=40, std=1e-8), grad, 9),
     }
-    verdicts = {consensus(dict(order)) for order in itertools.permutations(claims.items())}
+    verdicts = {consensus(dict(order), salt="11") for order in itertools.permutations(claims.items())}
     assert len(verdicts) == 1
     (verdict,) = verdicts
-    # Two pairs of two: the pair of veterans wins, its smallest id is the reference.
-    assert (verdict.reference, verdict.diverged) == ("amy", frozenset({"zed", "bob"}))
+    # Two pairs of two: a tie, won by the peer of smallest tie rank, with its pair.
+    assert verdict.contested
+    reference = min(claims, key=lambda p: tie_rank(p, "11"))
+    pair = {"amy", "kim"} if reference in ("amy", "kim") else {"zed", "bob"}
+    assert (verdict.reference, verdict.agreeing) == (reference, frozenset(pair))
 
 
 # -- the claim on the wire ---------------------------------------------------------------------

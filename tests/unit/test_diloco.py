@@ -7,7 +7,7 @@ import torch
 
 from averaging.backend import AverageOutcome, DownloadedState
 from averaging.consistency import SIGN_PERIOD
-from averaging.diloco import STATE_VERSION, OuterConfig, OuterState, check_average
+from averaging.diloco import STATE_VERSION, AppliedUpdate, OuterConfig, OuterState, check_average
 from averaging.flat import FlatLayout
 from averaging.outer import outer_step_
 from protocols.messages import MessageError
@@ -159,7 +159,99 @@ def test_a_peer_whose_anchor_diverged_gets_the_others_as_donors():
     assert conclusions["peer-a"].donors == [] and conclusions["peer-c"].donors == []
     for conclusion in conclusions.values():  # every member reaches the same verdict
         assert conclusion.verdict.diverged == frozenset({"peer-b"})
-        assert conclusion.verdict.reference == "peer-a"
+        assert conclusion.verdict.reference in ("peer-a", "peer-c")  # equal agreement: the hash picks
+
+
+def catch_up_from(states: dict[str, OuterState], me: str, serve=None):
+    """A ``CatchUp`` that fetches the missed steps from the donors' histories (or ``serve``)."""
+    def catch_up(donors, behind, reference):
+        start = states[me].rounds_done
+        updates = [(serve or states[donors[0]].update_after)(start + i) for i in range(behind)]
+        return None not in updates and states[me].catch_up(updates, reference)
+    return catch_up
+
+
+def conclude_pair(states: dict[str, OuterState], round: int, averaged: torch.Tensor, serve: dict | None = None):
+    """Both members of a two-peer group report, then each concludes with ``averaged``."""
+    gathered = {peer: state.round_report(round=round).encode() for peer, state in states.items()}
+    outcome = AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered)
+    return {peer: state.conclude(outcome, averaged, round=round, averaged=averaged, self_id=peer,
+                                 catch_up=catch_up_from(states, peer, (serve or {}).get(peer)))
+            for peer, state in states.items()}
+
+
+def test_a_two_peer_tie_between_a_peer_ahead_and_one_behind_ends_in_a_catch_up_whoever_wins_it():
+    """The tie is a hash now, so the peer behind may win it: it then replays the step of the peer
+    ahead (verified against that peer's claim) instead of leaving both one step apart."""
+    behind_won = ahead_won = 0
+    for round in range(3, 15):
+        states = {"peer-a": new_state(), "peer-b": new_state()}
+        conclude_pair(states, 1, randn(11, std=1e-3))
+        states["peer-a"].apply(randn(12, std=1e-3), round=2)  # peer-b folded round 2
+        conclusions = conclude_pair(states, round, randn(13, std=1e-3))
+        verdict = conclusions["peer-a"].verdict
+        assert verdict.contested and verdict == conclusions["peer-b"].verdict
+        behind_won += verdict.reference == "peer-b"
+        ahead_won += verdict.reference == "peer-a"
+        assert conclusions["peer-b"].caught_up == 1 and conclusions["peer-a"].caught_up == 0
+        assert conclusions["peer-a"].donors == [] and conclusions["peer-b"].donors == []
+        assert states["peer-a"].rounds_done == states["peer-b"].rounds_done == 3
+        # Apart only by the fp16 rounding of the replayed step: the next round finds no divergence.
+        assert (states["peer-a"].anchor - states["peer-b"].anchor).abs().max() < 1e-5
+        assert not conclude_pair(states, round + 1, randn(14, std=1e-3))["peer-a"].verdict.diverged
+    assert behind_won and ahead_won  # both ways of the tie were exercised
+
+
+def crafted_step(victim: OuterState, size: float) -> tuple[OuterState, torch.Tensor]:
+    """An attacker's state one step ahead of ``victim`` by a step of RMS ``size``: it knows the
+    victim's anchor (public state), so its claim is exactly where that step leads."""
+    attacker = new_state()
+    attacker.anchor.copy_(victim.anchor)
+    attacker.momentum.copy_(victim.momentum)
+    attacker.rounds_done, attacker._scale = victim.rounds_done, victim._scale.clone()
+    step = randn(40, std=size)
+    attacker.apply(step, round=2)
+    return attacker, step
+
+
+@pytest.mark.parametrize("size", [1.0, 20e-3])
+def test_a_stranger_in_a_two_peer_tie_cannot_move_us_further_than_this_rounds_step(size):
+    """Consensus hijack (issue 11): a stranger that wins the tie, or claims to be ahead, could make
+    us replay or download any anchor it likes. A replayed step may be at most x10 our last one, and
+    a full re-sync on a tie reaches only CONTESTED_REACH of our steps: whoever wins the tie, we
+    apply this round's average to our own anchor and nothing else."""
+    won = lost = 0
+    for round in range(3, 13):
+        honest = new_state()
+        honest.apply(randn(11, std=1e-3), round=1)
+        attacker, step = crafted_step(honest, size)  # x1000 or x20 our last step
+        expected_anchor, expected_momentum = reference_step(honest, averaged := randn(13, std=1e-3))
+        serve = {"honest": lambda rounds_done, s=step: AppliedUpdate(2, rounds_done + 1, s.half())}
+        conclusions = conclude_pair({"honest": honest, "attacker": attacker}, round, averaged, serve=serve)
+        verdict = conclusions["honest"].verdict
+        assert verdict.contested
+        won += verdict.reference == "honest"
+        lost += verdict.reference == "attacker"
+        assert conclusions["honest"].caught_up == 0 and conclusions["honest"].donors == []
+        assert honest.rounds_done == 2  # our step and this round's average: nothing replayed
+        assert torch.equal(honest.anchor, expected_anchor) and torch.equal(honest.momentum, expected_momentum)
+    assert won and lost
+
+
+def test_a_tie_within_reach_is_still_repaired_by_a_re_sync():
+    """Two honest peers whose all-reduce left one part apart (equal step counts, no majority): the
+    loser of the tie re-syncs from the winner, as before; only far-away anchors are kept."""
+    for round in range(3, 9):
+        states = {"peer-a": new_state(), "peer-b": new_state()}
+        conclude_pair(states, 1, randn(11, std=1e-3))
+        states["peer-a"].apply(randn(12, std=1e-3), round=2)
+        states["peer-b"].apply(randn(14, std=1e-3), round=2)  # its part kept its local value
+        conclusions = conclude_pair(states, round, randn(13, std=1e-3))
+        verdict = conclusions["peer-a"].verdict
+        assert verdict.contested
+        loser = next(iter(verdict.diverged))
+        assert conclusions[loser].donors == [verdict.reference]
+        assert conclusions[verdict.reference].donors == []
 
 
 def test_fp16_noise_between_peers_is_not_a_divergence():
