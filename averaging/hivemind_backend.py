@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 import typing
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -115,6 +116,17 @@ FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the avera
 LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
 UPDATE_VERSION = 1
+# What a donor serves at once (state slices and outer updates), so that requests cannot exhaust
+# its host: an honest joiner has one fetch in flight per donor (averaging.download); one more
+# covers a retry racing the end of the previous stream. Beyond these, a request gets an empty
+# answer (the joiner moves to another donor) and the refusal is logged once a minute per peer.
+MAX_SERVES_PER_PEER = 2
+MAX_SERVES = 8
+# Slice requests within this many seconds share one copy of the state: the host copies its whole
+# state per request (8 bytes/param under the state lock), so a stream of requests, honest (one
+# download is 2 slices per donor) or not, costs one copy per period, not one per request.
+STATE_COPY_REUSE_S = 3.0
+BUSY_LOG_PERIOD_S = 60.0
 
 
 class ShoalAverager(DecentralizedAverager):
@@ -145,6 +157,11 @@ class ShoalAverager(DecentralizedAverager):
         self._host_request = torch.full((1,), STATE_REQUEST, dtype=torch.int64).share_memory_()
         self._host_lock: asyncio.Lock | None = None  # averager process, created on its event loop
         self._running: set[asyncio.Task] = set()  # averager process: commands in flight (_kept_alive)
+        # Averager process: requests being served per peer, the shared state copy, refusals logged.
+        self._serving: Counter[str] = Counter()
+        self._state_copy: tuple[float, Any] | None = None
+        self._state_copy_lock: asyncio.Lock | None = None
+        self._busy_logged: dict[str, float] = {}
         if changed := check_robust_hooks():
             raise RuntimeError(f"hivemind changed {', '.join(changed)} since shoal's robust all-reduce was "
                                "written; re-check averaging/robust_allreduce.py against it before running")
@@ -311,13 +328,53 @@ class ShoalAverager(DecentralizedAverager):
         index, count, proof = decode_slice_request(request.gather)
         if self._refused("a state download", proof, context):
             return
-        # The host process copies the whole state per request (the provider has no notion of slices).
-        metadata, tensors, _ = await self._get_current_state_from_host_process()
-        start, stop = slice_bounds(sum(t.numel() for t in tensors), index, count)
-        serialized = serialize_torch_tensor(flat_slice(tensors, start, stop), runtime_pb2.CompressionType.NONE)
-        for part in split_for_streaming(serialized):
-            yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
-            metadata = b""  # only in the first message
+        with self._serving_slot(str(context.remote_id), "a state slice") as admitted:
+            if not admitted:
+                return
+            metadata, tensors, _ = await self._shared_state_copy()
+            start, stop = slice_bounds(sum(t.numel() for t in tensors), index, count)
+            serialized = serialize_torch_tensor(flat_slice(tensors, start, stop), runtime_pb2.CompressionType.NONE)
+            del tensors
+            for part in split_for_streaming(serialized):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+                metadata = b""  # only in the first message
+
+    @contextlib.contextmanager
+    def _serving_slot(self, peer: str, what: str):
+        """Yields whether ``peer``'s request may be served now (``MAX_SERVES_PER_PEER``, ``MAX_SERVES``)."""
+        if self._serving[peer] >= MAX_SERVES_PER_PEER or sum(self._serving.values()) >= MAX_SERVES:
+            now = time.monotonic()
+            if now - self._busy_logged.get(peer, -BUSY_LOG_PERIOD_S) >= BUSY_LOG_PERIOD_S:
+                self._busy_logged[peer] = now
+                logger.warning(f"refused {what} to {peer}: {self._serving[peer]} of its requests and "
+                               f"{sum(self._serving.values())} in all are being served (limits {MAX_SERVES_PER_PEER}"
+                               f" and {MAX_SERVES}; logged once a minute per peer)")
+            yield False
+            return
+        self._serving[peer] += 1
+        try:
+            yield True
+        finally:
+            self._serving[peer] -= 1
+            if not self._serving[peer]:
+                del self._serving[peer]
+
+    async def _shared_state_copy(self):
+        """The host's state, copied at most once per ``STATE_COPY_REUSE_S`` for every request that
+        arrives meanwhile; the copy is released when the period ends."""
+        loop = asyncio.get_running_loop()
+        if self._state_copy_lock is None:
+            self._state_copy_lock = asyncio.Lock()
+        async with self._state_copy_lock:
+            if self._state_copy is None or loop.time() - self._state_copy[0] >= STATE_COPY_REUSE_S:
+                state = await self._get_current_state_from_host_process()
+                self._state_copy = (loop.time(), state)
+                loop.call_later(STATE_COPY_REUSE_S, self._release_state_copy, self._state_copy)
+            return self._state_copy[1]
+
+    def _release_state_copy(self, copy) -> None:
+        if self._state_copy is copy:
+            self._state_copy = None
 
     async def rpc_download_update(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -328,13 +385,17 @@ class ShoalAverager(DecentralizedAverager):
         rounds_done, proof = decode_update_request(request.gather)
         if self._refused("an outer update request", proof, context):
             return
-        metadata, tensors, _ = await self._ask_host(rounds_done)
-        if not tensors:
-            return
-        serialized = serialize_torch_tensor(tensors[0], runtime_pb2.CompressionType.NONE)
-        for part in split_for_streaming(serialized):
-            yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
-            metadata = b""
+        with self._serving_slot(str(context.remote_id), "an outer update") as admitted:
+            if not admitted:
+                return
+            metadata, tensors, _ = await self._ask_host(rounds_done)
+            if not tensors:
+                return
+            serialized = serialize_torch_tensor(tensors[0], runtime_pb2.CompressionType.NONE)
+            del tensors
+            for part in split_for_streaming(serialized):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+                metadata = b""
 
     # -- joiner side ------------------------------------------------------------------------
     def fetch_slice(self, peer: str, index: int, count: int, *, expected_numel: int, stall_timeout: float,

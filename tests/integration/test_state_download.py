@@ -147,8 +147,9 @@ def test_a_joiner_downloads_in_slices_from_every_donor_and_survives_one_leaving(
     assert state.metadata["round"] == ROUND
     assert all(torch.equal(got, want) for got, want in zip(state.tensors, expected_tensors(), strict=True))
     assert set(state.donors) == set(donor_ids) and state.peer == ",".join(sorted(donor_ids))
-    assert all(served[donor.name] >= 1 for donor in donors), served
-    assert sum(served.values()) == SLICES  # one state request per slice, no retries needed
+    # Donors served several slices from one copy of their state (requests within
+    # STATE_COPY_REUSE_S share it): a copy per request would cost a donor's host 8 bytes/param each.
+    assert all(served[donor.name] >= 1 for donor in donors) and sum(served.values()) < SLICES, served
     done = [d for d, _ in reports]
     assert done == sorted(done) and done[-1] == total_bytes and {t for _, t in reports} == {total_bytes}
 
@@ -162,7 +163,7 @@ def test_a_joiner_downloads_in_slices_from_every_donor_and_survives_one_leaving(
     assert state is not None
     assert all(torch.equal(got, want) for got, want in zip(state.tensors, expected_tensors(), strict=True))
     assert set(state.donors) == set(donor_ids[1:])
-    assert served["donor-0"] == 0 and served["donor-1"] >= 1 and served["donor-2"] >= 1, served
+    assert served["donor-0"] == 0, served  # (the others may serve from the copy they made above)
 
     # 3. A donor refuses a malformed request before it asks its host process for the state.
     handler = donors[1].backend._averager.rpc_download_state_slice
