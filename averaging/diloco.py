@@ -34,7 +34,7 @@ from averaging.consistency import (
     fingerprint,
 )
 from averaging.flat import FlatLayout
-from averaging.outer import outer_step_
+from averaging.outer import anchor_before_step, outer_step_
 from protocols.errors import ConfigError
 from protocols.messages import MAX_ROUND, MessageError, RoundGather, bounded_int, floats
 
@@ -105,6 +105,7 @@ class RoundConclusion:
     donors: list[str] = field(default_factory=list)  # non-empty: our anchor diverged, re-sync from these
     error: str | None = None
     caught_up: int = 0  # outer steps we missed and replayed from the group's history (no re-sync)
+    reference: AnchorClaim | None = None  # with donors: the group's claim a downloaded state must match
 
 
 class OuterState:
@@ -180,7 +181,7 @@ class OuterState:
                                    f"says which is right; its anchor is further from ours than {CONTESTED_REACH:g} "
                                    "outer steps, so we keep ours until a group with a majority forms")
                 else:
-                    conclusion.donors = agreeing
+                    conclusion.donors, conclusion.reference = agreeing, reference
             elif verdict is not None and verdict.contested and self_id in verdict.agreeing and catch_up is not None:
                 conclusion.caught_up = self._catch_up_with_ahead(verdict, claims, catch_up)
             problem = check_average(averaged, local_pseudo_grad, reference_rms=self._last_rms)
@@ -334,6 +335,24 @@ class OuterState:
             raise MessageError("its fingerprint describes another outer step than its state")
         return claim
 
+    def _check_against(self, reference: AnchorClaim, tensors: list[torch.Tensor], rounds_done: int,
+                       step: torch.Tensor | None, *, peer: str) -> None:
+        """Raise MessageError unless the state's anchor is the reference's (``adopt``)."""
+        ahead = rounds_done - reference.rounds_done
+        if ahead == 0:
+            before = tensors[0]
+        elif ahead == 1 and step is not None:
+            c = self.config
+            before = anchor_before_step(tensors[0], step, tensors[1], lr=c.lr, mu=c.momentum, nesterov=c.nesterov)
+        else:
+            raise MessageError(f"state from {peer}: {_rounds_apart(ahead)} from the group's reference, "
+                               "so it cannot be checked against it")
+        fp = fingerprint(before)
+        if (fp.numel, fp.chunk_len) != (reference.fingerprint.numel, reference.fingerprint.chunk_len) or not agree(
+                fp, reference.fingerprint, reference.scale, reference.scale, rel_tol=self.rel_tol, abs_tol=self.abs_tol):
+            raise MessageError(f"state from {peer}: its anchor is not the one the group agreed on (a donor that "
+                               "serves another state than the one it reported to the group)")
+
     def same_state(self, a: Any, b: Any) -> bool:
         """Whether two donors' state metadata describe the same anchor (up to the noise of the
         all-reduce's return codec): the slices of a download must all come from one state."""
@@ -342,14 +361,21 @@ class OuterState:
         except MessageError:
             return False
 
-    def adopt(self, state: DownloadedState, *, require_claim: bool = False, max_round: int = MAX_ROUND) -> int:
+    def adopt(self, state: DownloadedState, *, require_claim: bool = False, max_round: int = MAX_ROUND,
+              reference: AnchorClaim | None = None, step: torch.Tensor | None = None) -> int:
         """Replace our anchor and momentum with a downloaded state after validating it; returns
         the global round of that state. Raises MessageError (and changes nothing) if invalid.
 
         A state from the network must carry its donors' claim (``require_claim``) and its anchor
         must match it: slices assembled from donors that held different anchors, or a donor whose
         data is not what it claims, are refused. A checkpoint has no claim (its file is verified).
-        A round past ``max_round`` (the schedule's) is refused: it would name our checkpoints."""
+        A round past ``max_round`` (the schedule's) is refused: it would name our checkpoints.
+
+        A re-sync also passes the group's ``reference`` claim (from the round's gather, the anchor
+        the majority agreed on): the donors' own claims are then not enough, since a donor can
+        serve a state that matches a claim of its own making. A state one outer step past the
+        reference (the donor applied this round's ``step`` already) is checked by undoing that
+        step (``anchor_before_step``, which needs its momentum too)."""
         metadata, tensors = state.metadata, state.tensors
         if not isinstance(metadata, dict) or metadata.get("v") != STATE_VERSION:
             raise MessageError(f"state from {state.peer}: unknown state version")
@@ -380,6 +406,8 @@ class OuterState:
             if not agree(fp, claim.fingerprint, claim.scale, claim.scale, rel_tol=self.rel_tol, abs_tol=self.abs_tol):
                 raise MessageError(f"state from {state.peer}: the anchor does not match its donors' fingerprint "
                                    "(donors that diverged, or one that sent another state than it claims)")
+        if reference is not None:
+            self._check_against(reference, tensors, rounds[1], step, peer=state.peer)
         with self._lock:
             self.anchor.copy_(tensors[0])
             self.momentum.copy_(tensors[1])
@@ -389,6 +417,10 @@ class OuterState:
             self._history.clear()  # the steps that led here are not ours to serve
             self._past_claims.clear()
         return self.last_round
+
+
+def _rounds_apart(ahead: int) -> str:
+    return f"{ahead} outer step{'s' if abs(ahead) != 1 else ''}"
 
 
 def _claims_agree(ours: AnchorClaim, reference: AnchorClaim, rel_tol: float, abs_tol: float) -> bool:

@@ -36,3 +36,12 @@ def outer_step_(
     anchor.sub_(update)
     return update
 
+
+
+def anchor_before_step(anchor: torch.Tensor, averaged_pseudo_grad: torch.Tensor, momentum: torch.Tensor, *,
+                       lr: float, mu: float, nesterov: bool = True) -> torch.Tensor:
+    """The anchor before ``outer_step_``, from the anchor and momentum after it and the step's
+    pseudo-gradient (a new tensor). A peer re-syncing from donors that already applied this
+    round's step checks their state against the group's fingerprint, taken before the step."""
+    update = averaged_pseudo_grad.add(momentum, alpha=mu) if nesterov else momentum.clone()
+    return anchor.add(update, alpha=lr)

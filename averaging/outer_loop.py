@@ -625,15 +625,20 @@ class OuterLoop:
         logger.warning(f"round {round}: our anchor diverged from the group's; re-syncing from {conclusion.donors}")
         adopted = None
         newest = max(round, self._now_round())  # the donors may have applied this round's step
+        donors = list(conclusion.donors)
+        step = averaged if conclusion.applied == Applied.AVERAGED else None
         for _ in range(RESYNC_ATTEMPTS):
-            state = self.worker.backend.download_state(conclusion.donors, timeout=self.config.download_timeout,
+            state = self.worker.backend.download_state(donors, timeout=self.config.download_timeout,
                                                        same_state=self.outer.same_state, max_round=newest)
             if state is None:
                 continue
             try:
-                adopted = self.outer.adopt(state, require_claim=True, max_round=newest)
+                adopted = self.outer.adopt(state, require_claim=True, max_round=newest,
+                                           reference=conclusion.reference, step=step)
             except MessageError as e:
                 logger.warning(f"round {round}: refused the state of {state.peer}: {e}")
+                # The first donor held sets which claims the others must match: another leads next.
+                donors = donors[1:] + donors[:1]
                 continue
             if adopted >= round:
                 break

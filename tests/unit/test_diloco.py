@@ -410,6 +410,44 @@ def test_a_state_from_the_network_must_match_the_fingerprint_its_donors_claim():
     assert new_state(anchor_seed=40).adopt(valid_download(), require_claim=True) == 6
 
 
+def test_a_re_sync_adopts_only_the_anchor_the_group_agreed_on():
+    """Download poisoning (issue 11): a donor can serve any state with a claim of its own making.
+    A re-sync checks the state against the group's reference claim (from the round's gather),
+    also when the donor already applied this round's step (undone with its momentum)."""
+    group = donor_state()  # the group's anchor when the round's claims were made
+    reference = group.claim()
+    step = randn(35, std=1e-3)  # this round's average
+    ahead = donor_state()
+    ahead.apply(step, round=7)  # a donor that already applied it
+
+    def download(state: OuterState) -> DownloadedState:
+        metadata, tensors = state.shared_state()
+        return DownloadedState("donor-x", metadata, tensors)
+
+    liar = new_state(anchor_seed=50)  # consistent with its own claim, not with the group's
+    liar.apply(randn(51, std=1e-3), round=4)
+    liar.apply(randn(52, std=1e-3), round=6)
+    receiver = new_state(anchor_seed=40)
+    receiver.apply(randn(41, std=1e-3), round=1)
+    before = snapshot(receiver)
+    refusals = [
+        (download(liar), step, "not the one the group agreed on"),
+        (download(ahead), None, "1 outer step from the group's reference"),  # cannot undo without the step
+        (download(ahead), randn(36, std=1e-3), "not the one the group agreed on"),  # another step undone
+    ]
+    further = donor_state()
+    further.apply(step, round=7)
+    further.apply(randn(37, std=1e-3), round=8)
+    refusals.append((download(further), step, "2 outer steps from the group's reference"))
+    for state, undo, match in refusals:
+        with pytest.raises(MessageError, match=match):
+            receiver.adopt(state, require_claim=True, reference=reference, step=undo)
+        assert_same_snapshot(snapshot(receiver), before)
+    assert receiver.adopt(download(group), require_claim=True, reference=reference, step=step) == 6
+    assert receiver.adopt(download(ahead), require_claim=True, reference=reference, step=step) == 7
+    assert torch.equal(receiver.anchor, ahead.anchor) and torch.equal(receiver.momentum, ahead.momentum)
+
+
 def test_a_state_newer_than_the_schedule_is_refused():
     receiver = new_state(anchor_seed=40)
     with pytest.raises(MessageError, match="round counters"):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from averaging.flat import FlatLayout
-from averaging.outer import outer_step_, pseudo_gradient
+from averaging.outer import anchor_before_step, outer_step_, pseudo_gradient
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -29,6 +29,18 @@ def test_outer_step_returns_the_applied_update():
     update = outer_step_(anchor, torch.full((4,), 0.5), torch.zeros(4), lr=1.0, mu=0.0)
     torch.testing.assert_close(before - anchor, update)
     torch.testing.assert_close(anchor, torch.full((4,), 0.5))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_anchor_before_step_inverts_the_outer_step(nesterov):
+    generator = torch.Generator().manual_seed(5)
+    anchor, grad = torch.randn(1000, generator=generator, dtype=torch.float64), torch.randn(1000, generator=generator, dtype=torch.float64)
+    momentum = torch.randn(1000, generator=generator, dtype=torch.float64)
+    after, momentum_after = anchor.clone(), momentum.clone()
+    outer_step_(after, grad, momentum_after, lr=0.7, mu=0.9, nesterov=nesterov)
+    before = anchor_before_step(after, grad, momentum_after, lr=0.7, mu=0.9, nesterov=nesterov)
+    assert torch.allclose(before, anchor, rtol=0, atol=1e-12)
+    assert not torch.allclose(after, anchor, rtol=0, atol=1e-3)  # the step did move it
 
 
 def test_pseudo_gradient_is_anchor_minus_params():
