@@ -66,13 +66,17 @@ class AveragingBackend(Protocol):
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        same_state: Callable[[Any, Any], bool] | None = None,
-                       max_round: int = MAX_ROUND) -> DownloadedState | None:
+                       max_round: int = MAX_ROUND,
+                       check: Callable[[int, int, Any, torch.Tensor], str | None] | None = None,
+                       ) -> DownloadedState | None:
         """Fetch the shared state from ``peers`` (the hivemind backend spreads it over all of them);
         None if no consistent state could be had. ``progress(done_bytes, total_bytes)`` is called
         in the calling thread, never backwards, ending at total_bytes on success. With
         ``same_state(metadata_a, metadata_b)``, parts of the state come only from donors whose
         metadata it says describe one state (``OuterState.same_state``); none that claims a round
-        past ``max_round`` (the schedule's round: a claimed round is not trusted)."""
+        past ``max_round`` (the schedule's round: a claimed round is not trusted); none whose
+        values ``[start, stop)`` of the flat state ``check(start, stop, metadata, values)``
+        refuses (``OuterState.slice_check``: they do not match the fingerprint they should)."""
 
     def fetch_update(self, peers: list[str], *, rounds_done: int, numel: int,
                      timeout: float) -> AppliedUpdate | None:

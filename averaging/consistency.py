@@ -87,14 +87,38 @@ class Fingerprint:
 def fingerprint(flat: torch.Tensor, max_chunks: int = MAX_CHUNKS) -> Fingerprint:
     """Fingerprint a flat CPU vector (one float64 pass; the temporaries are one chunk large)."""
     assert flat.dim() == 1 and flat.numel() > 0
-    signs = _sign_table()
     chunk_len = chunk_length(flat.numel(), max_chunks)
+    return Fingerprint(flat.numel(), chunk_len, chunk_projections(flat, chunk_len))
+
+
+def chunk_projections(values: torch.Tensor, chunk_len: int) -> torch.Tensor:
+    """The fingerprint's rows for ``values``, a run of whole chunks (the last may be partial): a
+    slice of an anchor that starts on a chunk boundary gives that anchor's rows for its chunks."""
+    signs = _sign_table()
     rows = []
-    for chunk in _chunks(flat.detach(), chunk_len):
+    for chunk in _chunks(values.detach(), chunk_len):
         padded = torch.zeros(chunk_len, dtype=torch.float64)
         padded[: chunk.numel()] = chunk
         rows.append((padded.view(-1, SIGN_PERIOD) @ signs).sum(dim=0))
-    return Fingerprint(flat.numel(), chunk_len, torch.stack(rows))
+    return torch.stack(rows)
+
+
+def chunks_agree(values: torch.Tensor, first_chunk: int, claim: AnchorClaim, *, rel_tol: float = DEFAULT_REL_TOL,
+                 abs_tol: float = DEFAULT_ABS_TOL) -> bool:
+    """Whether ``values`` (chunks ``first_chunk``, ``first_chunk + 1``, ... of an anchor, the last
+    one possibly the anchor's partial last chunk) match ``claim`` on those chunks, with the
+    tolerance of ``agree``: a state download checks each slice as it arrives, so that the donor of
+    a slice that does not match is known (and dropped) before the state is assembled."""
+    fp = claim.fingerprint
+    rows = chunk_projections(values, fp.chunk_len)
+    last = first_chunk + rows.shape[0]
+    if first_chunk < 0 or last > fp.num_chunks:
+        return False
+    sizes = fp.chunk_sizes()[first_chunk:last]
+    if rows.shape[0] and values.numel() - fp.chunk_len * (rows.shape[0] - 1) != int(sizes[-1]):
+        return False  # the slice ends inside a chunk: it cannot be compared chunk by chunk
+    difference = ((rows - fp.projections[first_chunk:last]).square().mean(dim=1) / sizes).sqrt()
+    return bool((difference <= rel_tol * claim.scale[first_chunk:last] + abs_tol).all())
 
 
 def chunk_rms(flat: torch.Tensor, chunk_len: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ from averaging.consistency import (
     Verdict,
     agree,
     chunk_rms,
+    chunks_agree,
     claim_from_gather,
     claim_to_gather,
     consensus,
@@ -352,6 +353,37 @@ class OuterState:
                 fp, reference.fingerprint, reference.scale, reference.scale, rel_tol=self.rel_tol, abs_tol=self.abs_tol):
             raise MessageError(f"state from {peer}: its anchor is not the one the group agreed on (a donor that "
                                "serves another state than the one it reported to the group)")
+
+    def slice_check(self, reference: AnchorClaim | None = None) -> Callable[[int, int, Any, torch.Tensor], str | None]:
+        """A state download's per-slice check (``download_slices(check=...)``): the anchor values
+        of a slice must match, chunk by chunk, the group's ``reference`` claim when the donor's
+        state is at that claim's step, else the donor's own claim. The donor of a slice that does
+        not is dropped and named when its slice arrives; the momentum half is checked with the
+        whole state (``adopt``)."""
+        numel = self.layout.numel
+
+        def check(start: int, stop: int, metadata: Any, values: torch.Tensor) -> str | None:
+            if start >= numel:
+                return None
+            try:
+                claim = self.state_claim(metadata)
+            except MessageError as e:
+                return f"bad claim ({e})"
+            by_group = reference is not None and claim.rounds_done == reference.rounds_done
+            against = reference if by_group else claim
+            if self._scale.any() and against.scale.shape == self._scale.shape:
+                against = self._capped(against)
+            chunk_len = against.fingerprint.chunk_len
+            if start % chunk_len:
+                return f"slice starts at {start}, inside a fingerprint chunk of {chunk_len} values"
+            end = min(stop, numel)
+            if not chunks_agree(values[: end - start], start // chunk_len, against, rel_tol=self.rel_tol,
+                                abs_tol=self.abs_tol):
+                whose = "the anchor its group agreed on" if by_group else "the fingerprint it claims"
+                return f"values {start}..{end} of its anchor do not match {whose}"
+            return None
+
+        return check
 
     def same_state(self, a: Any, b: Any) -> bool:
         """Whether two donors' state metadata describe the same anchor (up to the noise of the

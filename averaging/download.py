@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from averaging.backend import Progress
+from averaging.consistency import chunk_length
 from averaging.traffic import STATE_BYTES_PER_VALUE
 from protocols.messages import MAX_ROUND, MessageError, bounded_int
 from protocols.state_slices import MAX_SLICES
@@ -42,13 +43,31 @@ Fetch = Callable[[str, int, int], tuple[Any, torch.Tensor]]
 # same_state(metadata_a, metadata_b): whether two donors' slices of one round may be assembled
 # together (their claims describe one state); the first donor's slice held for a round decides.
 SameState = Callable[[Any, Any], bool]
+# check(start, stop, metadata, slice): why a valid-looking slice of values [start, stop) must not be
+# used (it does not match the fingerprint it should: ``OuterState.slice_check``), or None.
+CheckSlice = Callable[[int, int, Any, torch.Tensor], "str | None"]
 
 
 # -- what "slice i of n" means, on both ends -------------------------------------------------------
-def slice_bounds(total: int, index: int, count: int) -> tuple[int, int]:
-    """``[start, stop)`` of slice ``index`` of ``count`` over ``total`` values; sizes differ by at most 1."""
-    assert 0 <= index < count and total >= 0
-    return total * index // count, total * (index + 1) // count
+def slice_bounds(total: int, index: int, count: int, align: int = 1) -> tuple[int, int]:
+    """``[start, stop)`` of slice ``index`` of ``count`` over ``total`` values, every boundary a
+    multiple of ``align`` (but the end): sizes differ by at most ``align``. A state is cut at the
+    anchor's fingerprint chunks (``align`` = ``consistency.chunk_length`` of the anchor), so that
+    each slice of the anchor holds whole chunks and is checked against a claim as it arrives."""
+    assert 0 <= index < count and total >= 0 and align >= 1
+    units = -(-total // align)
+    return min(total, units * index // count * align), min(total, units * (index + 1) // count * align)
+
+
+def slice_alignment(anchor_numel: int) -> int:
+    """Where a state is cut, by donor and joiner alike: at the fingerprint chunks of its first
+    tensor (the anchor), so that every slice of the anchor is whole chunks (``slice_bounds``)."""
+    return chunk_length(anchor_numel) if anchor_numel > 0 else 1
+
+
+def slice_units(total: int, align: int = 1) -> int:
+    """How many non-empty slices ``total`` values can be cut into at ``align``."""
+    return -(-total // align)
 
 
 def flat_slice(tensors: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
@@ -101,10 +120,10 @@ def choose_round(rounds: Iterable[int]) -> int | None:
     return max(votes, key=lambda round: (votes[round], round))
 
 
-def default_slice_count(donors: int, total: int) -> int:
-    """Two slices per donor: a dropped donor's work is redone by the others in halves, while each
-    request costs its donor a copy of its whole state (the provider cannot copy just a slice)."""
-    return max(1, min(2 * donors, MAX_SLICES, total))
+def default_slice_count(donors: int, total: int, align: int = 1) -> int:
+    """Two slices per donor: a dropped donor's work is redone by the others in halves (requests
+    within a few seconds share one copy of a donor's state, so more slices cost it little)."""
+    return max(1, min(2 * donors, MAX_SLICES, slice_units(total, align)))
 
 
 def slice_deadline_s(stall_timeout: float, slice_bytes: int) -> float:
@@ -137,12 +156,12 @@ class _Book:
     round all put slices back to work without extra code paths."""
 
     def __init__(self, donors: list[str], lengths: Sequence[int], count: int, same_state: SameState | None = None,
-                 max_round: int = MAX_ROUND):
+                 max_round: int = MAX_ROUND, align: int = 1, check: CheckSlice | None = None):
         self.lengths = list(lengths)
-        self.same_state, self.max_round = same_state, max_round
+        self.same_state, self.max_round, self.check = same_state, max_round, check
         self.total = sum(self.lengths)
         self.count = count
-        self.bounds = [slice_bounds(self.total, i, count) for i in range(count)]
+        self.bounds = [slice_bounds(self.total, i, count, align) for i in range(count)]
         self.buffer = torch.empty(self.total, dtype=torch.float32)
         self.held: list[int | None] = [None] * count  # round of the data in each slice's region
         self.held_by: list[str | None] = [None] * count
@@ -180,6 +199,10 @@ class _Book:
         del self.busy[donor]
         start, stop = self.bounds[index]
         problem = slice_problem(metadata, tensor, stop - start, self.max_round)
+        if problem is not None:
+            self.drop(donor)
+            return problem
+        problem = self.check(start, stop, metadata, tensor) if self.check is not None else None
         if problem is not None:
             self.drop(donor)
             return problem
@@ -232,6 +255,8 @@ def download_slices(
     max_fetches: int | None = None,
     same_state: SameState | None = None,
     max_round: int = MAX_ROUND,
+    align: int = 1,
+    check: CheckSlice | None = None,
 ) -> Assembled | None:
     """Fetch the state (tensors of ``lengths`` fp32 values, concatenated) as ``count`` slices from
     ``donors``, at most one fetch in flight per donor; None if it cannot be completed.
@@ -242,15 +267,18 @@ def download_slices(
     change of round it pauses until the refetched slices overtake it) and ends at total_bytes.
     With ``same_state``, a donor whose slice of the target round describes another state than the
     slices already held is dropped like one that sent an invalid slice, and so is one that serves a
-    round past ``max_round``.
+    round past ``max_round``; so is one whose slice ``check`` refuses (a slice that does not match
+    the fingerprint it should: the donor is named when its slice arrives, not after assembly).
+    Slice boundaries are multiples of ``align`` (``slice_bounds``; the donors cut the same way).
     """
     donors = list(dict.fromkeys(donors))  # a donor listed twice must not get two slices at once
     total = sum(lengths)
-    if any(length < 0 for length in lengths) or not 1 <= count <= min(MAX_SLICES, max(total, 1)):
-        raise ValueError(f"cannot cut {total} values into {count} slices (1..{MAX_SLICES}, at most one per value)")
+    if any(length < 0 for length in lengths) or not 1 <= count <= min(MAX_SLICES, max(slice_units(total, align), 1)):
+        raise ValueError(f"cannot cut {total} values into {count} slices (1..{MAX_SLICES}, at most one per "
+                         f"{align} values)")
     if not donors:
         return None
-    book = _Book(donors, lengths, count, same_state, max_round)
+    book = _Book(donors, lengths, count, same_state, max_round, align, check)
     fetches = _Fetches(fetch, count, workers=len(donors), slice_timeout=slice_timeout,
                        budget=default_max_fetches(count, len(donors)) if max_fetches is None else max_fetches)
     progress_bytes = _MonotoneProgress(progress, STATE_BYTES_PER_VALUE * total)

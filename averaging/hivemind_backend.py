@@ -56,10 +56,12 @@ from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_st
 
 from averaging.backend import AppliedUpdate, AverageOutcome, DownloadedState, Progress
 from averaging.download import (
+    CheckSlice,
     SameState,
     default_slice_count,
     download_slices,
     flat_slice,
+    slice_alignment,
     slice_bounds,
     slice_deadline_s,
 )
@@ -332,7 +334,8 @@ class ShoalAverager(DecentralizedAverager):
             if not admitted:
                 return
             metadata, tensors, _ = await self._shared_state_copy()
-            start, stop = slice_bounds(sum(t.numel() for t in tensors), index, count)
+            start, stop = slice_bounds(sum(t.numel() for t in tensors), index, count,
+                                       slice_alignment(tensors[0].numel() if tensors else 0))
             serialized = serialize_torch_tensor(flat_slice(tensors, start, stop), runtime_pb2.CompressionType.NONE)
             del tensors
             for part in split_for_streaming(serialized):
@@ -668,7 +671,7 @@ class HivemindBackend:
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        slices: int | None = None, same_state: SameState | None = None,
-                       max_round: int = MAX_ROUND) -> DownloadedState | None:
+                       max_round: int = MAX_ROUND, check: CheckSlice | None = None) -> DownloadedState | None:
         """Fetch the shared state from all of ``peers`` at once, in ``slices`` slices (default: two
         per donor); None if it cannot be completed from slices of one round.
 
@@ -680,18 +683,19 @@ class HivemindBackend:
         total = sum(self._state_lengths)
         if not donors or total == 0:
             return None
-        count = slices if slices is not None else default_slice_count(len(donors), total)
-        deadline_s = slice_deadline_s(timeout, STATE_BYTES_PER_VALUE * -(-total // count))
+        align = slice_alignment(self._state_lengths[0])
+        count = slices if slices is not None else default_slice_count(len(donors), total, align)
+        deadline_s = slice_deadline_s(timeout, STATE_BYTES_PER_VALUE * (-(-total // count) + align))
 
         def fetch(donor: str, index: int, count: int) -> tuple[Any, torch.Tensor]:
-            start, stop = slice_bounds(total, index, count)
+            start, stop = slice_bounds(total, index, count, align)
             return self._averager.fetch_slice(donor, index, count, expected_numel=stop - start,
                                               stall_timeout=timeout, deadline_s=deadline_s)
 
         # The scheduler's own timeout is a backstop behind fetch_slice's (which cancels its future).
         result = download_slices(donors, lengths=self._state_lengths, count=count, fetch=fetch, progress=progress,
                                  slice_timeout=deadline_s + 2 * FETCH_GRACE_S, same_state=same_state,
-                                 max_round=max_round)
+                                 max_round=max_round, align=align, check=check)
         if result is None:
             return None
         served = tuple(sorted(result.served))

@@ -10,6 +10,7 @@ Integration tests always use the real hivemind backend.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ import torch
 from averaging.backend import AppliedUpdate, AverageOutcome, DownloadedState, Progress
 from averaging.wire import returned
 from protocols.messages import MAX_ROUND
+
+logger = logging.getLogger(__name__)
 
 
 class LocalHub:
@@ -111,12 +114,19 @@ class LocalBackend:
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        same_state: Callable[[Any, Any], bool] | None = None,
-                       max_round: int = MAX_ROUND) -> DownloadedState | None:
-        # Whole state from the first known peer (one donor: nothing to mix, same_state unused;
-        # the round is checked by OuterState.adopt); slicing is the hivemind backend's.
+                       max_round: int = MAX_ROUND,
+                       check: Callable[[int, int, Any, torch.Tensor], str | None] | None = None,
+                       ) -> DownloadedState | None:
+        # Whole state from the first known peer whose state passes ``check`` as one slice (one
+        # donor: nothing to mix, same_state unused; the round is checked by OuterState.adopt);
+        # slicing is the hivemind backend's.
         for peer in peers:
             if peer != self.peer_id and peer in self.hub.state_providers:
                 metadata, tensors = self.hub.state_providers[peer]()
+                flat = torch.cat([t.flatten() for t in tensors])
+                if check is not None and (problem := check(0, flat.numel(), metadata, flat)) is not None:
+                    logger.warning(f"state of {peer}: {problem}")
+                    continue
                 if progress is not None:
                     total_bytes = sum(t.numel() * t.element_size() for t in tensors)
                     progress(total_bytes, total_bytes)

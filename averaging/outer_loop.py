@@ -309,7 +309,8 @@ class OuterLoop:
         ``progress(done_bytes, total_bytes)`` is called on the worker thread."""
         state = self.clock.wait(self.worker.submit(self.worker.backend.download_state, donors,
                                                    timeout=self.config.download_timeout, progress=progress,
-                                                   same_state=self.outer.same_state, max_round=self._now_round()))
+                                                   same_state=self.outer.same_state, max_round=self._now_round(),
+                                                   check=self.outer.slice_check()))
         if state is None:
             return None
         offered = state.metadata.get("round") if isinstance(state.metadata, dict) else None
@@ -629,7 +630,8 @@ class OuterLoop:
         step = averaged if conclusion.applied == Applied.AVERAGED else None
         for _ in range(RESYNC_ATTEMPTS):
             state = self.worker.backend.download_state(donors, timeout=self.config.download_timeout,
-                                                       same_state=self.outer.same_state, max_round=newest)
+                                                       same_state=self.outer.same_state, max_round=newest,
+                                                       check=self.outer.slice_check(conclusion.reference))
             if state is None:
                 continue
             try:

@@ -7,7 +7,8 @@ from importlib import metadata
 
 # Bump when peers of two versions can no longer average together (message schemas, state layout).
 # Carried in every round report and run manifest; a joiner with another version is refused.
-PROTOCOL_VERSION = 3  # 2: balanced fp16/fp32 parts, the outer-update RPC (catch-up); 3: claims in state metadata
+PROTOCOL_VERSION = 4  # 2: balanced fp16/fp32 parts, the outer-update RPC (catch-up); 3: claims in state metadata;
+# 4: state slices cut at the anchor's fingerprint chunks (download.slice_bounds with slice_alignment)
 
 
 @cache

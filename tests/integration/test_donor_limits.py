@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from averaging import hivemind_backend
-from averaging.download import slice_bounds
+from averaging.download import slice_alignment, slice_bounds
 from averaging.hivemind_backend import MAX_SERVES_PER_PEER, STATE_COPY_REUSE_S, HivemindBackend
 from tests.integration.averagers import loopback_averagers
 
@@ -52,7 +52,7 @@ def test_a_donor_bounds_requests_per_peer_and_copies_its_state_once_per_period(t
         return HivemindBackend(dht, numel=NUMEL, prefix=prefix, state_provider=donor_state if i == 0 else no_state)
 
     def fetch(index: int):
-        start, stop = slice_bounds(2 * NUMEL, index, COUNT)
+        start, stop = slice_bounds(2 * NUMEL, index, COUNT, slice_alignment(NUMEL))
         try:
             metadata, tensor = joiner.fetch_slice(donor, index, COUNT, expected_numel=stop - start,
                                                   stall_timeout=10.0, deadline_s=20.0)

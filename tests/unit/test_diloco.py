@@ -8,6 +8,7 @@ import torch
 from averaging.backend import AverageOutcome, DownloadedState
 from averaging.consistency import SIGN_PERIOD
 from averaging.diloco import STATE_VERSION, AppliedUpdate, OuterConfig, OuterState, check_average
+from averaging.download import slice_alignment, slice_bounds, slice_units
 from averaging.flat import FlatLayout
 from averaging.outer import outer_step_
 from protocols.messages import MessageError
@@ -446,6 +447,43 @@ def test_a_re_sync_adopts_only_the_anchor_the_group_agreed_on():
     assert receiver.adopt(download(group), require_claim=True, reference=reference, step=step) == 6
     assert receiver.adopt(download(ahead), require_claim=True, reference=reference, step=step) == 7
     assert torch.equal(receiver.anchor, ahead.anchor) and torch.equal(receiver.momentum, ahead.momentum)
+
+
+def test_each_slice_of_a_download_is_checked_against_the_claim_it_should_match():
+    """Naming a lying donor (issue 11): slices cut at the fingerprint's chunks are checked as they
+    arrive, against the donor's own claim or, in a re-sync, the group's reference."""
+    donor = donor_state()
+    metadata, tensors = donor.shared_state()
+    flat = torch.cat(tensors)
+    align = slice_alignment(NUMEL)
+    count = slice_units(flat.numel(), align)
+    bounds = [slice_bounds(flat.numel(), i, count, align) for i in range(count)]
+    receiver = new_state(anchor_seed=40)
+    receiver.apply(randn(41, std=1e-3), round=1)
+    check = receiver.slice_check()
+    assert all(check(a, b, metadata, flat[a:b]) is None for a, b in bounds)  # an honest donor
+    tampered = flat.clone()
+    tampered[SIGN_PERIOD + 5] += 0.1  # one value of the anchor's second chunk
+    problems = [check(a, b, metadata, tampered[a:b]) for a, b in bounds]
+    refused = [(a, b) for (a, b), problem in zip(bounds, problems) if problem is not None]
+    assert len(refused) == 1 and refused[0][0] <= SIGN_PERIOD + 5 < refused[0][1]
+    assert "do not match the fingerprint it claims" in next(p for p in problems if p)
+    # The momentum half has no fingerprint: it is checked with the whole state (adopt).
+    tampered = flat.clone()
+    tampered[NUMEL + 5] += 0.1
+    assert all(check(a, b, metadata, tampered[a:b]) is None for a, b in bounds)
+    # In a re-sync, the group's reference decides: a donor at the reference's step whose claim
+    # and values agree with each other but not with the group is refused, slice by slice.
+    liar = new_state(anchor_seed=50)
+    liar.apply(randn(51, std=1e-3), round=4)
+    liar.apply(randn(52, std=1e-3), round=6)
+    liar_metadata, liar_tensors = liar.shared_state()
+    liar_flat = torch.cat(liar_tensors)
+    assert all(check(a, b, liar_metadata, liar_flat[a:b]) is None for a, b in bounds)  # self-consistent
+    by_group = receiver.slice_check(donor.claim())
+    assert all(by_group(a, b, metadata, flat[a:b]) is None for a, b in bounds)
+    problems = [by_group(a, b, liar_metadata, liar_flat[a:b]) for a, b in bounds if a < NUMEL]
+    assert all(p is not None and "the anchor its group agreed on" in p for p in problems), problems
 
 
 def test_a_state_newer_than_the_schedule_is_refused():

@@ -18,6 +18,7 @@ from averaging.download import (
     download_slices,
     flat_slice,
     slice_bounds,
+    slice_units,
 )
 from protocols.admission import admission_key, admitted, make_proof
 from protocols.messages import MessageError
@@ -122,6 +123,17 @@ def test_slices_tile_the_state_with_sizes_one_apart(count):
     assert max(sizes) - min(sizes) <= 1
 
 
+@pytest.mark.parametrize(("count", "align"), [(1, 7), (3, 7), (7, 100), (12, 100), (5, 1200)])
+def test_aligned_slices_tile_the_state_cutting_only_at_multiples_of_align(count, align):
+    count = min(count, slice_units(TOTAL, align))
+    bounds = [slice_bounds(TOTAL, i, count, align) for i in range(count)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == TOTAL
+    assert all(stop == next_start for (_, stop), (next_start, _) in zip(bounds, bounds[1:]))
+    assert all(start % align == 0 and start < stop for start, stop in bounds)  # none empty
+    sizes = [stop - start for start, stop in bounds[:-1]]
+    assert not sizes or max(sizes) - min(sizes) <= align
+
+
 def test_flat_slice_reads_across_tensor_boundaries_without_the_whole_concatenation():
     tensors = [torch.arange(5.0), torch.arange(5.0, 12.0).reshape(7, 1), torch.arange(12.0, 20.0)]
     flat = torch.arange(20.0)
@@ -173,6 +185,7 @@ def test_default_slice_count():
     assert default_slice_count(3, TOTAL) == 6
     assert default_slice_count(1000, TOTAL) == MAX_SLICES
     assert default_slice_count(3, 4) == 4  # never an empty slice
+    assert default_slice_count(10, TOTAL, align=500) == 3  # 1200 values cut at multiples of 500
 
 
 # -- the scheduler ----------------------------------------------------------------------------
@@ -385,3 +398,25 @@ def test_a_proof_binds_the_swarm_key_to_one_peer():
     assert not admitted(key, "QmAlice", None) and not admitted(key, "QmAlice", "x" * 32)
     assert admitted(None, "QmAnyone", None)  # a public swarm
     assert key != hashlib.sha256(b"shoal swarm key\0" + b"swarm").digest()  # not the DHT records' seal key
+
+
+def test_a_slice_the_check_refuses_drops_its_donor_and_is_fetched_from_another(caplog):
+    """A donor whose values do not match the fingerprint they should is named when its slice
+    arrives (``OuterState.slice_check`` in production), and its slices come from the others."""
+    def lying(index: int, count: int, nth: int) -> tuple:
+        metadata, values = healthy()(index, count, nth)
+        return {**metadata, "liar": True}, values + 1.0
+
+    seen: list[tuple[int, int]] = []
+
+    def check(start: int, stop: int, metadata: dict, values: torch.Tensor) -> str | None:
+        seen.append((start, stop))
+        return "values do not match the fingerprint it claims" if metadata.get("liar") else None
+
+    swarm = FakeSwarm({"liar": lying, "a": healthy(), "b": healthy()}, delay=0.01, slow={"a": 0.03, "b": 0.03})
+    with caplog.at_level("WARNING"):
+        result = swarm.download(count=6, check=check, align=100)
+    assert_state(result, 5)
+    assert "liar" not in result.served and swarm.calls["liar"] == 1
+    assert any("liar" in r.message and "do not match" in r.message for r in caplog.records)
+    assert all(start % 100 == 0 for start, _ in seen)  # the check sees aligned slices
