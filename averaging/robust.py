@@ -8,8 +8,10 @@ weight of 1e30, a part scaled ×1000, a sign flip) or destroys it (NaN, a part o
 Rules, in the order a reducer applies them to part ``k``:
 1. ``check_part``: shape, dtype and finiteness, on arrival. A failing sender is refused at once.
 2. ``bound_weights``: a sender's weight is what it declared with its first part (fixed for the
-   round), clipped to ``max_weight_ratio`` × the median positive weight of the part's senders and
-   to ``max_weight`` (what a round's length allows). Negative or non-finite: refused (rule 1).
+   round), clipped to ``max_weight_ratio`` × the lower median positive weight of the part's
+   senders and to ``max_weight`` (what a round's length allows). Negative or non-finite: refused
+   (rule 1); above ``refuse_weight_ratio`` × the reference (ours, or that median): refused
+   (``weight_outliers``), since no honest peer does a hundred times the work of its group.
 3. ``norm_outliers``: a part whose L2 norm is above ``max_norm_ratio`` × the reference (the larger
    of the reducer's own part's norm and the senders' lower median norm) is refused. The reducer's own
    part is in the reference so that a sender of zeros cannot make honest parts look large; the
@@ -60,6 +62,7 @@ class RobustConfig:
     aggregation: str = "centered_clip"  # mean | centered_clip | trimmed_mean
     max_weight_ratio: float = 3.0  # a sender's weight is clipped to this × the median weight of its group
     max_weight: float = 0.0  # absolute weight cap (what a round's length allows); 0 = none
+    refuse_weight_ratio: float = 100.0  # a declared weight above this × the reference is refused (weight_outliers)
     clip_ratio: float = 2.0  # CenteredClip radius τ, in median distances of the parts to their median
     clip_iterations: int = 1
     trim_fraction: float = 0.25  # trimmed mean: fraction of senders dropped at each end, per coordinate
@@ -72,6 +75,8 @@ class RobustConfig:
             raise ConfigError(f"averaging.aggregation ({self.aggregation!r}) must be one of: {', '.join(AGGREGATIONS)}")
         if not self.max_weight_ratio >= 1 or not self.max_weight >= 0:
             raise ConfigError("max_weight_ratio must be >= 1 and max_weight >= 0 (0 = no absolute cap)")
+        if not self.refuse_weight_ratio >= self.max_weight_ratio:
+            raise ConfigError("refuse_weight_ratio must be >= max_weight_ratio")
         if not self.clip_ratio > 0 or not 1 <= self.clip_iterations <= 100:
             raise ConfigError("clip_ratio must be > 0 and clip_iterations in [1, 100]")
         if not 0 <= self.trim_fraction < 0.5:
@@ -134,13 +139,27 @@ def norm_outliers(part_norms: Sequence[float], *, own_norm: float, max_norm_rati
 
 # -- 2. weights --------------------------------------------------------------------------------
 
+def weight_outliers(weights: Sequence[float], *, own_weight: float, max_ratio: float) -> list[int]:
+    """Indices of declared weights above ``max_ratio`` × max(our own weight, the lower median of
+    the positive ones): not work a peer did in a round next to ours, but a lie (the weight attack
+    declares 1e30). Clipping alone (``bound_weights``) would keep such a sender in every group with
+    the largest share a weight may have; refusing it bans it. Honest spreads of speed are far
+    below the default ratio (100) and are only clipped."""
+    positive = [w for w in weights if w > 0]
+    if not positive:
+        return []
+    reference = max(own_weight, statistics.median_low(positive))
+    return [i for i, w in enumerate(weights) if w > max_ratio * reference]
+
+
 def bound_weights(weights: Sequence[float], *, max_ratio: float, max_weight: float = 0.0) -> list[float]:
-    """Each weight clipped to ``max_ratio`` × the median of the positive ones and to ``max_weight``
-    (if > 0). Weights must already be valid (``check_weight``)."""
+    """Each weight clipped to ``max_ratio`` × the lower median of the positive ones and to
+    ``max_weight`` (if > 0). Weights must already be valid (``check_weight``). The lower median:
+    with two senders the plain median (their mean) would let a huge weight raise its own cap."""
     positive = [w for w in weights if w > 0]
     if not positive:
         return [float(w) for w in weights]
-    cap = max_ratio * statistics.median(positive)
+    cap = max_ratio * statistics.median_low(positive)
     if max_weight > 0:
         cap = min(cap, max_weight)
     return [min(float(w), cap) for w in weights]

@@ -189,6 +189,14 @@ class RobustPartReducer(TensorPartReducer):
                 self.refuse(senders[i], f"part {self.current_part_index} has norm {part_norms[i]:.3g}, over "
                                         f"{self.config.max_norm_ratio:g}x the reference")
         senders = [s for s in senders if s not in self.excluded]
+        declared = [self.contributions[s][1] for s in senders]
+        own_weight = declared[senders.index(self.local_sender_index)] if self.local_sender_index in senders else 0.0
+        for i in robust.weight_outliers(declared, own_weight=own_weight, max_ratio=self.config.refuse_weight_ratio):
+            if senders[i] != self.local_sender_index:
+                self.excluded.add(senders[i])
+                self.refuse(senders[i], f"part {self.current_part_index} declared weight {declared[i]:.3g}, over "
+                                        f"{self.config.refuse_weight_ratio:g}x the reference")
+        senders = [s for s in senders if s not in self.excluded]
         if not senders:  # every sender refused: nobody is left to receive this part
             return torch.zeros(self.part_shapes[self.current_part_index])
         weights = robust.bound_weights([self.contributions[s][1] for s in senders],

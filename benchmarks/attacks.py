@@ -135,6 +135,10 @@ def _peer_id(maddrs: list[str]) -> str | None:
     return match.group(1) if match else None
 
 
+def _half_range(values: list[float]) -> float:
+    return (max(values) - min(values)) / 2 / (sum(values) / len(values)) if len(values) > 1 else 0.0
+
+
 def _mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -180,13 +184,31 @@ def report(results: dict) -> str:
             f"| {final:.4f} | {versus} | {spread} |" if final is not None else
             f"| {name} | {what} | {before} | {sum(c == 0 for c in honest_codes)} of {len(honest_codes)} | {trained} "
             f"| {sum(run['resyncs'].values())} | {robust} | {in_groups} | {named} | {median} | - | - | {spread} |")
-    lines += ["", "Target (issue 11): the honest peers' final eval loss within 5% of a clean run of the same length.", ""]
+    lines += ["", "## By scenario (mean over its runs; spread = half the range)", "",
+              "| scenario | runs | final eval | spread | vs clean | attacker banned in (honest peers, all runs) | re-syncs per run |",
+              "|---|---|---|---|---|---|---|"]
+    by_base: dict[str, list[dict]] = {}
     for name, run in runs.items():
-        final = _mean(run["final_eval"].values())
-        if base(name) in ATTACKS and final is not None and clean:
-            gap = 100 * (final - clean) / clean
-            lines.append(f"- {name}: {final:.4f} vs clean {clean:.4f}, {gap:+.1f}% -> "
-                         f"{'met' if gap <= 5 else '**NOT met**'}")
+        by_base.setdefault(base(name), []).append(run)
+    verdicts = []
+    for kind, group in by_base.items():
+        finals = [f for f in (_mean(r["final_eval"].values()) for r in group) if f is not None]
+        if not finals:
+            continue
+        mean = sum(finals) / len(finals)
+        spread = (max(finals) - min(finals)) / 2
+        versus = f"{100 * (mean - clean) / clean:+.1f}%" if clean else "-"
+        banned = sum(r["robust"].get("bans", 0) for r in group)
+        resyncs = sum(sum(r["resyncs"].values()) for r in group) / len(group)
+        lines.append(f"| {kind} | {len(finals)} | {mean:.4f} | ±{spread:.4f} | {versus} "
+                     f"| {banned if kind in ATTACKS else '-'} | {resyncs:.1f} |")
+        if kind in ATTACKS and clean:
+            gap = 100 * (mean - clean) / clean
+            verdicts.append(f"- {kind}: {mean:.4f} vs clean {clean:.4f}, {gap:+.1f}% -> "
+                            f"{'met' if gap <= 5 else '**NOT met**'}")
+    lines += ["", "Target (issue 11): the honest peers' final eval loss within 5% of a clean run of the same "
+              f"length. The clean runs themselves differ by ±{_half_range(cleans):.1%} of their mean: a gap "
+              "smaller than that is noise.", "", *verdicts]
     lines += ["", "CPU (cores used by the swarm / the whole machine, of 2): "
               + "; ".join(f"{r['scenario']} {r['cpu']['own_cores']:.2f} / {r['cpu']['machine_busy_cores']:.2f}"
                           for r in results["runs"] if r.get("cpu")), ""]

@@ -79,10 +79,19 @@ def test_centered_clip_bounds_the_attackers_pull_by_tau_times_its_share():
     assert 3 in result.clipped
 
 
+def test_weight_outliers_are_weights_far_above_ours_or_the_lower_median():
+    assert robust.weight_outliers([1.0, 1.2, 0.8, 1e30], own_weight=1.0, max_ratio=100.0) == [3]
+    assert robust.weight_outliers([1.0, 1e30], own_weight=1.0, max_ratio=100.0) == [1]  # two senders
+    assert robust.weight_outliers([1.0, 1e30], own_weight=0.0, max_ratio=100.0) == [1]  # lower median
+    assert robust.weight_outliers([1.0, 50.0, 2.0], own_weight=1.0, max_ratio=100.0) == []  # an honest spread
+    assert robust.weight_outliers([0.0, 0.0], own_weight=0.0, max_ratio=100.0) == []
+
+
 def test_a_huge_weight_is_bounded_to_three_times_the_median():
     assert bound_weights([1.0, 2.0, 1e30], max_ratio=3.0) == [1.0, 2.0, 6.0]
     assert bound_weights([1.0, 1.0, 1e30], max_ratio=3.0, max_weight=2.0) == [1.0, 1.0, 2.0]
     assert bound_weights([0.0, 0.0], max_ratio=3.0) == [0.0, 0.0]
+    assert bound_weights([1.0, 1e30], max_ratio=3.0) == [1.0, 3.0]  # two senders: the lower median
     honest = honest_parts(3)
     weights = bound_weights([1.0, 1.0, 1.0, 1e30], max_ratio=3.0)
     result = aggregate([*honest, -honest[0]], weights, RobustConfig())

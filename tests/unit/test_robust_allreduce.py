@@ -111,6 +111,28 @@ def test_a_huge_part_is_refused_at_aggregation_and_left_out():
     assert torch.allclose(results[0][0], expected)
 
 
+@pytest.mark.parametrize("senders", [2, 3])
+def test_a_weight_no_peer_could_have_earned_is_refused_and_left_out(senders):
+    """The weight attack (issue 11): a declared 1e30 was only clipped to 3x the median, so its
+    sender kept half the weight of every group it was in and was never banned. Now it is refused,
+    even with two senders (the reference is our own weight or the lower median)."""
+    refused = []
+    parts = [honest(i) for i in range(senders - 1)] + [[-honest(9)[0], -honest(9)[1]]]
+    results = run_senders(senders, refused, parts, [1.0] * (senders - 1) + [1e30])
+    assert [index for index, _ in refused] == [senders - 1] and "declared weight" in refused[0][1]
+    expected = sum(parts[i][0] for i in range(senders - 1)) / (senders - 1)
+    assert torch.allclose(results[0][0], expected)
+
+
+def test_an_honest_spread_of_weights_is_clipped_not_refused():
+    refused = []
+    parts = [honest(0), honest(1), honest(2)]
+    results = run_senders(3, refused, parts, [1.0, 1.0, 50.0])  # a far faster peer: clipped to 3x
+    assert refused == []
+    expected = (parts[0][0] + parts[1][0] + 3 * parts[2][0]) / 5
+    assert torch.allclose(results[0][0], expected, atol=1e-6)
+
+
 def checked_container(tensor: torch.Tensor, peers: int) -> tuple[CheckedPartContainer, list]:
     """Build inside the event loop that uses it (the container creates asyncio events)."""
     bad = []
