@@ -177,25 +177,27 @@ class RobustPartReducer(TensorPartReducer):
             self.current_part_future.set_result(self._aggregate_current())
             self.reset_accumulators()
 
+    def _exclude(self, senders: list[int], indices: list[int], why: Callable[[int], str]) -> None:
+        """Refuse ``senders[i]`` for each i (never ourselves) after its part was counted."""
+        for i in indices:
+            if senders[i] != self.local_sender_index:
+                self.excluded.add(senders[i])
+                self.refuse(senders[i], f"part {self.current_part_index} {why(i)} the reference")
+
     def _aggregate_current(self) -> torch.Tensor:
         # 3. Norm screening against our own part and the median, then bounded weights, then the rule.
         senders = [s for s in sorted(self.contributions) if s not in self.excluded]
         parts = [self.contributions[s][0] for s in senders]
         part_norms = robust.norms(parts)
         own_norm = part_norms[senders.index(self.local_sender_index)] if self.local_sender_index in senders else 0.0
-        for i in robust.norm_outliers(part_norms, own_norm=own_norm, max_norm_ratio=self.config.max_norm_ratio):
-            if senders[i] != self.local_sender_index:
-                self.excluded.add(senders[i])
-                self.refuse(senders[i], f"part {self.current_part_index} has norm {part_norms[i]:.3g}, over "
-                                        f"{self.config.max_norm_ratio:g}x the reference")
+        outliers = robust.norm_outliers(part_norms, own_norm=own_norm, max_norm_ratio=self.config.max_norm_ratio)
+        self._exclude(senders, outliers, lambda i: f"has norm {part_norms[i]:.3g}, over {self.config.max_norm_ratio:g}x")
         senders = [s for s in senders if s not in self.excluded]
         declared = [self.contributions[s][1] for s in senders]
         own_weight = declared[senders.index(self.local_sender_index)] if self.local_sender_index in senders else 0.0
-        for i in robust.weight_outliers(declared, own_weight=own_weight, max_ratio=self.config.refuse_weight_ratio):
-            if senders[i] != self.local_sender_index:
-                self.excluded.add(senders[i])
-                self.refuse(senders[i], f"part {self.current_part_index} declared weight {declared[i]:.3g}, over "
-                                        f"{self.config.refuse_weight_ratio:g}x the reference")
+        outliers = robust.weight_outliers(declared, own_weight=own_weight, max_ratio=self.config.refuse_weight_ratio)
+        self._exclude(senders, outliers,
+                      lambda i: f"declared weight {declared[i]:.3g}, over {self.config.refuse_weight_ratio:g}x")
         senders = [s for s in senders if s not in self.excluded]
         if not senders:  # every sender refused: nobody is left to receive this part
             return torch.zeros(self.part_shapes[self.current_part_index])
