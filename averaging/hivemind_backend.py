@@ -488,7 +488,8 @@ class ShoalAverager(DecentralizedAverager):
         head = parts[0]
         if head.compression != runtime_pb2.CompressionType.NONE or head.dtype != "float16" \
                 or list(head.size) != [numel] or received != max_bytes:
-            raise ValueError(f"update is {head.dtype!r:.20} of size {list(head.size)[:4]}, expected float16 [{numel}]")
+            raise ValueError(f"update is {head.dtype!r:.20} of size {list(head.size)[:4]} in {received} bytes, "
+                             f"expected float16 [{numel}] in {max_bytes}")
         if not isinstance(metadata, dict) or metadata.get("v") != UPDATE_VERSION \
                 or metadata.get("rounds_done") != rounds_done + 1:
             raise ValueError(f"update metadata does not describe outer step {rounds_done + 1}")
