@@ -12,7 +12,8 @@ the eval loss stays near the clean run's), and name the attacker in their logs. 
 - ``clean-mean``: the same with ``averaging.aggregation = "mean"`` (hivemind's weighted mean, with
   shoal's part checks): what robust aggregation costs a clean run, in all-reduce time and eval loss.
 - ``three-honest``: the three honest peers alone: what is left when the attacker is shut out.
-- one per attack of ``hostile_peer.ATTACKS`` (scale, flip, noise, nan, shape, weight, lie).
+- one per attack of ``hostile_peer.ATTACKS`` (scale, flip, noise, nan, shape, weight, lie), and
+  ``hijack`` (hostile_node: a consistent liar about its anchor, in its claims and its state).
 
 Loopback, no link caps (the attacks are about content, not bandwidth); every peer throttled so
 that the swarm's training needs about one of the machine's cores. The final eval loss is each
@@ -58,7 +59,10 @@ WHAT = {
     "shape": ("parts of shape [1]", "hivemind broadcast them; honest senders waited out the timeout"),
     "weight": ("sign-flipped parts, weight 1e30", "its part became the average"),
     "lie": ("as a reducer, returns average + 1e4", "honest peers applied it"),
+    "hijack": ("claims a poisoned anchor one step ahead and serves it as its state (items 5, 6)",
+               "a claimed step count won every tie; a re-sync or joiner could adopt its state"),
 }
+HOSTILE = (*ATTACKS, "hijack")  # what tests/integration/hostile_node.py can do
 
 
 def base(name: str) -> str:
@@ -68,7 +72,7 @@ def base(name: str) -> str:
 
 
 def run_scenario(name: str, args, root: Path, evaluator: Evaluator) -> dict:
-    attack = base(name) if base(name) in ATTACKS else None
+    attack = base(name) if base(name) in HOSTILE else None
     folder = name.replace("#", "-")
     overrides = {"inner.total_rounds": float(args.rounds), "inner.warmup_rounds": 0.1 * args.rounds,
                  "round.seconds": args.round_seconds, "train.seed": 0, "train.eval_every_rounds": 10**6,
@@ -126,6 +130,9 @@ def run_scenario(name: str, args, root: Path, evaluator: Evaluator) -> dict:
         "final_eval": finals, "anchor_spread": spread,
         "attacker": attacker_id,
         "attacker_named_in": sorted(p.name for p in honest if attacker_id and attacker_id in p.log()),
+        # States the honest peers assembled with slices the attacker served (must stay 0).
+        "attacker_state_used": sum(1 for p in honest for line in p.log().splitlines()
+                                   if attacker_id and "assembled from" in line and attacker_id in line),
         "attacker_exit": codes.get("attacker"),
     }
 
@@ -164,8 +171,8 @@ def report(results: dict) -> str:
         "",
         "| scenario | attack | before issue 11 | honest alive | rounds trained / averaged (per honest peer) "
         "| re-syncs | refused by robust aggregation | attacker in groups | attacker named in logs "
-        "| median all-reduce (s) | final eval | vs clean | anchor spread |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| states assembled with its slices | median all-reduce (s) | final eval | vs clean | anchor spread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in runs.items():
         what, before = WHAT.get(base(name), ("-", "-"))
@@ -176,14 +183,16 @@ def report(results: dict) -> str:
         robust = ", ".join(f"{k} {v}" for k, v in sorted(run["robust"].items())) or "none"
         in_groups = " / ".join(str(v) for _, v in sorted(run["attacker_in_group"].items())) or "-"
         named = f"{len(run['attacker_named_in'])} of {HONEST}" if run["attacker"] else "-"
+        used = run.get("attacker_state_used", "-") if run["attacker"] else "-"
         median = f"{run['median_allreduce_s']:.2f}" if run["median_allreduce_s"] is not None else "-"
         spread = f"{run['anchor_spread']:.1e}" if run["anchor_spread"] is not None else "-"
         lines.append(
             f"| {name} | {what} | {before} | {sum(c == 0 for c in honest_codes)} of {len(honest_codes)} | {trained} "
-            f"| {sum(run['resyncs'].values())} | {robust} | {in_groups} | {named} | {median} "
+            f"| {sum(run['resyncs'].values())} | {robust} | {in_groups} | {named} | {used} | {median} "
             f"| {final:.4f} | {versus} | {spread} |" if final is not None else
             f"| {name} | {what} | {before} | {sum(c == 0 for c in honest_codes)} of {len(honest_codes)} | {trained} "
-            f"| {sum(run['resyncs'].values())} | {robust} | {in_groups} | {named} | {median} | - | - | {spread} |")
+            f"| {sum(run['resyncs'].values())} | {robust} | {in_groups} | {named} | {used} | {median} | - | - "
+            f"| {spread} |")
     lines += ["", "## By scenario (mean over its runs; spread = half the range)", "",
               "| scenario | runs | final eval | spread | vs clean | attacker banned in (honest peers, all runs) | re-syncs per run |",
               "|---|---|---|---|---|---|---|"]
@@ -201,8 +210,8 @@ def report(results: dict) -> str:
         banned = sum(r["robust"].get("bans", 0) for r in group)
         resyncs = sum(sum(r["resyncs"].values()) for r in group) / len(group)
         lines.append(f"| {kind} | {len(finals)} | {mean:.4f} | ±{spread:.4f} | {versus} "
-                     f"| {banned if kind in ATTACKS else '-'} | {resyncs:.1f} |")
-        if kind in ATTACKS and clean:
+                     f"| {banned if kind in HOSTILE else '-'} | {resyncs:.1f} |")
+        if kind in HOSTILE and clean:
             gap = 100 * (mean - clean) / clean
             verdicts.append(f"- {kind}: {mean:.4f} vs clean {clean:.4f}, {gap:+.1f}% -> "
                             f"{'met' if gap <= 5 else '**NOT met**'}")
@@ -226,7 +235,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--round-seconds", type=float, default=5.0)
     parser.add_argument("--throttle", type=float, default=4.0)
-    parser.add_argument("--only", type=lambda s: s.split(","), default=[*CLEAN, *ATTACKS, "clean#2"],
+    parser.add_argument("--only", type=lambda s: s.split(","), default=[*CLEAN, *HOSTILE, "clean#2"],
                         help="scenarios in order; NAME#K repeats one (default: every scenario, clean twice)")
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
     parser.add_argument("--report-only", action="store_true", help="redraw the table from the .json")
@@ -234,9 +243,9 @@ def main() -> int:
     if args.report_only:
         write(json.loads(RESULTS.with_suffix(".json").read_text()))
         return 0
-    unknown = {base(n) for n in args.only} - set(CLEAN) - set(ATTACKS)
+    unknown = {base(n) for n in args.only} - set(CLEAN) - set(HOSTILE)
     if unknown:
-        parser.error(f"unknown scenarios {sorted(unknown)}: choose from {', '.join([*CLEAN, *ATTACKS])}")
+        parser.error(f"unknown scenarios {sorted(unknown)}: choose from {', '.join([*CLEAN, *HOSTILE])}")
     evaluator = Evaluator(args.config)
     results = {"command": "benchmarks/attacks.py " + " ".join(sys.argv[1:]), "rounds": args.rounds,
                "round_seconds": args.round_seconds, "throttle": args.throttle, "runs": [],
