@@ -41,7 +41,8 @@ MIN_DONOR_BYTES_PER_S = 128 * 1024  # a donor slower than 1 Mbit/s over a whole 
 # fetch(donor, index, count) -> (metadata, flat fp32 slice); raises on any failure.
 Fetch = Callable[[str, int, int], tuple[Any, torch.Tensor]]
 # same_state(metadata_a, metadata_b): whether two donors' slices of one round may be assembled
-# together (their claims describe one state); the first donor's slice held for a round decides.
+# together (their claims describe one state). Donors whose claims differ serve different lineages;
+# the one most donors serve is assembled (``choose_state``).
 SameState = Callable[[Any, Any], bool]
 # check(start, stop, metadata, slice): why a valid-looking slice of values [start, stop) must not be
 # used (it does not match the fingerprint it should: ``OuterState.slice_check``), or None.
@@ -120,6 +121,21 @@ def choose_round(rounds: Iterable[int]) -> int | None:
     return max(votes, key=lambda round: (votes[round], round))
 
 
+# A state a donor serves: its round and its lineage, the index of the first state of that round
+# whose claim its own agrees with (``same_state``; 0 without one).
+StateKey = tuple[int, int]
+
+
+def choose_state(keys: Iterable[StateKey]) -> StateKey | None:
+    """The state most donors serve; ties go to the newest round, then to the lineage seen first.
+    None if no votes. A claim is a donor's word: a vote of donors, not the first donor to answer,
+    decides which state is assembled (issue 11: one donor could otherwise pick it)."""
+    votes = Counter(keys)
+    if not votes:
+        return None
+    return max(votes, key=lambda key: (votes[key], key[0], -key[1]))
+
+
 def default_slice_count(donors: int, total: int, align: int = 1) -> int:
     """Two slices per donor: a dropped donor's work is redone by the others in halves (requests
     within a few seconds share one copy of a donor's state, so more slices cost it little)."""
@@ -163,18 +179,29 @@ class _Book:
         self.count = count
         self.bounds = [slice_bounds(self.total, i, count, align) for i in range(count)]
         self.buffer = torch.empty(self.total, dtype=torch.float32)
-        self.held: list[int | None] = [None] * count  # round of the data in each slice's region
+        self.held: list[StateKey | None] = [None] * count  # the state whose data each slice's region holds
         self.held_by: list[str | None] = [None] * count
         self.metadata: list[dict | None] = [None] * count
         self.live = list(donors)  # donors not dropped, in the caller's order
-        self.donor_round: dict[str, int] = {}  # round of the last valid slice each donor sent
+        self.donor_state: dict[str, StateKey] = {}  # the state of the last valid slice each donor sent
+        self.lineages: list[tuple[int, Any]] = []  # (round, metadata) of the first donor of each lineage
         self.busy: dict[str, int] = {}  # donor -> slice in flight (at most one each)
         self.issued: Counter[str] = Counter()
 
-    def target(self) -> int | None:
-        """The round to assemble: the live donors' vote; if none has voted yet, the held slices'."""
-        votes = [self.donor_round[d] for d in self.live if d in self.donor_round]
-        return choose_round(votes or [r for r in self.held if r is not None])
+    def target(self) -> StateKey | None:
+        """The state to assemble: the live donors' vote; if none has voted yet, the held slices'."""
+        votes = [self.donor_state[d] for d in self.live if d in self.donor_state]
+        return choose_state(votes or [k for k in self.held if k is not None])
+
+    def _key(self, round: int, metadata: Any) -> StateKey:
+        """The state ``metadata`` describes: its round and lineage (``StateKey``)."""
+        if self.same_state is None:
+            return round, 0
+        for lineage, (first_round, first) in enumerate(self.lineages):
+            if first_round == round and self.same_state(first, metadata):
+                return round, lineage
+        self.lineages.append((round, metadata))
+        return round, len(self.lineages) - 1
 
     def pending(self, target: int | None) -> list[int]:
         in_flight = set(self.busy.values())
@@ -182,10 +209,10 @@ class _Book:
         return [i for i in stale if i not in in_flight]
 
     def assign(self, limit: int) -> list[tuple[str, int]]:
-        """Pair idle donors with pending slices. A donor known to serve another round than the
+        """Pair idle donors with pending slices. A donor known to serve another state than the
         target is left idle: its slices would be discarded. Least-used donors go first."""
         target = self.target()
-        idle = [d for d in self.live if d not in self.busy and self.donor_round.get(d, target) == target]
+        idle = [d for d in self.live if d not in self.busy and self.donor_state.get(d, target) == target]
         idle.sort(key=lambda d: self.issued[d])  # stable: ties keep the caller's order
         pairs = list(zip(idle, self.pending(target)))[: max(limit, 0)]
         for donor, index in pairs:
@@ -206,17 +233,17 @@ class _Book:
         if problem is not None:
             self.drop(donor)
             return problem
-        round = metadata["round"]
-        if self.same_state is not None:
-            held = next((i for i, r in enumerate(self.held) if r == round), None)
-            if held is not None and not self.same_state(self.metadata[held], metadata):
-                self.drop(donor)
-                return (f"serves another state of round {round} than {self.held_by[held]} (their anchors "
-                        "diverged; slices of both would make a state neither holds)")
-        self.donor_round[donor] = round
-        if round == self.target():  # else: stale or ahead of the vote, its region stays pending
+        key = self._key(metadata["round"], metadata)
+        self.donor_state[donor] = key
+        target = self.target()
+        if key == target:  # else: stale, ahead of the vote or another lineage: its region stays pending
             self.buffer[start:stop].copy_(tensor)
-            self.held[index], self.held_by[index], self.metadata[index] = round, donor, metadata
+            self.held[index], self.held_by[index], self.metadata[index] = key, donor, metadata
+        elif key[0] == target[0]:
+            others = [d for d, k in self.donor_state.items() if k == target and d in self.live]
+            logger.warning(f"slice {index}/{self.count} from {donor}: serves another state of round {key[0]} than "
+                           f"{', '.join(others)} (their anchors diverged; slices of both would make a state neither "
+                           "holds): not used while more donors serve the other")
         return None
 
     def fail(self, donor: str, index: int) -> None:
@@ -229,7 +256,7 @@ class _Book:
             self.live.remove(donor)
 
     def complete(self) -> bool:
-        return None not in self.held and len(set(self.held)) == 1
+        return None not in self.held and set(self.held) == {self.target()}
 
     def done_bytes(self) -> int:
         target = self.target()

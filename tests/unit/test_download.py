@@ -14,6 +14,7 @@ import torch
 
 from averaging.download import (
     choose_round,
+    choose_state,
     default_slice_count,
     download_slices,
     flat_slice,
@@ -362,7 +363,24 @@ def test_donors_whose_states_differ_are_never_mixed_into_one_state():
     assert "odd" in mixed.download(count=6).served
 
 
+def test_a_majority_of_donors_outvotes_a_first_donor_whose_state_differs():
+    """State download poisoning (issue 11): the first donor to answer decided which state the
+    others' slices must match, so one fast liar dropped every honest donor. Now the donors vote."""
+    swarm = FakeSwarm({"odd": diverged(), "a": healthy(), "b": healthy()}, delay=0.01, slow={"a": 0.05, "b": 0.05})
+    result = swarm.download(count=6, same_state=same_lineage)
+    assert_state(result, 5)
+    assert "odd" not in result.served  # its slices, fetched while it was the only voter, were replaced
+
+
+def test_choose_state_takes_the_majority_then_the_newest_round_then_the_first_lineage():
+    assert choose_state([(5, 1), (5, 1), (5, 0)]) == (5, 1)
+    assert choose_state([(5, 0), (6, 1)]) == (6, 1)
+    assert choose_state([(5, 1), (5, 0)]) == (5, 0)
+    assert choose_state([]) is None
+
+
 def test_the_first_donor_held_decides_the_state_when_donors_differ():
+    # Two donors, two lineages: a tie, which goes to the lineage seen first.
     swarm = FakeSwarm({"odd": diverged(), "a": healthy()}, delay=0.01, slow={"a": 0.05})
     result = swarm.download(count=4, same_state=same_lineage)
     assert result is not None and result.served == {"odd": 4}
