@@ -59,12 +59,6 @@ MAX_CLAIMED_SCALE_RATIO = 2.0
 # step can move us, to the order of what a peer moves the all-reduce's result. Honest steps differ
 # from ours by the group's spread and by rounds folded into them: a few times, not ten.
 MAX_CATCH_UP_TO_LAST_RATIO = 10.0
-# In a contested verdict (a tie: no majority says whose anchor is right, e.g. two peers), we re-sync
-# to the winner of the tie only if its anchor is within this many of our last outer step's size
-# (per chunk). Honest ties are a failed all-reduce part (about 1.3 steps of difference) or a peer
-# a few steps behind; a stranger in a two-peer group would otherwise replace our model with any
-# anchor it likes by winning a coin flip. Further apart, we keep ours until a majority forms.
-CONTESTED_REACH = 8.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -177,10 +171,6 @@ class OuterState:
                     pass  # the reference's report predates steps we applied since: we are ahead, not apart
                 elif catch_up is not None and 0 <= behind <= HISTORY_ROUNDS and catch_up(agreeing, behind, reference):
                     conclusion.caught_up = behind
-                elif verdict.contested and not self._within_reach(claims.get(self_id), reference):
-                    logger.warning(f"round {round}: our anchor and {verdict.reference}'s disagree, and no majority "
-                                   f"says which is right; its anchor is further from ours than {CONTESTED_REACH:g} "
-                                   "outer steps, so we keep ours until a group with a majority forms")
                 else:
                     conclusion.donors, conclusion.reference = agreeing, reference
             elif verdict is not None and verdict.contested and self_id in verdict.agreeing and catch_up is not None:
@@ -195,15 +185,6 @@ class OuterState:
             self.apply(local_pseudo_grad, round=round)
             conclusion.applied = Applied.LOCAL
         return conclusion
-
-    def _within_reach(self, ours: AnchorClaim | None, reference: AnchorClaim) -> bool:
-        """Whether ``reference`` is within ``CONTESTED_REACH`` outer steps of our anchor, on every
-        chunk (fingerprints' RMS difference against the scale of our last step, capped claims)."""
-        ours = ours or self.claim()
-        a, b = ours.fingerprint, reference.fingerprint
-        if (a.numel, a.chunk_len) != (b.numel, b.chunk_len):
-            return False
-        return agree(a, b, ours.scale, ours.scale, rel_tol=CONTESTED_REACH, abs_tol=self.abs_tol)
 
     def _catch_up_with_ahead(self, verdict: Verdict, claims: dict[str, AnchorClaim], catch_up: CatchUp) -> int:
         """We won a tie, but a diverged member may simply be ahead of us (we folded a round that it

@@ -126,6 +126,7 @@ def run_scenario(name: str, args, root: Path, evaluator: Evaluator) -> dict:
         "attacker_in_group": {n: sum(attacker_id in (r.get("group") or []) for r in recs)
                               for n, recs in rounds.items()} if attacker_id else {},
         "robust": robust,
+        "honest_tokens": sum(r["tokens"] for recs in rounds.values() for r in recs),
         "median_allreduce_s": statistics.median(allreduce) if allreduce else None,
         "final_eval": finals, "anchor_spread": spread,
         "attacker": attacker_id,
@@ -140,6 +141,34 @@ def run_scenario(name: str, args, root: Path, evaluator: Evaluator) -> dict:
 def _peer_id(maddrs: list[str]) -> str | None:
     match = next((re.search(r"/p2p/(\w+)", m) for m in maddrs), None)
     return match.group(1) if match else None
+
+
+def _at_equal_tokens(runs: dict[str, dict]) -> list[str]:
+    """Each attack run's final eval against what attacker-free runs (clean, three-honest,
+    clean-mean) reach with as many honest tokens: a least-squares line through them. On a shared
+    machine the attacker's process takes CPU from the honest peers, which then train fewer tokens
+    in the same rounds; this separates that from what the attack does to the model."""
+    free = [(r["honest_tokens"], _mean(r["final_eval"].values())) for n, r in runs.items()
+            if base(n) in CLEAN and r.get("honest_tokens") and r["final_eval"]]
+    if len(free) < 3:
+        return []
+    mean_x = sum(x for x, _ in free) / len(free)
+    mean_y = sum(y for _, y in free) / len(free)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in free) / sum((x - mean_x) ** 2 for x, _ in free)
+    predict = lambda x: mean_y + slope * (x - mean_x)  # noqa: E731
+    spread = max(abs(y - predict(x)) / predict(x) for x, y in free)
+    lines = ["", "## At equal honest tokens", "",
+             f"A line through the {len(free)} attacker-free runs (final eval vs tokens the honest peers trained; "
+             f"{slope * 1e5:+.3f} per 100k tokens; those runs lie within ±{spread:.1%} of it) gives what each "
+             "run would reach without the attack with as many tokens:", "",
+             "| run | honest tokens | final eval | expected | gap |", "|---|---|---|---|---|"]
+    for name, run in runs.items():
+        final = _mean(run["final_eval"].values())
+        if base(name) in HOSTILE and run.get("honest_tokens") and final is not None:
+            expected = predict(run["honest_tokens"])
+            lines.append(f"| {name} | {run['honest_tokens']:,} | {final:.4f} | {expected:.4f} "
+                         f"| {100 * (final - expected) / expected:+.1f}% |")
+    return lines
 
 
 def _half_range(values: list[float]) -> float:
@@ -218,6 +247,7 @@ def report(results: dict) -> str:
     lines += ["", "Target (issue 11): the honest peers' final eval loss within 5% of a clean run of the same "
               f"length. The clean runs themselves differ by ±{_half_range(cleans):.1%} of their mean: a gap "
               "smaller than that is noise.", "", *verdicts]
+    lines += _at_equal_tokens(runs)
     lines += ["", "CPU (cores used by the swarm / the whole machine, of 2): "
               + "; ".join(f"{r['scenario']} {r['cpu']['own_cores']:.2f} / {r['cpu']['machine_busy_cores']:.2f}"
                           for r in results["runs"] if r.get("cpu")), ""]

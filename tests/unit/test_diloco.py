@@ -216,32 +216,37 @@ def crafted_step(victim: OuterState, size: float) -> tuple[OuterState, torch.Ten
 
 
 @pytest.mark.parametrize("size", [1.0, 20e-3])
-def test_a_stranger_in_a_two_peer_tie_cannot_move_us_further_than_this_rounds_step(size):
-    """Consensus hijack (issue 11): a stranger that wins the tie, or claims to be ahead, could make
-    us replay or download any anchor it likes. A replayed step may be at most x10 our last one, and
-    a full re-sync on a tie reaches only CONTESTED_REACH of our steps: whoever wins the tie, we
-    apply this round's average to our own anchor and nothing else."""
+def test_a_stranger_in_a_two_peer_tie_wins_it_only_by_the_hash_and_cannot_make_us_replay_its_steps(size):
+    """Consensus hijack (issue 11): a stranger claiming more steps won every tie, and whoever claims
+    to be ahead could make us replay any step it crafted. Now the hash decides the tie (the
+    stranger wins about half of them, and we then re-sync from it: with two peers nobody can be
+    outvoted), and a replayed step may be at most x10 our last one."""
     won = lost = 0
     for round in range(3, 13):
         honest = new_state()
         honest.apply(randn(11, std=1e-3), round=1)
-        attacker, step = crafted_step(honest, size)  # x1000 or x20 our last step
+        attacker, step = crafted_step(honest, size)  # x1000 or x20 our last step, claimed as ahead
         expected_anchor, expected_momentum = reference_step(honest, averaged := randn(13, std=1e-3))
         serve = {"honest": lambda rounds_done, s=step: AppliedUpdate(2, rounds_done + 1, s.half())}
         conclusions = conclude_pair({"honest": honest, "attacker": attacker}, round, averaged, serve=serve)
         verdict = conclusions["honest"].verdict
         assert verdict.contested
-        won += verdict.reference == "honest"
-        lost += verdict.reference == "attacker"
-        assert conclusions["honest"].caught_up == 0 and conclusions["honest"].donors == []
+        assert conclusions["honest"].caught_up == 0  # its crafted step was never replayed
         assert honest.rounds_done == 2  # our step and this round's average: nothing replayed
         assert torch.equal(honest.anchor, expected_anchor) and torch.equal(honest.momentum, expected_momentum)
+        if verdict.reference == "honest":
+            won += 1
+            assert conclusions["honest"].donors == []
+        else:
+            lost += 1
+            assert conclusions["honest"].donors == ["attacker"]
+            assert conclusions["honest"].reference.rounds_done == 2  # its claim, which the download must match
     assert won and lost
 
 
-def test_a_tie_within_reach_is_still_repaired_by_a_re_sync():
+def test_a_tie_is_repaired_by_a_re_sync_from_its_winner():
     """Two honest peers whose all-reduce left one part apart (equal step counts, no majority): the
-    loser of the tie re-syncs from the winner, as before; only far-away anchors are kept."""
+    loser of the tie re-syncs from the winner, whoever the hash picks."""
     for round in range(3, 9):
         states = {"peer-a": new_state(), "peer-b": new_state()}
         conclude_pair(states, 1, randn(11, std=1e-3))
