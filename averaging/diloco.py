@@ -25,6 +25,7 @@ from averaging.consistency import (
     DEFAULT_REL_TOL,
     NUM_PROJECTIONS,
     AnchorClaim,
+    Fingerprint,
     Verdict,
     agree,
     chunk_rms,
@@ -190,9 +191,9 @@ class OuterState:
         """We won a tie, but a diverged member may simply be ahead of us (we folded a round that it
         averaged): replay its steps, verified against its claim, as it would have replayed ours had
         the tie gone the other way. A false claim costs a small fetch and changes nothing."""
-        ahead = sorted((claims[p].rounds_done - self.rounds_done, p) for p in verdict.diverged
-                       if 0 < claims[p].rounds_done - self.rounds_done <= HISTORY_ROUNDS)
-        for behind, peer in reversed(ahead):  # the furthest ahead first
+        ahead = sorted(((claims[p].rounds_done - self.rounds_done, p) for p in verdict.diverged
+                        if 0 < claims[p].rounds_done - self.rounds_done <= HISTORY_ROUNDS), reverse=True)
+        for behind, peer in ahead:  # the furthest ahead first
             if catch_up([peer], behind, claims[peer]):
                 return behind
         return 0
@@ -236,7 +237,7 @@ class OuterState:
         self.last_round = round
         fp = fingerprint(self.anchor)
         self._scale = chunk_rms(pseudo_grad, fp.chunk_len)
-        self._last_rms = float(pseudo_grad.double().square().mean().sqrt())
+        self._last_rms = _rms(pseudo_grad)
         self._claim = AnchorClaim(fp, self._scale.clone(), self.rounds_done)
         self._history.append(AppliedUpdate(round, self.rounds_done, pseudo_grad.to(torch.float16)))
 
@@ -259,9 +260,10 @@ class OuterState:
             for update in updates:
                 if update.rounds_done != self.rounds_done + 1 or update.update.shape != (self.layout.numel,):
                     break
-                if reference_rms > 0 and _rms(update.update) > MAX_CATCH_UP_TO_LAST_RATIO * reference_rms:
-                    logger.warning(f"refused outer step {update.rounds_done}: {_rms(update.update) / reference_rms:.3g}x "
-                                   "larger than the last one we applied")
+                size = _rms(update.update)
+                if reference_rms > 0 and size > MAX_CATCH_UP_TO_LAST_RATIO * reference_rms:
+                    logger.warning(f"refused outer step {update.rounds_done}: {size / reference_rms:.3g}x larger than "
+                                   "the last one we applied")
                     break
                 self._apply(update.update.float(), update.round)
             else:
@@ -317,6 +319,13 @@ class OuterState:
             raise MessageError("its fingerprint describes another outer step than its state")
         return claim
 
+    def _matches(self, fp: Fingerprint, claim: AnchorClaim) -> bool:
+        """Whether a fingerprint we computed is the anchor ``claim`` describes, within the claim's
+        own tolerance (its scale on both sides)."""
+        a = claim.fingerprint
+        return (fp.numel, fp.chunk_len) == (a.numel, a.chunk_len) and agree(
+            fp, a, claim.scale, claim.scale, rel_tol=self.rel_tol, abs_tol=self.abs_tol)
+
     def _check_against(self, reference: AnchorClaim, tensors: list[torch.Tensor], rounds_done: int,
                        step: torch.Tensor | None, *, peer: str) -> None:
         """Raise MessageError unless the state's anchor is the reference's (``adopt``)."""
@@ -329,9 +338,7 @@ class OuterState:
         else:
             raise MessageError(f"state from {peer}: {_rounds_apart(ahead)} from the group's reference, "
                                "so it cannot be checked against it")
-        fp = fingerprint(before)
-        if (fp.numel, fp.chunk_len) != (reference.fingerprint.numel, reference.fingerprint.chunk_len) or not agree(
-                fp, reference.fingerprint, reference.scale, reference.scale, rel_tol=self.rel_tol, abs_tol=self.abs_tol):
+        if not self._matches(fingerprint(before), reference):
             raise MessageError(f"state from {peer}: its anchor is not the one the group agreed on (a donor that "
                                "serves another state than the one it reported to the group)")
 
@@ -352,7 +359,7 @@ class OuterState:
                 return f"bad claim ({e})"
             by_group = reference is not None and claim.rounds_done == reference.rounds_done
             against = reference if by_group else claim
-            if self._scale.any() and against.scale.shape == self._scale.shape:
+            if self._scale.any():
                 against = self._capped(against)
             chunk_len = against.fingerprint.chunk_len
             if start % chunk_len:
@@ -415,8 +422,7 @@ class OuterState:
             # The tolerance of the claimed scale, capped by ours once we have one (a donor cannot
             # widen it at will); an exact copy of one donor's anchor matches to rounding.
             claim = self._capped(claim) if self._scale.any() else claim
-            fp = fingerprint(tensors[0])
-            if not agree(fp, claim.fingerprint, claim.scale, claim.scale, rel_tol=self.rel_tol, abs_tol=self.abs_tol):
+            if not self._matches(fingerprint(tensors[0]), claim):
                 raise MessageError(f"state from {state.peer}: the anchor does not match its donors' fingerprint "
                                    "(donors that diverged, or one that sent another state than it claims)")
         if reference is not None:
@@ -455,8 +461,8 @@ def check_average(averaged: torch.Tensor, local: torch.Tensor, reference_rms: fl
     """
     if not torch.isfinite(averaged).all():
         return "the averaged pseudo-gradient has NaN/inf values; it was not applied"
-    reference = max(float(local.double().square().mean().sqrt()), reference_rms)
-    averaged_rms = float(averaged.double().square().mean().sqrt())
+    reference = max(_rms(local), reference_rms)
+    averaged_rms = _rms(averaged)
     if reference > 0 and averaged_rms > MAX_AVERAGE_TO_LOCAL_RATIO * reference:
         return (f"the averaged pseudo-gradient is {averaged_rms / reference:.3g}x larger "
                 "than ours; it was not applied")

@@ -37,7 +37,6 @@ def outer_step_(
     return update
 
 
-
 def anchor_before_step(anchor: torch.Tensor, averaged_pseudo_grad: torch.Tensor, momentum: torch.Tensor, *,
                        lr: float, mu: float, nesterov: bool = True) -> torch.Tensor:
     """The anchor before ``outer_step_``, from the anchor and momentum after it and the step's

@@ -628,10 +628,11 @@ class OuterLoop:
         newest = max(round, self._now_round())  # the donors may have applied this round's step
         donors = list(conclusion.donors)
         step = averaged if conclusion.applied == Applied.AVERAGED else None
+        check = self.outer.slice_check(conclusion.reference)
         for _ in range(RESYNC_ATTEMPTS):
             state = self.worker.backend.download_state(donors, timeout=self.config.download_timeout,
                                                        same_state=self.outer.same_state, max_round=newest,
-                                                       check=self.outer.slice_check(conclusion.reference))
+                                                       check=check)
             if state is None:
                 continue
             try:
