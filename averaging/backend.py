@@ -19,6 +19,10 @@ from protocols.messages import MAX_ROUND
 
 # progress(done_bytes, total_bytes) of a state download; called in the thread that downloads.
 Progress = Callable[[int, int], None]
+# check(start, stop, metadata, values): why a valid-looking slice of values [start, stop) of a
+# downloaded state must not be used (it does not match the fingerprint it should:
+# ``OuterState.slice_check``), or None.
+CheckSlice = Callable[[int, int, Any, torch.Tensor], "str | None"]
 
 
 @dataclass(slots=True)
@@ -67,7 +71,7 @@ class AveragingBackend(Protocol):
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        same_state: Callable[[Any, Any], bool] | None = None,
                        max_round: int = MAX_ROUND,
-                       check: Callable[[int, int, Any, torch.Tensor], str | None] | None = None,
+                       check: CheckSlice | None = None,
                        ) -> DownloadedState | None:
         """Fetch the shared state from ``peers`` (the hivemind backend spreads it over all of them);
         None if no consistent state could be had. ``progress(done_bytes, total_bytes)`` is called

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from averaging.backend import AppliedUpdate, AverageOutcome, DownloadedState
+from averaging.backend import AppliedUpdate, AverageOutcome, CheckSlice, DownloadedState
 from averaging.consistency import (
     DEFAULT_ABS_TOL,
     DEFAULT_REL_TOL,
@@ -342,7 +342,7 @@ class OuterState:
             raise MessageError(f"state from {peer}: its anchor is not the one the group agreed on (a donor that "
                                "serves another state than the one it reported to the group)")
 
-    def slice_check(self, reference: AnchorClaim | None = None) -> Callable[[int, int, Any, torch.Tensor], str | None]:
+    def slice_check(self, reference: AnchorClaim | None = None) -> CheckSlice:
         """A state download's per-slice check (``download_slices(check=...)``): the anchor values
         of a slice must match, chunk by chunk, the group's ``reference`` claim when the donor's
         state is at that claim's step, else the donor's own claim. The donor of a slice that does

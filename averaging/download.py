@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from averaging.backend import Progress
+from averaging.backend import CheckSlice, Progress
 from averaging.consistency import chunk_length
 from averaging.traffic import STATE_BYTES_PER_VALUE
 from protocols.messages import MAX_ROUND, MessageError, bounded_int
@@ -44,9 +44,6 @@ Fetch = Callable[[str, int, int], tuple[Any, torch.Tensor]]
 # together (their claims describe one state). Donors whose claims differ serve different lineages;
 # the one most donors serve is assembled (``choose_state``).
 SameState = Callable[[Any, Any], bool]
-# check(start, stop, metadata, slice): why a valid-looking slice of values [start, stop) must not be
-# used (it does not match the fingerprint it should: ``OuterState.slice_check``), or None.
-CheckSlice = Callable[[int, int, Any, torch.Tensor], "str | None"]
 
 
 # -- what "slice i of n" means, on both ends -------------------------------------------------------
@@ -56,7 +53,7 @@ def slice_bounds(total: int, index: int, count: int, align: int = 1) -> tuple[in
     anchor's fingerprint chunks (``align`` = ``consistency.chunk_length`` of the anchor), so that
     each slice of the anchor holds whole chunks and is checked against a claim as it arrives."""
     assert 0 <= index < count and total >= 0 and align >= 1
-    units = -(-total // align)
+    units = slice_units(total, align)
     return min(total, units * index // count * align), min(total, units * (index + 1) // count * align)
 
 
@@ -203,7 +200,7 @@ class _Book:
         self.lineages.append((round, metadata))
         return round, len(self.lineages) - 1
 
-    def pending(self, target: int | None) -> list[int]:
+    def pending(self, target: StateKey | None) -> list[int]:
         in_flight = set(self.busy.values())
         stale = [i for i, r in enumerate(self.held) if r is None or r != target]
         return [i for i in stale if i not in in_flight]
@@ -292,9 +289,10 @@ def download_slices(
     donor and its slice goes to another. ``progress(done_bytes, total_bytes)`` is called at the
     start and whenever the bytes held for the target round grow; it never goes backwards (after a
     change of round it pauses until the refetched slices overtake it) and ends at total_bytes.
-    With ``same_state``, a donor whose slice of the target round describes another state than the
-    slices already held is dropped like one that sent an invalid slice, and so is one that serves a
-    round past ``max_round``; so is one whose slice ``check`` refuses (a slice that does not match
+    With ``same_state``, donors whose claims describe different states of one round serve
+    different lineages, and the lineage most donors serve is assembled (``choose_state``); the
+    others are left idle. A donor that serves a round past ``max_round`` is dropped like one that
+    sent an invalid slice, and so is one whose slice ``check`` refuses (a slice that does not match
     the fingerprint it should: the donor is named when its slice arrives, not after assembly).
     Slice boundaries are multiples of ``align`` (``slice_bounds``; the donors cut the same way).
     """

@@ -54,9 +54,8 @@ from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
 
-from averaging.backend import AppliedUpdate, AverageOutcome, DownloadedState, Progress
+from averaging.backend import AppliedUpdate, AverageOutcome, CheckSlice, DownloadedState, Progress
 from averaging.download import (
-    CheckSlice,
     SameState,
     default_slice_count,
     download_slices,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from averaging.backend import AppliedUpdate, AverageOutcome, DownloadedState, Progress
+from averaging.backend import AppliedUpdate, AverageOutcome, CheckSlice, DownloadedState, Progress
 from averaging.wire import returned
 from protocols.messages import MAX_ROUND
 
@@ -115,7 +115,7 @@ class LocalBackend:
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        same_state: Callable[[Any, Any], bool] | None = None,
                        max_round: int = MAX_ROUND,
-                       check: Callable[[int, int, Any, torch.Tensor], str | None] | None = None,
+                       check: CheckSlice | None = None,
                        ) -> DownloadedState | None:
         # Whole state from the first known peer whose state passes ``check`` as one slice (one
         # donor: nothing to mix, same_state unused; the round is checked by OuterState.adopt);
