@@ -19,6 +19,7 @@ from hivemind.compression import serialization
 from averaging import codecs, hivemind_codecs
 from averaging.error_feedback import balanced_part_size, compensate
 from averaging.hivemind_codecs import ReturnCodec, ShoalCodec
+from tests.integration.averagers import loopback_averagers
 
 pytestmark = pytest.mark.integration
 
@@ -191,18 +192,16 @@ def test_a_malformed_part_bans_its_sender_and_the_others_average(monkeypatch):
 
     generator = torch.Generator().manual_seed(3)
     vectors = [codecs.quantize(torch.randn(NUMEL, generator=generator), "int4") for _ in range(PEERS)]
-    sigint = signal.getsignal(signal.SIGINT)
-    dhts, averagers = [], []
     prefix = f"garbage-{uuid.uuid4().hex[:8]}"
-    try:
-        for i in range(PEERS):
-            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
-            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
-            codec_type = GarbageCodec if i == PEERS - 1 else ShoalCodec
-            averagers.append(hivemind.DecentralizedAverager(
-                averaged_tensors=[vectors[i].clone()], dht=dhts[i], prefix=prefix, start=True,
-                target_group_size=PEERS, min_group_size=PEERS, min_matchmaking_time=2.0, request_timeout=1.0,
-                allreduce_timeout=30.0, compression=codec_type("int4", part_values=part_values)))
+
+    def make(i: int, dht: hivemind.DHT) -> hivemind.DecentralizedAverager:
+        codec_type = GarbageCodec if i == PEERS - 1 else ShoalCodec
+        return hivemind.DecentralizedAverager(
+            averaged_tensors=[vectors[i].clone()], dht=dht, prefix=prefix, start=True,
+            target_group_size=PEERS, min_group_size=PEERS, min_matchmaking_time=2.0, request_timeout=1.0,
+            allreduce_timeout=30.0, compression=codec_type("int4", part_values=part_values))
+
+    with loopback_averagers(PEERS, make) as averagers:
         controls = [averager.step(wait=False, timeout=40) for averager in averagers]
         honest = [control.result(timeout=60) for control in controls[:-1]]  # raises if the round crashed
         assert all(group is not None and len(group) == PEERS for group in honest), honest
@@ -215,9 +214,3 @@ def test_a_malformed_part_bans_its_sender_and_the_others_average(monkeypatch):
         for averager in averagers[:-1]:
             with averager.get_tensors() as (tensor,):
                 assert bool(torch.isfinite(tensor).all())  # the garbage never reached a result
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-        signal.signal(signal.SIGINT, sigint)
