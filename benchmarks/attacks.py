@@ -182,9 +182,9 @@ def _mean(values) -> float | None:
 
 def report(results: dict) -> str:
     runs = {r["scenario"]: r for r in results["runs"]}
-    cleans = [_mean(r["final_eval"].values()) for n, r in runs.items() if base(n) == "clean"]
-    cleans = [c for c in cleans if c is not None]
-    clean = sum(cleans) / len(cleans) if cleans else None
+    cleans = [c for c in (_mean(r["final_eval"].values()) for n, r in runs.items() if base(n) == "clean")
+              if c is not None]
+    clean = _mean(cleans)
     lines = [
         "# Attacks on a training swarm: 3 honest peers and 1 hostile peer, against a clean run",
         "",
@@ -215,13 +215,11 @@ def report(results: dict) -> str:
         used = run.get("attacker_state_used", "-") if run["attacker"] else "-"
         median = f"{run['median_allreduce_s']:.2f}" if run["median_allreduce_s"] is not None else "-"
         spread = f"{run['anchor_spread']:.1e}" if run["anchor_spread"] is not None else "-"
+        final_text = f"{final:.4f}" if final is not None else "-"
         lines.append(
             f"| {name} | {what} | {before} | {sum(c == 0 for c in honest_codes)} of {len(honest_codes)} | {trained} "
             f"| {sum(run['resyncs'].values())} | {robust} | {in_groups} | {named} | {used} | {median} "
-            f"| {final:.4f} | {versus} | {spread} |" if final is not None else
-            f"| {name} | {what} | {before} | {sum(c == 0 for c in honest_codes)} of {len(honest_codes)} | {trained} "
-            f"| {sum(run['resyncs'].values())} | {robust} | {in_groups} | {named} | {used} | {median} | - | - "
-            f"| {spread} |")
+            f"| {final_text} | {versus} | {spread} |")
     lines += ["", "## By scenario (mean over its runs; spread = half the range)", "",
               "| scenario | runs | final eval | spread | vs clean | attacker banned in (honest peers, all runs) | re-syncs per run |",
               "|---|---|---|---|---|---|---|"]
