@@ -123,10 +123,11 @@ class LocalBackend:
         for peer in peers:
             if peer != self.peer_id and peer in self.hub.state_providers:
                 metadata, tensors = self.hub.state_providers[peer]()
-                flat = torch.cat([t.flatten() for t in tensors])
-                if check is not None and (problem := check(0, flat.numel(), metadata, flat)) is not None:
-                    logger.warning(f"state of {peer}: {problem}")
-                    continue
+                if check is not None:
+                    flat = torch.cat([t.flatten() for t in tensors])
+                    if (problem := check(0, flat.numel(), metadata, flat)) is not None:
+                        logger.warning(f"state of {peer}: {problem}")
+                        continue
                 if progress is not None:
                     total_bytes = sum(t.numel() * t.element_size() for t in tensors)
                     progress(total_bytes, total_bytes)
