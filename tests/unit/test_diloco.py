@@ -130,12 +130,16 @@ def three_states() -> dict[str, OuterState]:
     return {peer: new_state(anchor_seed=0) for peer in GROUP}
 
 
-def end_round(states: dict[str, OuterState], round: int, averaged: torch.Tensor, extra: dict | None = None):
-    """Every state reports, then concludes with the same average (as after a healthy all-reduce)."""
+def end_round(states: dict[str, OuterState], round: int, averaged: torch.Tensor, extra: dict | None = None, *,
+              catching_up: bool = False, serve: dict | None = None):
+    """Every state reports, then concludes with the same average (as after a healthy all-reduce);
+    with ``catching_up``, a state that is behind replays steps from the others' histories (or
+    from ``serve[peer]``, ``catch_up_from``)."""
     gathered = {peer: state.round_report(round=round).encode() for peer, state in states.items()}
     gathered.update(extra or {})
     outcome = AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered)
-    return {peer: state.conclude(outcome, averaged, round=round, averaged=averaged, self_id=peer)
+    return {peer: state.conclude(outcome, averaged, round=round, averaged=averaged, self_id=peer,
+                                 catch_up=catch_up_from(states, peer, (serve or {}).get(peer)) if catching_up else None)
             for peer, state in states.items()}
 
 
@@ -172,24 +176,15 @@ def catch_up_from(states: dict[str, OuterState], me: str, serve=None):
     return catch_up
 
 
-def conclude_pair(states: dict[str, OuterState], round: int, averaged: torch.Tensor, serve: dict | None = None):
-    """Both members of a two-peer group report, then each concludes with ``averaged``."""
-    gathered = {peer: state.round_report(round=round).encode() for peer, state in states.items()}
-    outcome = AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered)
-    return {peer: state.conclude(outcome, averaged, round=round, averaged=averaged, self_id=peer,
-                                 catch_up=catch_up_from(states, peer, (serve or {}).get(peer)))
-            for peer, state in states.items()}
-
-
 def test_a_two_peer_tie_between_a_peer_ahead_and_one_behind_ends_in_a_catch_up_whoever_wins_it():
     """The tie is a hash now, so the peer behind may win it: it then replays the step of the peer
     ahead (verified against that peer's claim) instead of leaving both one step apart."""
     behind_won = ahead_won = 0
     for round in range(3, 15):
         states = {"peer-a": new_state(), "peer-b": new_state()}
-        conclude_pair(states, 1, randn(11, std=1e-3))
+        end_round(states, 1, randn(11, std=1e-3), catching_up=True)
         states["peer-a"].apply(randn(12, std=1e-3), round=2)  # peer-b folded round 2
-        conclusions = conclude_pair(states, round, randn(13, std=1e-3))
+        conclusions = end_round(states, round, randn(13, std=1e-3), catching_up=True)
         verdict = conclusions["peer-a"].verdict
         assert verdict.contested and verdict == conclusions["peer-b"].verdict
         behind_won += verdict.reference == "peer-b"
@@ -199,7 +194,7 @@ def test_a_two_peer_tie_between_a_peer_ahead_and_one_behind_ends_in_a_catch_up_w
         assert states["peer-a"].rounds_done == states["peer-b"].rounds_done == 3
         # Apart only by the fp16 rounding of the replayed step: the next round finds no divergence.
         assert (states["peer-a"].anchor - states["peer-b"].anchor).abs().max() < 1e-5
-        assert not conclude_pair(states, round + 1, randn(14, std=1e-3))["peer-a"].verdict.diverged
+        assert not end_round(states, round + 1, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.diverged
     assert behind_won and ahead_won  # both ways of the tie were exercised
 
 
@@ -228,7 +223,7 @@ def test_a_stranger_in_a_two_peer_tie_wins_it_only_by_the_hash_and_cannot_make_u
         attacker, step = crafted_step(honest, size)  # x1000 or x20 our last step, claimed as ahead
         expected_anchor, expected_momentum = reference_step(honest, averaged := randn(13, std=1e-3))
         serve = {"honest": lambda rounds_done, s=step: AppliedUpdate(2, rounds_done + 1, s.half())}
-        conclusions = conclude_pair({"honest": honest, "attacker": attacker}, round, averaged, serve=serve)
+        conclusions = end_round({"honest": honest, "attacker": attacker}, round, averaged, catching_up=True, serve=serve)
         verdict = conclusions["honest"].verdict
         assert verdict.contested
         assert conclusions["honest"].caught_up == 0  # its crafted step was never replayed
@@ -249,10 +244,10 @@ def test_a_tie_is_repaired_by_a_re_sync_from_its_winner():
     loser of the tie re-syncs from the winner, whoever the hash picks."""
     for round in range(3, 9):
         states = {"peer-a": new_state(), "peer-b": new_state()}
-        conclude_pair(states, 1, randn(11, std=1e-3))
+        end_round(states, 1, randn(11, std=1e-3), catching_up=True)
         states["peer-a"].apply(randn(12, std=1e-3), round=2)
         states["peer-b"].apply(randn(14, std=1e-3), round=2)  # its part kept its local value
-        conclusions = conclude_pair(states, round, randn(13, std=1e-3))
+        conclusions = end_round(states, round, randn(13, std=1e-3), catching_up=True)
         verdict = conclusions["peer-a"].verdict
         assert verdict.contested
         loser = next(iter(verdict.diverged))
