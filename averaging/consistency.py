@@ -25,8 +25,8 @@ needs thousands of rounds to reach it (and a resync then resets it), a failed pa
 once.
 
 With shoal's int codecs (``averaging.wire``) the same tolerance holds: error-fed sends are on the
-codec's grid, so every reducer averages identical values, and returns are fp16 (the bound above);
-int8 returns (opt-in) are off by up to ``1/254`` of a block's ``|avg - local|`` and drift faster.
+codec's grid, so every reducer averages identical values; fp16 returns are the bound above, and
+int8/int4 returns carry the quantized average itself, the same for every member (no drift).
 """
 
 from __future__ import annotations

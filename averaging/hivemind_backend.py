@@ -65,7 +65,7 @@ from averaging.download import (
     slice_deadline_s,
 )
 from averaging.error_feedback import balanced_part_size
-from averaging.hivemind_codecs import ShoalCodec
+from averaging.hivemind_codecs import AVERAGE_RETURN_CODES, ShoalCodec
 from averaging.robust import BanList, RobustConfig
 from averaging.robust_allreduce import (
     GroupRefused,
@@ -564,6 +564,8 @@ class HivemindBackend:
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
         assert request_timeout < min_matchmaking_time
         wire = wire or WireFormat()
+        if robust is None and wire.return_code in AVERAGE_RETURN_CODES:
+            raise ValueError(f"{wire.return_code} returns need shoal's all-reduce runner: pass a RobustConfig")
         extra = {} if wire.quantized else {"part_size_bytes": float_part_bytes(wire, numel)}
         self._averager = self.averager_class(
             averaged_tensors=[torch.zeros(numel, dtype=torch.float32)],

@@ -22,20 +22,25 @@ decodes any shoal code (the header says which, hostile-input safe, at most ``MAX
 values) and its ``compress`` encodes the return code. Nothing else in hivemind changes; a peer
 without the registration rejects these parts (``Name`` raises) instead of misreading them.
 
-Return precision: fp16 by default (``DEFAULT_RETURN_CODE``). Each non-reducer peer ``j`` ends
-with ``q_j + R(avg - q_j)``, a return-code error that error feedback cannot see (the sender never
-learns ``avg``) and that differs per peer. Per element it is at most
-- fp16 (with a power-of-two exponent per part): ``2**-11 * |avg - q_j|`` (as hivemind's fp16 today);
-- int8: ``(0.5 + 2**-11) / 127 * max|avg - q_j|`` over the block of 64;
-- int4: ``(0.5 + 2**-11) / 7 * max|avg - q_j|`` over the block.
-Measured (4 peers, Student-t(4) pseudo-gradients, correlation 0 / 0.9 between peers), RMS
-disagreement between two peers relative to RMS(avg) after one round: fp16 0.0005 / 0.0001,
-int8 0.020 / 0.005, int4 0.35 / 0.09. Over later Nesterov steps an error moves the anchor up to
-``lr / (1 - mu)`` = 7x (lr 0.7, mu 0.9) and independent errors random-walk, so anchors drift
-apart as ``7 d sqrt(rounds)``: ``averaging.consistency`` flags 0.25 after ~5000 rounds with fp16,
-after 3-50 rounds with int8, and at once with int4. So int4/int2 returns are not offered, int8
-returns are opt-in (a run that resyncs often), and fp16 is the default. Sends are error-fed and
-drift-free (``averaging.error_feedback``).
+Return precision (``return_code``):
+- fp16 (the default) returns deltas, as hivemind does: member ``j`` ends with
+  ``q_j + R(avg - q_j)``, an error that differs per member (at most ``2**-11 * |avg - q_j|`` per
+  element, with a power-of-two exponent per part). Measured (4 peers, Student-t(4)
+  pseudo-gradients, correlation 0 / 0.9), RMS disagreement between two peers relative to
+  RMS(avg) after one round: 0.0005 / 0.0001. Anchors drift apart as ``7 d sqrt(rounds)`` (an
+  error moves the anchor up to ``lr / (1 - mu)`` = 7x over later Nesterov steps, lr 0.7, mu 0.9):
+  ``averaging.consistency`` would flag 0.25 after ~5000 rounds.
+- int8 and int4 (``AVERAGE_RETURN_CODES``) return the *average itself*, quantized once by its
+  reducer: every member receives the same bytes and ends with the same values (up to one fp32
+  rounding of ``q_j + (a - q_j)``), so anchors do not drift at all. Quantized deltas would not do:
+  int8 deltas disagree by 0.020 / 0.005 after one round (the check trips after 3-50 rounds),
+  int4 deltas by 0.35 / 0.09 (at once). What the quantization of the average drops is dropped
+  for every member alike (no error feedback on the return path: nobody but the reducer knows
+  the average): per element at most ``(0.5 + 2**-11) / L * max|avg|`` over the block of 64.
+  This needs shoal's runner (``averaging.robust_allreduce``: the reducer sends the average and
+  the member turns it into its delta); hivemind's own runner would re-encode deltas, so
+  ``ReturnCodec.compress`` refuses to encode for these codes.
+Sends are error-fed and drift-free (``averaging.error_feedback``).
 """
 
 from __future__ import annotations
@@ -50,10 +55,10 @@ from hivemind.compression import CompressionBase, CompressionInfo, serialization
 from hivemind.proto import runtime_pb2
 
 from averaging import codecs
+from averaging.wire import AVERAGE_RETURN_CODES, QUANTIZED_CODES, RETURN_CODES  # noqa: F401 - re-exported
 from protocols.messages import MessageError
 
-SEND_CODES = ("int8", "int4", "int2")
-RETURN_CODES = ("fp16", "int8")
+SEND_CODES = QUANTIZED_CODES
 DEFAULT_RETURN_CODE = "fp16"
 MAX_PART_NUMEL = 1 << 24  # what a receiver decodes at most per part: 64 MiB of fp32
 WIRE_TYPE_BASE = 7000
@@ -75,7 +80,7 @@ WIRE_TYPES: dict[int, tuple[str, str]] = {wire_type(s, r): (s, r) for s in SEND_
 WIRE_NAMES: dict[int, str] = {number: wire_name(*pair) for number, pair in WIRE_TYPES.items()}
 
 
-def _message(data: bytes, tensor: torch.Tensor, compression_type: int) -> runtime_pb2.Tensor:
+def message(data: bytes, tensor: torch.Tensor, compression_type: int) -> runtime_pb2.Tensor:
     return runtime_pb2.Tensor(compression=compression_type, buffer=data, size=tensor.shape, dtype="float32",
                               requires_grad=False)
 
@@ -97,7 +102,12 @@ class ReturnCodec(CompressionBase):
         self.compression_type, self.return_code = compression_type, return_code
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        return _message(codecs.encode(tensor, self.return_code), tensor, self.compression_type)
+        if self.return_code in AVERAGE_RETURN_CODES:
+            # Only hivemind's own runner gets here (shoal's sends the average's bytes itself):
+            # re-encoding a delta in this code would leave every member with other values.
+            raise ValueError(f"{self.return_code} returns carry the average: they need shoal's all-reduce "
+                             "runner (ShoalAverager with robust aggregation)")
+        return message(codecs.encode(tensor, self.return_code), tensor, self.compression_type)
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         return extract(serialized_tensor)
@@ -130,7 +140,7 @@ class ShoalCodec(CompressionBase):
         self.part_values, self.part_size_bytes = part_values, part_size_bytes
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        return _message(codecs.encode(tensor, self.code, block_size=self.block_size), tensor, self.compression_type)
+        return message(codecs.encode(tensor, self.code, block_size=self.block_size), tensor, self.compression_type)
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         return extract(serialized_tensor)
@@ -142,6 +152,20 @@ class ShoalCodec(CompressionBase):
 
     def __repr__(self) -> str:
         return f"ShoalCodec({self.code}, return_code={self.return_code}, part_values={self.part_values})"
+
+
+def average_return_code(compression: CompressionBase) -> str | None:
+    """The return code if reducers return the quantized average itself (int8/int4), else None
+    (fp16/fp32 and hivemind's codecs: deltas)."""
+    code = getattr(compression, "return_code", None) if isinstance(compression, ShoalCodec) else None
+    return code if code in AVERAGE_RETURN_CODES else None
+
+
+def encode_average(average: torch.Tensor, return_code: str) -> tuple[bytes, torch.Tensor]:
+    """A reducer's return for one part: the bytes every member receives, and the values they decode
+    to (which the reducer keeps for its own part: the same values as everyone's)."""
+    data = codecs.encode(average, return_code)
+    return data, codecs.decode(data, max_numel=max(1, average.numel())).view(average.shape)
 
 
 # -- registration ----------------------------------------------------------------------------------

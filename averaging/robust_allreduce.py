@@ -13,6 +13,11 @@ What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any o
   ``register_processed_part`` checks every delta a reducer returns: a bad one, and every later
   part from that reducer, is replaced by zeros (we keep our local values, as hivemind does for a
   reducer that failed), and the reducer is reported.
+- With int8/int4 returns (``hivemind_codecs.AVERAGE_RETURN_CODES``) a reducer quantizes each
+  part's average once and sends every member those same bytes (``_accumulate_parts_streaming``
+  instead of hivemind's, which re-encodes each member's delta); the container turns the average
+  into the member's delta before its check. Every member, the reducer too, then ends with the same
+  values, so quantized returns do not make anchors drift apart.
 - A peer on the ban list (``averaging.robust.BanList``, one per averager process) is kept out of
   our groups (``ShoalMatchmaking``: we do not ask it to lead us, and as a leader we turn it away);
   in a group that holds it anyway (another leader's), it is treated as failed from the start of
@@ -42,10 +47,12 @@ from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import amap_in_executor
 
-from averaging import robust
+from averaging import hivemind_codecs, robust
 from averaging.robust import BanList, RobustConfig
 from protocols.admission import admitted
 
@@ -58,6 +65,7 @@ REVIEWED = {
     "DecentralizedAverager._run_allreduce_inplace_": "914d57cffc7d69e1ce16b384f3fc0783fbbf08b7fa839634da9571f9c4143925",
     "AllReduceRunner.__init__": "597a0c8dbbeabbe366c28a471d7bc1452a9e4d17520942aa61c7b52de22799f4",
     "AllReduceRunner._communicate_with_peer": "d910885e9727ed48e117de0b94731d74ac1abd11340c903622367d35e1b6f374",
+    "AllReduceRunner._accumulate_parts_streaming": "6c5a3c72660603033d98a698d8debccf860244979008d06f3bff943fcc2a47fc",
     "AllReduceRunner._ban_sender": "3a3d52ad781b64d74381f3f78cf07b8dfe8de2d4bc1b89ece40ed8de1335a245",
     "TensorPartReducer.accumulate_part": "1d64a8bd77052ac43ed43003ec04ade86d07114ac5b50ec0a023470896d21793",
     "TensorPartReducer.reset_accumulators": "5d3dc36f344a342e981250bfaa2d6b9cd0562b7938fe4c881ff0c5e11c2e7693",
@@ -73,6 +81,7 @@ ORIGINALS: dict[str, Callable] = {
     "DecentralizedAverager._run_allreduce_inplace_": DecentralizedAverager._run_allreduce_inplace_,
     "AllReduceRunner.__init__": AllReduceRunner.__init__,
     "AllReduceRunner._communicate_with_peer": AllReduceRunner._communicate_with_peer,
+    "AllReduceRunner._accumulate_parts_streaming": AllReduceRunner._accumulate_parts_streaming,
     "AllReduceRunner._ban_sender": AllReduceRunner._ban_sender,
     "TensorPartReducer.accumulate_part": TensorPartReducer.accumulate_part,
     "TensorPartReducer.reset_accumulators": TensorPartReducer.reset_accumulators,
@@ -113,11 +122,16 @@ class RobustCounters:
 
 class RobustPartReducer(TensorPartReducer):
     """A ``TensorPartReducer`` that keeps each sender's part until the part index is complete, then
-    aggregates with ``averaging.robust``. ``refuse(sender_index, reason)`` fails a sender at once."""
+    aggregates with ``averaging.robust``. ``refuse(sender_index, reason)`` fails a sender at once.
+    With ``return_code`` (int8/int4) each part's average is quantized once: ``returns[part_index]``
+    holds the bytes every member receives, and the part's result is what they decode to."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, config: RobustConfig,
-                 local_sender_index: int | None, refuse: Callable[[int, str], None]):
+                 local_sender_index: int | None, refuse: Callable[[int, str], None],
+                 return_code: str | None = None):
         self.config, self.local_sender_index, self.refuse = config, local_sender_index, refuse
+        self.return_code = return_code
+        self.returns: dict[int, bytes] = {}
         self.declared_weights: list[float | None] = [None] * num_senders
         self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
         self.excluded: set[int] = set()  # senders refused after their part was counted
@@ -174,7 +188,10 @@ class RobustPartReducer(TensorPartReducer):
     def check_current_part_finished(self):
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
-            self.current_part_future.set_result(self._aggregate_current())
+            result = self._aggregate_current()
+            if self.return_code is not None:
+                self.returns[self.current_part_index], result = hivemind_codecs.encode_average(result, self.return_code)
+            self.current_part_future.set_result(result)
             self.reset_accumulators()
 
     def _exclude(self, senders: list[int], indices: list[int], why: Callable[[int], str]) -> None:
@@ -210,16 +227,21 @@ class RobustPartReducer(TensorPartReducer):
 
 class CheckedPartContainer(TensorPartContainer):
     """hivemind's container, plus a check of every delta a reducer returns (set up by
-    ``RobustAllReduceRunner``; no ``__init__`` of its own: an existing container is given this class)."""
+    ``RobustAllReduceRunner``; no ``__init__`` of its own: an existing container is given this class).
+    The reducers in ``returns_average`` send the part's average itself (int8/int4 returns): it
+    becomes our delta here, before the check."""
 
     max_norm_ratio: float
     on_bad_return: Callable[[int, str], None]
     distrusted: set[int]
+    returns_average: frozenset[int]
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         inputs = self._input_parts_by_peer[peer_index]
         if part_index < len(inputs):  # (after finalize the inputs are gone; hivemind then raises itself)
             own = inputs[part_index][0]
+            if peer_index in self.returns_average and part.shape == own.shape:
+                part = part - own  # (a wrong shape is refused below as it arrived)
             problem = None if peer_index in self.distrusted else robust.check_returned(
                 part, own, max_norm_ratio=self.max_norm_ratio)
             if problem is not None:
@@ -262,13 +284,19 @@ class RobustAllReduceRunner(AllReduceRunner):
         # __del__ does not warn about parts it never received.
         self.tensor_part_reducer.finished.set()
         local_index = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
+        container = self.tensor_part_container
+        self.return_code = hivemind_codecs.average_return_code(container.compression)
         self.tensor_part_reducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
-            config=robust_config, local_sender_index=local_index, refuse=self._refuse_sender)
-        container = self.tensor_part_container
+            config=robust_config, local_sender_index=local_index, refuse=self._refuse_sender,
+            return_code=self.return_code)
         container.__class__ = CheckedPartContainer
         container.max_norm_ratio, container.on_bad_return, container.distrusted = (
             robust_config.max_norm_ratio, self._refuse_reducer, set())
+        # Our own reducer hands us its result as a delta already (hivemind's local path).
+        container.returns_average = frozenset(
+            index for index, peer in enumerate(self.ordered_peer_ids)
+            if peer != self.peer_id) if self.return_code is not None else frozenset()
         # Peers banned in earlier rounds: failed from the start (their parts never count).
         self.excluded_peers = [peer for peer in self.ordered_peer_ids
                                if peer != self.peer_id and ban_list.is_banned(str(peer))]
@@ -285,6 +313,34 @@ class RobustAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
             return
         await super()._communicate_with_peer(peer_id)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        """hivemind's reducer loop for one sender; with int8/int4 returns each answer is the part's
+        average as its reducer quantized it once (``RobustPartReducer.returns``), the same bytes
+        for every member, instead of the sender's delta re-encoded."""
+        if self.return_code is None:
+            async for answer in super()._accumulate_parts_streaming(stream, sender_index):
+                yield answer
+            return
+        reducer = self.tensor_part_reducer
+        compression_type = self.tensor_part_container.compression.compression_type
+        received = 0
+        try:
+            async for tensor_part, weight in amap_in_executor(
+                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight), stream,
+                    max_prefetch=self.tensor_part_container.prefetch):
+                try:
+                    average = await reducer.accumulate_part(sender_index, received, tensor_part, weight=weight)
+                except BannedException:
+                    logger.debug(f"sender {sender_index} is banned: its stream is dropped")
+                    break
+                data = reducer.returns[received]
+                received += 1
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART,
+                                                  tensor_part=hivemind_codecs.message(data, average, compression_type))
+        finally:
+            if received != reducer.num_parts:  # as hivemind: a sender that stopped short is failed
+                await self._ban_sender(self.sender_peer_ids[sender_index])
 
     def _refuse_sender(self, sender_index: int, reason: str) -> None:
         """Fail a sender now and ban it. Synchronous, with no await between the check and the

@@ -43,7 +43,10 @@ from averaging.error_feedback import balanced_part_size
 
 FLOAT_CODES = ("fp32", "fp16")
 QUANTIZED_CODES = ("int8", "int4", "int2")
-RETURN_CODES = ("fp16", "int8")  # int4/int2 returns drift past the consistency tolerance (docs/codecs.md)
+# fp16 returns deltas; int8/int4 return the quantized average, the same for every member; int2 is
+# too coarse for an average nobody can error-feed (docs/codecs.md, Return path).
+RETURN_CODES = ("fp16", "int8", "int4")
+AVERAGE_RETURN_CODES = ("int8", "int4")
 # ``averaging.compression`` values; "none" is the older spelling of fp32.
 COMPRESSIONS = (*FLOAT_CODES, "none", *QUANTIZED_CODES)
 # Parts are balanced for this many members when the group size is open: a multiple of 12 near-equal
@@ -60,7 +63,7 @@ class WireFormat:
     """The all-reduce payload's codec: sends in ``code``, returns from reducers in ``return_code``."""
 
     code: str = "fp16"  # fp32 | fp16 | int8 | int4 | int2
-    return_code: str = "fp16"  # quantized codes: fp16 | int8; float codes return in their own code
+    return_code: str = "fp16"  # quantized codes: fp16 | int8 | int4; float codes return in their own code
     block_size: int = 0  # values per scale (quantized codes); 0 for float codes
     error_feedback: bool = True  # quantized codes: what a round drops re-enters the next one (per peer)
 
@@ -128,9 +131,12 @@ def accounted_for(pseudo_grad: torch.Tensor, sent: torch.Tensor, *, averaged: bo
 
 
 def returned(average: torch.Tensor, own: torch.Tensor, return_code: str) -> torch.Tensor:
-    """What a member ends with when its reducers return ``average - own`` in ``return_code`` (as
-    hivemind does): the per-member error that error feedback cannot see. For the in-process backend."""
+    """What a member ends with when its reducers return in ``return_code``: ``own + R(average - own)``
+    for fp16 (hivemind's deltas: an error that differs per member), ``R(average)`` for int8/int4
+    (the quantized average, the same for every member). For the in-process backend."""
     code = canonical(return_code)
     if code == "fp32":
         return average.clone()
+    if code in AVERAGE_RETURN_CODES:
+        return codecs.quantize(average, code)
     return own + codecs.quantize(average - own, code)

@@ -1,6 +1,7 @@
 """fp16 vs int8 / int4 / int2 pseudo-gradients, each with and without error feedback, side by side.
 
     sudo .venv/bin/python benchmarks/compression.py [--peers 3] [--mbit 20] [--budget 110] [--throttle 2]
+        [--variants fp16,int4+EF,int4+EF+ret4]
 
 Each variant is a real swarm of ``shoal run`` processes, one per network namespace, every link
 capped with ``tc ... tbf`` (``benchmarks/netns.py``; without root: loopback, no cap, and it says
@@ -44,13 +45,18 @@ from examples.swarm_launcher import LocalSwarm  # noqa: E402
 from node.library.checkpoint import load_latest_valid  # noqa: E402
 from node.observe.metrics import read_metrics  # noqa: E402
 
-# (name, compression, error feedback); fp16 has no error feedback (its rounding is ~2**-11 relative).
-VARIANTS = (("fp16", "fp16", False), ("int8+EF", "int8", True), ("int8", "int8", False), ("int4+EF", "int4", True),
-            ("int4", "int4", False), ("int2+EF", "int2", True), ("int2", "int2", False))
+# (name, compression, error feedback, return code); fp16 has no error feedback (its rounding is
+# ~2**-11 relative). Returns are fp16 deltas unless the name says "+retN": reducers then return the
+# average itself in intN (the same bytes for every member, docs/codecs.md).
+VARIANTS = (("fp16", "fp16", False, "fp16"), ("int8+EF", "int8", True, "fp16"), ("int8", "int8", False, "fp16"),
+            ("int4+EF", "int4", True, "fp16"), ("int4", "int4", False, "fp16"), ("int2+EF", "int2", True, "fp16"),
+            ("int2", "int2", False, "fp16"), ("int8+EF+ret8", "int8", True, "int8"),
+            ("int4+EF+ret4", "int4", True, "int4"), ("int2+EF+ret4", "int2", True, "int4"))
 MODEL = {"d_model": 256, "n_layer": 4, "n_head": 4, "seq_len": 64}
 
 
-def variant_config(base: Path, compression: str, feedback: bool, root: Path, name: str, round_seconds: float) -> Path:
+def variant_config(base: Path, compression: str, feedback: bool, returns: str, root: Path, name: str,
+                   round_seconds: float) -> Path:
     data = tomllib.loads(base.read_text())
     data["model"].update(MODEL)
     # A re-sync downloads anchor + momentum (26 MB: ~11 s at 20 Mbit/s); in a shorter round the peer
@@ -61,6 +67,7 @@ def variant_config(base: Path, compression: str, feedback: bool, root: Path, nam
     averaging["compression"] = compression
     if compression != "fp16":
         averaging["error_feedback"] = feedback
+        averaging["return_compression"] = returns
     return write_toml(data, root / f"{name.replace('+', '-')}.toml")
 
 
@@ -148,7 +155,8 @@ def report(results: dict, args, capped: bool, numel: int, load: tuple[float, flo
         + (f"links capped at {args.mbit:g} Mbit/s (tc tbf, network namespaces)" if capped else "loopback, NO cap (not root)"),
         "", f"Command: `sudo .venv/bin/python benchmarks/compression.py --peers {args.peers} --mbit {args.mbit:g} "
         f"--budget {args.budget:g} --throttle {args.throttle:g} --round-seconds {args.round_seconds:g}`; model {numel:,} parameters ({numel * 4 / 1e6:.1f} MB "
-        f"fp32); {args.budget:g} s of overlap-mode training per variant, all variants in one run; returns in fp16. "
+        f"fp32); {args.budget:g} s of overlap-mode training per variant, all variants in one run; returns are fp16 "
+        "deltas, or with +retN the average itself in intN. "
         f"Load average at the end: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (2 cores, shared with other work).", "",
         "| variant | bytes sent / round | received / round | vs fp16 | median all-reduce (s) | vs fp16 | "
         "eval loss at equal tokens | vs fp16 | at equal wall-clock | anchor RMS diff (rel. to anchor RMS) | "
@@ -177,7 +185,7 @@ def report(results: dict, args, capped: bool, numel: int, load: tuple[float, flo
               f"wall-clock: {equal_wall:.0f} s after the last peer started. Eval loss is peer-0's held-out loss of the "
               "shared model (linear interpolation between rounds).",
               "Bytes are this peer's all-reduce payload per full-group round as the round records count them "
-              "(`averaging.traffic.round_payload`: sends in the codec, returns in fp16, headers excluded).",
+              "(`averaging.traffic.round_payload`: sends in the codec, returns in the return code, headers excluded).",
               "CPU cores used: all peer processes with their DHT, averager and p2pd, over the training window.", ""]
     return "\n".join(lines)
 
@@ -213,8 +221,8 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="shoal-compression-"))
     os.environ.setdefault("SHOAL_CACHE_DIR", str(root / "cache"))
     chosen = [v for v in VARIANTS if v[0] in args.variants]
-    configs = {name: variant_config(args.config, code, feedback, root, name, args.round_seconds)
-               for name, code, feedback in chosen}
+    configs = {name: variant_config(args.config, code, feedback, returns, root, name, args.round_seconds)
+               for name, code, feedback, returns in chosen}
     numel = count_parameters(build_model(load_config(next(iter(configs.values()))).model, seed=0))
     results = {}
     with netns.Network(args.peers, mbit=args.mbit) if capped else nullcontext() as net:

@@ -40,7 +40,7 @@ class AveragingConfig:
 
     compression: str = "fp16"  # fp32 (or none) | fp16 | int8 | int4 | int2 (docs/codecs.md)
     block_size: int = 0  # int codes: values per fp16 scale; 0 = the code's default (64 int8/int4, 256 int2)
-    return_compression: str = "fp16"  # int codes: how reducers return averages, fp16 | int8 (drifts faster)
+    return_compression: str = "fp16"  # int codes: how reducers return averages, fp16 | int8 | int4
     error_feedback: bool = True  # int codes: what quantization drops re-enters the next round (per peer)
     target_group_size: int = 0  # 0 = everybody; else the maximum group size (Moshpit sub-groups)
     min_group_size: int = 2
@@ -59,7 +59,7 @@ class AveragingConfig:
             raise ConfigError(f"averaging.compression ({self.compression!r}) must be one of: {', '.join(COMPRESSIONS)}")
         if self.return_compression not in RETURN_CODES:
             raise ConfigError(f"averaging.return_compression ({self.return_compression!r}) must be one of: "
-                              f"{', '.join(RETURN_CODES)} (int4/int2 returns drift past the consistency tolerance)")
+                              f"{', '.join(RETURN_CODES)} (int2 is too coarse for the average)")
         if not 0 <= self.block_size <= 2**16:
             raise ConfigError(f"averaging.block_size ({self.block_size}) must be in [1, 65536], or 0 for the codec's "
                               "default (64 for int8/int4, 256 for int2)")

@@ -1,7 +1,9 @@
-"""Three real hivemind averagers on loopback average error-fed int4 (fp16 returns) and int8 (int8
-returns) pseudo-gradients through ``averaging.hivemind_codecs``: every peer ends within the return
-code's bound of the exact weighted mean of what was sent, and shared counters (forked into the
-averager processes) show our codec encoded every part sent and every delta returned."""
+"""Three real hivemind averagers on loopback average error-fed int4 (fp16 returns: hivemind's
+deltas, plain ``DecentralizedAverager``) and int8 (int4 returns: the quantized average, shoal's
+runner in ``ShoalAverager``) pseudo-gradients through ``averaging.hivemind_codecs``: every peer ends
+within the return code's bound of the exact weighted mean of what was sent (with int4 returns, all
+at the same values), and shared counters (forked into the averager processes) show our codec
+encoded every part sent and every delta or average returned."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from hivemind.compression import serialization
 
 from averaging import codecs, hivemind_codecs
 from averaging.error_feedback import balanced_part_size, compensate
+from averaging.hivemind_backend import ShoalAverager
 from averaging.hivemind_codecs import ReturnCodec, ShoalCodec
+from averaging.robust import RobustConfig
 from tests.integration.averagers import loopback_averagers
 
 pytestmark = pytest.mark.integration
@@ -26,7 +30,7 @@ pytestmark = pytest.mark.integration
 NUMEL = 30_000
 PEERS = 3
 WEIGHTS = (1.0, 2.0, 0.5)
-CASES = {"int4": ("int4", "fp16"), "int8": ("int8", "int8")}
+CASES = {"int4": ("int4", "fp16"), "int8": ("int8", "int4")}
 
 
 class Counter:
@@ -77,13 +81,23 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
     part_lengths = [min(part_values, NUMEL - start) for start in range(0, NUMEL, part_values)]
     assert len(part_lengths) == PEERS  # one part per reducer: every peer reduces
 
-    # 1. Count every returned delta: the registry is forked into the averagers with this module state.
+    # 1. Count every returned delta or average: the registry and hivemind_codecs are forked into
+    #    the averagers with this module state.
     returns = {}
     for name, (code, ret) in CASES.items():
         number = hivemind_codecs.wire_type(code, ret)
         returns[name] = CountingReturnCodec(number, ret)
         returns[name].counter = Counter()
         monkeypatch.setitem(serialization._BASE_COMPRESSION_TYPES, hivemind_codecs.WIRE_NAMES[number], returns[name])
+    averages_sent = Counter()
+    original_message = hivemind_codecs.message
+
+    def counting_message(data, tensor, compression_type):  # what shoal's runner sends a member
+        averages_sent.add(len(data))
+        return original_message(data, tensor, compression_type)
+
+    monkeypatch.setattr(hivemind_codecs, "message", counting_message)
+    returns["int8"].counter = averages_sent  # int4 returns go out as averages, not through compress
     sends = {name: Counter() for name in CASES}
 
     # 2. Error-fed pseudo-gradients: what each peer sends is on the codec's grid.
@@ -102,10 +116,13 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
         p2pd = p2pd_descendants()
         for name, (code, ret) in CASES.items():
             for dht, vector in zip(dhts, to_send[name]):
-                averagers[name].append(hivemind.DecentralizedAverager(
+                # Average returns need shoal's runner; fp16 returns go through hivemind's own.
+                shoal = ({"state_provider": lambda: ({}, []), "robust": RobustConfig(aggregation="mean")}
+                         if ret != "fp16" else {})
+                averagers[name].append((ShoalAverager if shoal else hivemind.DecentralizedAverager)(
                     averaged_tensors=[vector.clone()], dht=dht, prefix=f"{prefix}-{name}", start=True,
                     target_group_size=PEERS, min_group_size=PEERS, min_matchmaking_time=2.0, request_timeout=1.0,
-                    allreduce_timeout=30.0, compression=counting_codec(code, ret, part_values, sends[name])))
+                    allreduce_timeout=30.0, compression=counting_codec(code, ret, part_values, sends[name]), **shoal))
 
         # 3. One round per codec, all three peers at once.
         for name, (code, ret) in CASES.items():
@@ -126,10 +143,10 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
                 delta = exact - q
                 if ret == "fp16":
                     bound = 2**-11 * delta.abs()
-                else:  # int8 blocks of 64 of the delta, each part encoded on its own
-                    blocks = torch.cat([part.view(-1) for part in delta.split(part_values)])
-                    absmax = torch.stack([b.abs().max() for b in blocks.split(64)])
-                    bound = ((0.5 + 2**-11) / 127 * absmax).repeat_interleave(64)[:NUMEL]
+                else:  # int4 blocks of 64 of the average (not the delta), each part encoded on its own
+                    absmax = torch.cat([block.abs().max().view(1) for part in exact.split(part_values)
+                                        for block in part.split(64)])
+                    bound = ((0.5 + 2**-11) / 7 * absmax).repeat_interleave(64)[:NUMEL]
                 bound = bound + 1e-6 * exact.abs().max()  # fp32 accumulation in the reducer
                 bounds.append(bound)
                 error = (result.double() - exact).abs()
@@ -137,13 +154,17 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
             for i in range(PEERS):
                 for j in range(i):
                     gap = (results[i].double() - results[j].double()).abs()
-                    assert bool((gap <= bounds[i] + bounds[j]).all())
+                    if ret == "fp16":  # each member's own return error
+                        assert bool((gap <= bounds[i] + bounds[j]).all())
+                    else:  # the same average for everyone: one fp32 rounding of own + (average - own) apart
+                        assert float(gap.max()) <= 2**-22 * float(exact.abs().max()), float(gap.max())
+                        assert float(gap.max()) < 1e-3 * float(bounds[i].max())
             if ret == "fp16":  # the bound tells what was sent: the mean of the raw vectors is far outside it
                 raw = sum(w * g.double() for w, g in zip(WEIGHTS, pseudo_grads)) / sum(WEIGHTS)
                 assert (results[0].double() - raw).abs().max() > 10 * bounds[0].max()
 
             # 5. Our codec was on the wire: each peer sent its 2 foreign parts in `code` and each
-            #    reducer returned 2 deltas in `ret` (a reducer's own part never leaves it).
+            #    reducer returned 2 deltas or averages in `ret` (a reducer's own part never leaves it).
             expected_sends = sum(codecs.encoded_size(n, code) for n in part_lengths) * (PEERS - 1)
             expected_returns = sum(codecs.encoded_size(n, ret) for n in part_lengths) * (PEERS - 1)
             #    hivemind retries a step whose all-reduce failed (a peer late on a loaded machine), and a

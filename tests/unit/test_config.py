@@ -98,7 +98,7 @@ def test_a_wrong_type_is_named(tmp_path, toml, match):
         ({"averaging.request_timeout": 3.0}, "averaging.request_timeout"),  # == matchmaking_seconds
         ({"averaging.request_timeout": 5.0}, "averaging.request_timeout"),
         ({"averaging.compression": "int3"}, "averaging.compression"),
-        ({"averaging.return_compression": "int4"}, "averaging.return_compression"),
+        ({"averaging.return_compression": "int2"}, "averaging.return_compression"),
         ({"averaging.block_size": -1}, "averaging.block_size"),
         ({"model.d_model": 66}, "model.d_model"),  # not divisible by n_head = 4
         ({"model.n_layer": 0}, "model.n_layer"),

@@ -14,7 +14,7 @@ from hivemind.averaging.partition import BannedException, TensorPartContainer
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from averaging import robust_allreduce
+from averaging import codecs, robust_allreduce
 from averaging.robust import RobustConfig
 from averaging.robust_allreduce import (
     CheckedPartContainer,
@@ -37,17 +37,18 @@ def test_the_self_check_notices_a_change(monkeypatch):
     assert robust_allreduce.check_hivemind() == ["AllReduceRunner._ban_sender"]
 
 
-def make_reducer(senders: int, refused: list) -> RobustPartReducer:
+def make_reducer(senders: int, refused: list, return_code: str | None = None) -> RobustPartReducer:
     """Build inside the event loop that uses it (the reducer creates asyncio futures)."""
     def refuse(index, reason):  # what the runner does: record, then fail the sender
         refused.append((index, reason))
         reducer.on_sender_failed(index)
 
-    reducer = RobustPartReducer(SHAPES, senders, config=RobustConfig(), local_sender_index=0, refuse=refuse)
+    reducer = RobustPartReducer(SHAPES, senders, config=RobustConfig(), local_sender_index=0, refuse=refuse,
+                                return_code=return_code)
     return reducer
 
 
-def run_senders(senders, refused, parts_by_sender, weights):
+def run_senders(senders, refused, parts_by_sender, weights, return_code=None, reducers=None):
     reducer = None
 
     async def sender(index):
@@ -61,7 +62,9 @@ def run_senders(senders, refused, parts_by_sender, weights):
 
     async def main():
         nonlocal reducer
-        reducer = make_reducer(senders, refused)
+        reducer = make_reducer(senders, refused, return_code)
+        if reducers is not None:
+            reducers.append(reducer)
         return await asyncio.wait_for(asyncio.gather(*(sender(i) for i in range(len(parts_by_sender)))), 5)
 
     return asyncio.run(main())
@@ -133,12 +136,30 @@ def test_an_honest_spread_of_weights_is_clipped_not_refused():
     assert torch.allclose(results[0][0], expected, atol=1e-6)
 
 
-def checked_container(tensor: torch.Tensor, peers: int) -> tuple[CheckedPartContainer, list]:
+@pytest.mark.parametrize("code", ["int8", "int4"])
+def test_with_quantized_returns_every_sender_gets_the_same_quantized_average(code):
+    refused, reducers = [], []
+    parts = [honest(0), honest(1), honest(2)]
+    results = run_senders(3, refused, parts, [1.0, 2.0, 1.0], return_code=code, reducers=reducers)
+    assert refused == []
+    for part_index in range(2):
+        mean = (parts[0][part_index] + 2 * parts[1][part_index] + parts[2][part_index]) / 4
+        expected = codecs.quantize(mean, code)
+        assert not torch.equal(expected, mean)
+        for sender in range(3):  # bit for bit, for every member (the reducer's own part too)
+            assert torch.equal(results[sender][part_index], expected)
+        # ...and the bytes every member receives decode to exactly those values
+        assert torch.equal(codecs.decode(reducers[0].returns[part_index], max_numel=64), expected)
+
+
+def checked_container(tensor: torch.Tensor, peers: int,
+                      returns_average: frozenset[int] = frozenset()) -> tuple[CheckedPartContainer, list]:
     """Build inside the event loop that uses it (the container creates asyncio events)."""
     bad = []
     container = TensorPartContainer([tensor], [1.0] * peers, part_size_bytes=4 * 16)
     container.__class__ = CheckedPartContainer
     container.max_norm_ratio, container.on_bad_return, container.distrusted = 30.0, lambda i, r: bad.append(i), set()
+    container.returns_average = returns_average
     return container, bad
 
 
@@ -156,6 +177,25 @@ def test_a_lying_reducer_spoils_only_its_own_parts_which_we_then_keep_local():
     assert bad == [1]
     assert torch.equal(delta[:32], torch.full((32,), 0.5))
     assert torch.equal(delta[32:], torch.zeros(32))
+
+
+def test_a_returned_average_becomes_our_delta_and_a_lying_one_is_still_refused():
+    """Reducer 1 returns averages (int4 returns), reducer 0 is ourselves (hivemind hands us our own
+    result as a delta). A lying average is refused like a lying delta."""
+    async def collect(lie: bool):
+        own = torch.arange(64, dtype=torch.float32)
+        container, bad = checked_container(own, 2, returns_average=frozenset({1}))
+        for part_index in range(2):
+            container.register_processed_part(0, part_index, torch.full((16,), 0.5))
+            average = own[32 + 16 * part_index:48 + 16 * part_index] + (1e5 if lie else 0.25)
+            container.register_processed_part(1, part_index, average)
+        return [t async for t in container.iterate_output_tensors()], bad
+
+    (delta,), bad = asyncio.run(collect(lie=False))
+    assert bad == [] and torch.equal(delta[:32], torch.full((32,), 0.5))
+    assert torch.equal(delta[32:], torch.full((32,), 0.25))  # average - own
+    (delta,), bad = asyncio.run(collect(lie=True))
+    assert bad == [1] and torch.equal(delta[32:], torch.zeros(32))
 
 
 def gathered(bandwidth, mode: AveragingMode) -> bytes:

@@ -1,6 +1,6 @@
 """averaging.wire: error feedback with the residual in the live parameters is exact through folds,
 local rounds and re-syncs; fp16 returns keep anchors within the consistency tolerance over 100
-rounds; balanced block-aligned parts inside hivemind; honest per-round byte counts."""
+rounds and int8/int4 returns (the quantized average) keep them identical; balanced block-aligned parts inside hivemind; honest per-round byte counts."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def test_config_spellings_resolve_to_a_wire_format():
     assert WireFormat.of("int4", block_size=32, return_compression="int8").return_code == "int8"
     assert AveragingConfig(compression="int2").wire.block_size == 256
     assert AveragingConfig(compression="int4", error_feedback=False).wire.error_feedback is False
+    assert WireFormat.of("int4", return_compression="int4").return_bytes_per_value() < 0.54
     with pytest.raises(ValueError, match="return code"):
-        WireFormat.of("int4", return_compression="int4")  # drifts past the tolerance at once
+        WireFormat.of("int4", return_compression="int2")  # too coarse for an average nobody error-feeds
     with pytest.raises(ConfigError, match="averaging.compression"):
         AveragingConfig(compression="int3")
 
@@ -140,10 +141,15 @@ def test_without_feedback_the_residual_is_dropped():
 
 # -- return path: drift over 100 rounds -------------------------------------------------------------
 
-def _drift_run(return_code: str, rounds: int, *, peers: int = 3, numel: int = 4 * 4093) -> list[int]:
+def _delta_returns(code: str):
+    """Reducers returning ``average - own`` re-encoded in ``code`` (hivemind's way; not offered for int codes)."""
+    return lambda average, own: own + codecs.quantize(average - own, code)
+
+
+def _drift_run(returns, rounds: int, *, peers: int = 3, numel: int = 4 * 4093) -> list[int]:
     """Peers with their own outer state average error-fed int4 sends; each ends the round with
-    ``own + R(avg - own)`` (hivemind's reducers returning in ``return_code``) and applies it. Returns,
-    per round, how many peers the consistency check (default tolerance) says diverged."""
+    ``returns(avg, own)`` and applies it. Returns, per round, how many peers the consistency check
+    (default tolerance) says diverged."""
     generator = torch.Generator().manual_seed(0)
     layout = FlatLayout.of([("w", torch.zeros(numel))])
     init = torch.randn(numel, generator=generator)
@@ -160,18 +166,25 @@ def _drift_run(return_code: str, rounds: int, *, peers: int = 3, numel: int = 4 
             sends.append(feedback.to_send)
         average = sum(sends) / peers
         for state, own in zip(states, sends):
-            state.apply(returned(average, own, return_code), round=round)
+            state.apply(returns(average, own), round=round)
         verdict = consensus({str(j): s.claim() for j, s in enumerate(states)})
         diverged.append(len(verdict.diverged))
     return diverged
 
 
 def test_fp16_returns_keep_anchors_within_the_tolerance_over_100_rounds():
-    assert sum(_drift_run("fp16", 100)) == 0
+    assert sum(_drift_run(lambda average, own: returned(average, own, "fp16"), 100)) == 0
 
 
-def test_int4_returns_would_trip_the_check_which_is_why_they_are_not_offered():
-    assert sum(_drift_run("int4", 10)) > 0  # the drift test above can fail
+@pytest.mark.parametrize("code", ["int8", "int4"])
+def test_quantized_returns_carry_the_average_so_anchors_never_drift(code):
+    assert sum(_drift_run(lambda average, own: returned(average, own, code), 100)) == 0
+    average, own = torch.randn(1000), torch.randn(1000)
+    assert torch.equal(returned(average, own, code), returned(average, -own, code))  # the same for every member
+
+
+def test_int4_deltas_would_trip_the_check_which_is_why_returns_carry_the_average():
+    assert sum(_drift_run(_delta_returns("int4"), 10)) > 0  # the drift tests above can fail
 
 
 # -- hivemind: parts, codec, bytes ------------------------------------------------------------------
