@@ -72,6 +72,7 @@ from averaging.robust_allreduce import (
     RobustAllReduceRunner,
     RobustCounters,
     ShoalMatchmaking,
+    ShoalPotentialLeaders,
     gathered_proof,
     vet_group,
 )
@@ -115,6 +116,7 @@ StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
 UpdateProvider = Callable[[int], AppliedUpdate | None]
 FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
 LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+ASSEMBLY_LATENCY_S = 0.5  # a leader's group message to its followers, beyond request_timeout
 STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
 UPDATE_VERSION = 1
 # What a donor serves at once (state slices and outer updates), so that requests cannot exhaust
@@ -188,6 +190,10 @@ class ShoalAverager(DecentralizedAverager):
     def _matchmaking(self, matchmaking: Matchmaking) -> None:
         matchmaking.__class__ = ShoalMatchmaking
         matchmaking.ban_list = self._ban_list
+        # A group must reach its followers before they give up (robust_allreduce.declared_expiration):
+        # a leader's answer can wait up to request_timeout behind its own join request, plus latency.
+        matchmaking.potential_leaders.__class__ = ShoalPotentialLeaders
+        matchmaking.potential_leaders.margin = matchmaking.request_timeout + ASSEMBLY_LATENCY_S
         self.__dict__["_matchmaking"] = matchmaking
 
     @contextlib.contextmanager

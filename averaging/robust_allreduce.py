@@ -45,11 +45,13 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import TimedStorage
 from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
 
 from averaging import hivemind_codecs, robust
@@ -75,6 +77,7 @@ REVIEWED = {
     "Matchmaking.follower_assemble_group": "2fc9715f5e6de487d880a919217efea5ae3d917cba393fcbe30301e72df4df3d",
     "Matchmaking._request_join_group": "df823040a94d1c1ddb28c15536b631502954dd03024ac943820a21075e335b43",
     "Matchmaking._check_reasons_to_reject": "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3",
+    "PotentialLeaders._declare_averager_periodically": "36280203c3a0aca00f4592ce13e4bac4f04c3177cae282101acce4c81458c501",
 }
 ORIGINALS: dict[str, Callable] = {
     "DecentralizedAverager._aggregate_with_group": DecentralizedAverager._aggregate_with_group,
@@ -91,6 +94,7 @@ ORIGINALS: dict[str, Callable] = {
     "Matchmaking.follower_assemble_group": Matchmaking.follower_assemble_group,
     "Matchmaking._request_join_group": Matchmaking._request_join_group,
     "Matchmaking._check_reasons_to_reject": Matchmaking._check_reasons_to_reject,
+    "PotentialLeaders._declare_averager_periodically": PotentialLeaders._declare_averager_periodically,
 }
 
 
@@ -251,6 +255,59 @@ class CheckedPartContainer(TensorPartContainer):
                 part = torch.zeros_like(own)  # keep our local values for this reducer's parts
                 self.failed_size += part.numel()
         super().register_processed_part(peer_index, part_index, part)
+
+
+def declared_expiration(now: float, *, scheduled_time: float, min_matchmaking_time: float, search_end: float,
+                        margin: float) -> float | None:
+    """When we declare our search to end (a leader assembles its group then), or None: too late.
+
+    hivemind 1.1.12 declares ``min(max(scheduled, now + min_matchmaking_time), search_end)``, with
+    ``search_end`` the step's deadline, which is also when a follower gives up waiting for its
+    leader's group (``look_for_group``'s timeout). Past the scheduled time (a peer whose first
+    search failed searches again) every declaration is therefore the deadline itself: a leader
+    assembles its group just as its followers give up, and whether they hear of it is decided by
+    milliseconds of latency. A follower that missed it reports "could not find a group" while
+    the others wait out the sender timeout for its parts and keep their own values for the share
+    it should have reduced. Ours ends ``margin`` before the deadline (the leader's answer then has
+    that long to arrive), and once that is past we declare nothing more: a group formed so late
+    could not reach its followers in time. Never before the scheduled time: the first search keeps
+    hivemind's expirations."""
+    latest = max(scheduled_time, search_end - margin)
+    expiration = min(max(scheduled_time, now + min_matchmaking_time), latest)
+    return expiration if expiration > now else None
+
+
+class ShoalPotentialLeaders(PotentialLeaders):
+    """hivemind's search for leaders with ``declared_expiration`` (set up by ``ShoalAverager``: an
+    existing instance is given this class and a ``margin``)."""
+
+    margin: float
+
+    async def _declare_averager_periodically(self, step, key_manager) -> None:
+        # hivemind's loop (1.1.12, in REVIEWED) with our expiration, and an end once it is None.
+        async with self.lock_declare:
+            try:
+                while True:
+                    await self.running.wait()
+                    expiration = declared_expiration(
+                        get_dht_time(), scheduled_time=step.scheduled_time,
+                        min_matchmaking_time=self.min_matchmaking_time, search_end=self.search_end_time,
+                        margin=self.margin)
+                    if expiration is None:
+                        return
+                    self.declared_group_key = group_key = key_manager.current_key
+                    self.declared_expiration_time = expiration
+                    self.declared_expiration.set()
+                    await key_manager.declare_averager(group_key, self.peer_id, expiration_time=expiration)
+                    await asyncio.sleep(self.declared_expiration_time - get_dht_time())
+                    if self.running.is_set() and len(self.leader_queue) == 0:
+                        await key_manager.update_key_on_not_enough_peers()
+            finally:
+                if self.declared_group_key is not None:  # withdraw what we declared, as hivemind does
+                    key, expiration = self.declared_group_key, self.declared_expiration_time
+                    self.declared_group_key, self.declared_expiration_time = None, float("inf")
+                    self.leader_queue, self.max_assured_time = TimedStorage[PeerID, float](), float("-inf")
+                    await key_manager.declare_averager(key, self.peer_id, expiration, looking_for_group=False)
 
 
 class ShoalMatchmaking(Matchmaking):

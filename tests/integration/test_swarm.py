@@ -1,6 +1,6 @@
 """Three real `shoal run` processes on loopback train the tiny model together (real DHT, real
-butterfly all-reduce of error-fed int4 sends with fp16 returns through shoal's codecs; the default fp16
-path runs in every other swarm test); one of them in client mode, as behind a NAT, and throttled to a
+butterfly all-reduce of error-fed int4 sends, reducers returning the int4-quantized average, through
+shoal's codecs and runner; the default fp16 path runs in every other swarm test); one of them in client mode, as behind a NAT, and throttled to a
 third of its speed (a slower GPU): in overlap mode it does not hold the fast ones back, and it
 contributes anyway. (One swarm for both: each costs over a minute of the CI's budget.)"""
 
@@ -42,12 +42,13 @@ FP16_UNIT_ROUNDOFF = 2.0**-11
 @pytest.mark.timeout(400)
 # int4 only: the default fp16 path runs in every other swarm test (churn: 4 peers, anchors compared),
 # and one 3-peer run costs over a minute of the CI's budget.
-@pytest.mark.parametrize("compression", ["int4"])
-def test_three_peers_train_one_model(swarm, compression):
+@pytest.mark.parametrize(("compression", "returns"), [("int4", "int4")])
+def test_three_peers_train_one_model(swarm, compression, returns):
     config_path = every_round_checkpoints(
         swarm.root / f"tiny-{compression}.toml",
-        text=TINY.read_text().replace('compression = "fp16"', f'compression = "{compression}"'))
-    assert load_config(config_path).averaging.compression == compression
+        text=TINY.read_text().replace('compression = "fp16"',
+                                      f'compression = "{compression}"\nreturn_compression = "{returns}"'))
+    assert load_config(config_path).averaging.wire.return_code == returns
     first = swarm.start("a", *ROUND, config=config_path)
     address = first.wait_for_address()
     # c is behind a NAT as far as it knows: client mode, outgoing connections only; and slow.
@@ -62,7 +63,7 @@ def test_three_peers_train_one_model(swarm, compression):
     assert len(common) >= 3, {name: sorted(r) for name, r in per_peer.items()}
     config = load_config(config_path)
     init = torch.cat([p.detach().flatten() for p in build_model(config.model, seed=config.train.seed).parameters()])
-    wire = WireFormat.of(compression)
+    wire = WireFormat.of(compression, return_compression=returns)
     for name, rounds in per_peer.items():
         # Each round record says what the all-reduce moved, sends and returns each in their code.
         expected = round_payload(init.numel(), 3, send_bytes_per_value=wire.send_bytes_per_value(),
@@ -99,19 +100,21 @@ def test_three_peers_train_one_model(swarm, compression):
     evals = [per_peer["a"][r]["eval_loss"] for r in sorted(per_peer["a"]) if per_peer["a"][r]["eval_loss"] is not None]
     assert evals[-1] < evals[0], evals
 
-    # The anchors agree. fp16 compression (or int4 sends with fp16 returns: every reducer averages
-    # the same int4 values, since error-fed sends are on the codec's grid) makes each peer add fp16(avg - local) to its own
-    # local value, so the averaged pseudo-gradients differ by at most 2^-11 of |avg - local| per
-    # element, and an error e in one round moves the anchor by lr/(1-mu) * e = 7e in total. Over
-    # the common rounds that stays far below 1% of how far the anchor moved from its init; a
-    # failed part (a peer keeping its own pseudo-gradient) would be of the order of that movement.
+    # The anchors agree. Every reducer averages the same int4 values (error-fed sends are on the
+    # codec's grid). With fp16 returns each peer adds fp16(avg - local) to its own local value, so
+    # the averaged pseudo-gradients differ by at most 2^-11 of |avg - local| per element, and an
+    # error e in one round moves the anchor by lr/(1-mu) * e = 7e in total: over the common rounds
+    # far below 1% of how far the anchor moved from its init. With int4 returns every peer gets
+    # the same quantized average, so they differ only by the fp32 rounding of local + (avg - local)
+    # (2^-24 relative): a thousand times tighter still. A failed part (a peer keeping its own
+    # pseudo-gradient) would be of the order of the anchor's movement.
     anchors = {}
     for peer in peers:
         checkpoint = load_latest_valid(peer.checkpoint_dir)  # the one written when it left
         assert checkpoint is not None and checkpoint.round >= last, (peer.name, checkpoint)
         anchors[peer.name] = anchor_at(peer, last)
     moved = (anchors["a"] - init).square().mean().sqrt()
-    bound = 7 * 2 * FP16_UNIT_ROUNDOFF * len(common)
+    bound = 7 * 2 * (FP16_UNIT_ROUNDOFF if wire.return_code == "fp16" else 2**-20) * len(common)
     for x, y in itertools.combinations(anchors, 2):
         rms_diff = (anchors[x] - anchors[y]).square().mean().sqrt()
         print(f"anchors {x}-{y}: rms diff {rms_diff:.3e}, max diff {(anchors[x] - anchors[y]).abs().max():.3e}, "

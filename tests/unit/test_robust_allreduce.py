@@ -5,11 +5,14 @@ code that was reviewed."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import types
 
 import pytest
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.averaging.partition import BannedException, TensorPartContainer
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
@@ -254,3 +257,61 @@ def test_in_a_private_swarm_every_member_of_a_group_must_prove_the_key():
     assert gathered_proof(MSGPackSerializer, admitted_entry(key, PEERS[1])) == make_proof(key, str(PEERS[1]))
     assert gathered_proof(MSGPackSerializer, b"\xc1") is None
     vet(PEERS, [admitted_entry(None, peer) for peer in PEERS])  # a public swarm asks for nothing
+
+
+# -- matchmaking: a group reaches its followers before they give up ----------------------------------
+
+def test_after_the_scheduled_time_a_search_ends_a_margin_before_the_deadline():
+    """hivemind declares min(max(S, now + 3), deadline): past S that is the deadline itself, when
+    followers give up. Ours leaves the margin for the leader's answer, and stops once it is past."""
+    expiration = functools.partial(robust_allreduce.declared_expiration, scheduled_time=100.0,
+                                   min_matchmaking_time=3.0, search_end=106.0, margin=2.0)
+    assert expiration(90.0) == 100.0  # the first search: hivemind's own expiration, the scheduled time
+    assert expiration(98.0) == 101.0  # a late start: now + min_matchmaking_time
+    assert expiration(101.0) == 104.0  # a second search after S: hivemind would say 104 too...
+    assert expiration(102.5) == 104.0  # ...but here it would say 106, the followers' deadline
+    assert expiration(104.0) is None and expiration(105.9) is None  # too late to lead a group
+    # Never before the scheduled time, whatever the margin: the first search is hivemind's.
+    assert robust_allreduce.declared_expiration(99.0, scheduled_time=100.0, min_matchmaking_time=3.0,
+                                                search_end=101.0, margin=2.0) == 100.0
+
+
+class RecordingKeys:
+    current_key = "prefix.0b0"
+
+    def __init__(self):
+        self.declared = []
+
+    async def declare_averager(self, key, peer_id, expiration_time, looking_for_group=True):
+        self.declared.append((expiration_time, looking_for_group))
+        return True
+
+    async def update_key_on_not_enough_peers(self):
+        pass
+
+
+def test_the_search_declares_our_expiration_and_withdraws_it():
+    from hivemind.utils import get_dht_time
+
+    async def declare(scheduled_in: float, deadline_in: float, run_s: float):
+        now = get_dht_time()
+        leaders = PotentialLeaders(PeerID(b"\x12\x20" + bytes(32)), 3.0, None)
+        leaders.__class__ = robust_allreduce.ShoalPotentialLeaders
+        leaders.margin = 2.0
+        leaders.search_end_time = now + deadline_in
+        leaders.running.set()
+        keys = RecordingKeys()
+        step = types.SimpleNamespace(scheduled_time=now + scheduled_in)
+        task = asyncio.create_task(leaders._declare_averager_periodically(step, keys))
+        await asyncio.sleep(run_s)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return now, keys.declared
+
+    # After the scheduled time: declared to end 2 s before the deadline (hivemind: at it), then withdrawn.
+    now, declared = asyncio.run(declare(scheduled_in=-1.0, deadline_in=2.3, run_s=0.6))
+    assert declared[0][1] and declared[0][0] == pytest.approx(now + 0.3, abs=0.05)
+    assert declared[-1][1] is False and all(e <= now + 0.3 + 1e-6 for e, _ in declared)
+    # Too late to lead a group: nothing is declared at all.
+    _, declared = asyncio.run(declare(scheduled_in=-1.0, deadline_in=1.5, run_s=0.2))
+    assert declared == []
