@@ -49,10 +49,10 @@ from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import PeerID
-from hivemind.utils.timed_storage import TimedStorage
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
+from hivemind.utils.timed_storage import TimedStorage
 
 from averaging import hivemind_codecs, robust
 from averaging.robust import BanList, RobustConfig
