@@ -47,6 +47,8 @@ QUANTIZED_CODES = ("int8", "int4", "int2")
 # too coarse for an average nobody can error-feed (docs/codecs.md, Return path).
 RETURN_CODES = ("fp16", "int8", "int4")
 AVERAGE_RETURN_CODES = ("int8", "int4")
+# ``averaging.return_compression = "auto"``: returns as fine as the sends, int4 at the coarsest.
+AUTO_RETURN = {"int8": "int8", "int4": "int4", "int2": "int4"}
 # ``averaging.compression`` values; "none" is the older spelling of fp32.
 COMPRESSIONS = (*FLOAT_CODES, "none", *QUANTIZED_CODES)
 # Parts are balanced for this many members when the group size is open: a multiple of 12 near-equal
@@ -79,12 +81,15 @@ class WireFormat:
             raise ValueError(f"{self.code} returns in {self.code} and has no block size")
 
     @classmethod
-    def of(cls, compression: str, *, return_compression: str = "fp16", block_size: int = 0,
+    def of(cls, compression: str, *, return_compression: str = "auto", block_size: int = 0,
            error_feedback: bool = True) -> WireFormat:
-        """From the config's spelling (``none`` = fp32; block size 0 = the code's default)."""
+        """From the config's spelling (``none`` = fp32; block size 0 = the code's default;
+        return ``auto`` = ``AUTO_RETURN``)."""
         code = canonical(compression)
         if code in FLOAT_CODES:
             return cls(code=code, return_code=code, block_size=0, error_feedback=False)
+        if return_compression == "auto":
+            return_compression = AUTO_RETURN.get(code, return_compression)
         return cls(code=code, return_code=return_compression, error_feedback=error_feedback,
                    block_size=block_size or codecs.get_code(code).default_block_size)
 

@@ -43,11 +43,16 @@ def test_config_spellings_resolve_to_a_wire_format():
 
 
 def test_int_codec_settings_join_the_manifest_and_fp16_runs_keep_theirs():
-    fp16 = sync_shared_fields(outer=OuterConfig(), rounds=_rounds(), averaging=AveragingConfig())
+    fp16 = sync_shared_fields(outer=OuterConfig(), rounds=_rounds(), averaging=AveragingConfig(compression="fp16"))
     assert not any(key in fp16 for key in ("averaging.block_size", "averaging.return_compression"))  # hash unchanged
-    int4 = sync_shared_fields(outer=OuterConfig(), rounds=_rounds(), averaging=AveragingConfig(compression="int4"))
+    int4 = sync_shared_fields(outer=OuterConfig(), rounds=_rounds(), averaging=AveragingConfig())  # the default
     assert int4["averaging.compression"] == "int4" and int4["averaging.block_size"] == 64
-    assert int4["averaging.return_compression"] == "fp16" and int4["averaging.target_group_size"] == 0
+    assert int4["averaging.return_compression"] == "int4" and int4["averaging.target_group_size"] == 0
+    # "auto" is resolved before it reaches the manifest: peers agree on the code, not on a spelling
+    explicit = AveragingConfig(compression="int4", return_compression="int4")
+    assert sync_shared_fields(outer=OuterConfig(), rounds=_rounds(), averaging=explicit) == int4
+    assert AveragingConfig(compression="int2").wire.return_code == "int4"
+    assert AveragingConfig(compression="int8").wire.return_code == "int8"
     # error feedback is per peer, never on the wire: not something peers must agree on
     assert "averaging.error_feedback" not in int4
 
@@ -58,7 +63,8 @@ def _rounds():
 
 
 @pytest.mark.parametrize(("ours", "theirs", "field"), [
-    ({}, {"compression": "int4"}, "averaging.compression"),
+    ({"compression": "fp16"}, {"compression": "int4"}, "averaging.compression"),
+    ({}, {"compression": "fp16"}, "averaging.compression"),
     ({"compression": "int4"}, {"compression": "int4", "block_size": 32}, "averaging.block_size"),
     ({"compression": "int4"}, {"compression": "int4", "return_compression": "int8"}, "averaging.return_compression"),
 ])
@@ -194,7 +200,8 @@ def test_the_averager_gets_shoal_codecs_with_balanced_block_aligned_parts(code, 
     wire = WireFormat.of(code)
     numel = 2_500_000  # 10 MB of fp32: the benchmark's size
     compression = averager_compression(wire, numel=numel, target_group_size=None)
-    assert isinstance(compression, ShoalCodec) and compression.code == code and compression.return_code == "fp16"
+    assert isinstance(compression, ShoalCodec) and compression.code == code
+    assert compression.return_code == wire.return_code == {"int8": "int8", "int4": "int4", "int2": "int4"}[code]
     assert compression.part_values % wire.block_size == 0
     container = TensorPartContainer([torch.zeros(numel)], (1.0,) * peers, compression=compression)
     sizes = [sum(part.numel() for part in container.get_raw_input_parts(i)) for i in range(peers)]
@@ -207,10 +214,13 @@ def test_the_averager_gets_shoal_codecs_with_balanced_block_aligned_parts(code, 
 
 
 def test_round_payload_counts_sends_and_returns_in_their_codes():
-    int4 = WireFormat.of("int4")
+    int4 = WireFormat.of("int4", return_compression="fp16")
     sent, received = round_payload(1_000_000, 4, send_bytes_per_value=int4.send_bytes_per_value(),
                                    return_bytes_per_value=int4.return_bytes_per_value())
     assert sent == received == round(3 / 4 * 1_000_000 * (0.53125 + 2))
+    both = WireFormat.of("int4")  # the default: int4 returns of the average
+    assert round_payload(1_000_000, 4, send_bytes_per_value=both.send_bytes_per_value(),
+                         return_bytes_per_value=both.return_bytes_per_value()) == (796_875, 796_875)
     client = round_payload(1_000_000, 4, send_bytes_per_value=0.53125, return_bytes_per_value=2, client_mode=True)
     assert client == (531_250, 2_000_000)
     assert round_payload(1_000, 1, send_bytes_per_value=2, return_bytes_per_value=2) == (0, 0)

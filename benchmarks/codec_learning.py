@@ -1,0 +1,211 @@
+"""What each codec costs in learning, with the network taken out: eval loss at equal tokens.
+
+    .venv/bin/python benchmarks/codec_learning.py [--peers 3] [--rounds 30] [--inner-steps 20] [--seeds 2]
+
+``compression.py`` measures bytes and all-reduce time on capped links, but its eval losses differ
+by ±10% between variants that are all "fp16-like": a few rounds each, a different number of
+inner steps per peer every run, machine noise. This benchmark asks only the learning question.
+``--peers`` peers are simulated in one process, one after the other, each with its own model
+copy, inner AdamW, data shard and batch order (the same in every variant); each round every peer
+takes ``--inner-steps`` steps, and the round's pseudo-gradients go through the same math a real
+round uses:
+
+- sends: ``WireFormat.to_send`` (error-fed codes send ``Q(g)``; the residual stays in the
+  parameters through ``accounted_for`` + ``merge_correction``, exactly as the round engine does;
+  fp16 sends are rounded to fp16 as hivemind's codec does);
+- the weighted mean of what was sent (equal weights: equal steps);
+- returns: ``averaging.wire.returned``: fp16 returns give each member ``own + fp16(avg - own)``
+  (hivemind's deltas), int8/int4 returns give every member the quantized average;
+- each peer applies the Nesterov outer step to its own anchor and momentum (``outer_step_``).
+
+So a variant differs from fp16 only by its codec, and the spread over ``--seeds`` (model init
+and data order) says how much of a difference is noise. What it leaves out: failures, stragglers
+and overlap (the real swarm benchmarks cover those), and hivemind's per-part exponent (parts are
+block-aligned, so blocks are the same; only the fp16 scales' shared exponent can differ).
+
+Writes ``benchmarks/results/codec_learning.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from averaging import codecs  # noqa: E402
+from averaging.merge import merge_correction  # noqa: E402
+from averaging.outer import outer_step_, pseudo_gradient  # noqa: E402
+from averaging.wire import WireFormat, accounted_for, returned  # noqa: E402
+from node.process.config import load_config  # noqa: E402
+from node.training.data import BatchSampler, eval_batches, load_corpus, shard_bounds, split_corpus  # noqa: E402
+from node.training.model import build_model  # noqa: E402
+from node.training.trainer import Trainer, inner_lr  # noqa: E402
+
+# (name, compression, error feedback, return code): the names compression.py uses. fp32 is the
+# noise reference: no codec error worth the name, so its distance from fp16 is what a negligible
+# perturbation does to a run's eval loss.
+VARIANTS = (("fp16", "fp16", False, "fp16"), ("fp32", "fp32", False, "fp32"), ("int8+EF", "int8", True, "fp16"), ("int4+EF", "int4", True, "fp16"),
+            ("int4", "int4", False, "fp16"), ("int2+EF", "int2", True, "fp16"), ("int2", "int2", False, "fp16"),
+            ("int8+EF+ret8", "int8", True, "int8"), ("int4+EF+ret4", "int4", True, "int4"),
+            ("int2+EF+ret4", "int2", True, "int4"))
+
+
+@dataclass
+class Peer:
+    trainer: Trainer
+    sampler: BatchSampler
+    anchor: torch.Tensor
+    momentum: torch.Tensor
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@torch.no_grad()
+def load_flat(model: torch.nn.Module, values: torch.Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        p.copy_(values[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def sent_values(wire: WireFormat, pseudo_grad: torch.Tensor) -> torch.Tensor:
+    """What the reducers average: ``to_send`` for the int codes; fp16 parts are cast by hivemind's
+    Float16Compression on the way (shoal's fp16 code rounds alike), fp32 parts arrive as they are."""
+    if wire.quantized or wire.code == "fp32":
+        return wire.to_send(pseudo_grad)
+    return codecs.quantize(pseudo_grad, "fp16")
+
+
+def run_variant(config, split, evals, wire: WireFormat, *, seed: int, peers: int, rounds: int,
+                inner_steps: int) -> dict:
+    torch.manual_seed(seed)
+    init = flat(build_model(config.model, seed=seed))
+    swarm = []
+    for index in range(peers):
+        model = build_model(config.model, seed=seed)
+        sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size, seed=[seed, index],
+                               held_out=split.held_out,
+                               bounds=shard_bounds(len(split.tokens), config.data.num_shards, index % config.data.num_shards))
+        swarm.append(Peer(Trainer(model, config.inner, config.train, torch.device("cpu")), sampler,
+                          init.clone(), torch.zeros_like(init)))
+    batch_tokens = config.data.batch_size * config.model.seq_len
+    curve = []
+    for round in range(rounds):
+        sends, grads = [], []
+        for peer in swarm:
+            for step in range(inner_steps):
+                x, y = peer.sampler.next_batch()
+                peer.trainer.inner_step(x, y, inner_lr(config.inner, round + step / inner_steps))
+            grads.append(pseudo_gradient(peer.anchor, flat(peer.trainer.model)))
+            sends.append(sent_values(wire, grads[-1]))
+        average = torch.stack(sends).mean(dim=0)
+        for peer, g, sent in zip(swarm, grads, sends):
+            old_anchor = peer.anchor.clone()
+            outer_step_(peer.anchor, returned(average, sent, wire.return_code), peer.momentum,
+                        lr=config.outer.lr, mu=config.outer.momentum, nesterov=config.outer.nesterov)
+            accounted = accounted_for(g, sent, averaged=True, local=False, error_feedback=wire.error_feedback)
+            params = old_anchor - g  # the parameters at the round's end (blocking: no work since)
+            load_flat(peer.trainer.model, params + merge_correction(peer.anchor, old_anchor, accounted, contributed=True))
+        eval_loss = _eval(swarm[0], swarm[0].anchor, evals)
+        curve.append(((round + 1) * peers * inner_steps * batch_tokens, eval_loss))
+    drift = max(float((p.anchor - swarm[0].anchor).square().mean().sqrt()) for p in swarm)
+    moved = float((swarm[0].anchor - init).square().mean().sqrt())
+    return {"curve": curve, "final_eval": curve[-1][1], "anchor_drift": drift, "anchor_moved": moved}
+
+
+def _eval(peer: Peer, anchor: torch.Tensor, evals) -> float:
+    views, offset = {}, 0
+    for name, p in peer.trainer.model.named_parameters():
+        views[name] = anchor[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return peer.trainer.evaluate_anchor(views, evals)
+
+
+def report(results: dict, args, numel: int, seconds: float) -> str:
+    names = list(results)
+    base = results["fp16"]
+    lines = [
+        f"# Codecs and learning: {args.peers} simulated peers, {args.rounds} rounds of {args.inner_steps} inner steps, "
+        f"{args.seeds} seeds", "",
+        f"Command: `.venv/bin/python benchmarks/codec_learning.py --peers {args.peers} --rounds {args.rounds} "
+        f"--inner-steps {args.inner_steps} --seeds {args.seeds}`; model {numel:,} parameters "
+        f"({args.config.name}); {seconds / 60:.0f} min. Every variant trains on the same batches in the same "
+        "order from the same init (per seed); only the codec differs.", "",
+        "| variant | eval loss at the end (mean over seeds) | vs fp16 | per seed | vs fp16 per seed | "
+        "anchor drift between peers (rel. to movement) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        finals = [r["final_eval"] for r in results[name]]
+        base_finals = [r["final_eval"] for r in base]
+        mean, base_mean = statistics.mean(finals), statistics.mean(base_finals)
+        per_seed = " / ".join(f"{f:.4f}" for f in finals)
+        per_seed_ratio = " / ".join(f"{f / b - 1:+.2%}" for f, b in zip(finals, base_finals))
+        drift = max(r["anchor_drift"] / r["anchor_moved"] for r in results[name])
+        lines.append(f"| {name} | {mean:.4f} | {mean / base_mean - 1:+.2%} | {per_seed} | {per_seed_ratio} | {drift:.1e} |")
+    tokens = results["fp16"][0]["curve"][-1][0]
+    lines += ["", f"Equal tokens: every variant trained {tokens:,} tokens over the swarm. Eval loss: peer 0's anchor "
+              "(the shared model) on the fixed held-out batches after the last round. Drift: the largest RMS "
+              "difference between a peer's anchor and peer 0's at the end, over the anchor's RMS movement from "
+              "its init (fp16 returns: per-member rounding; int8/int4 returns: 0, the same average for all).", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--inner-steps", type=int, default=20)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=[v[0] for v in VARIANTS])
+    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "bench.toml")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "codec_learning")
+    args = parser.parse_args()
+    if "fp16" not in args.variants:
+        args.variants = ["fp16", *args.variants]  # the reference
+    torch.set_num_threads(args.threads)
+    config = load_config(args.config)
+    config = dataclasses.replace(config, inner=dataclasses.replace(config.inner, total_rounds=float(args.rounds)))
+    split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
+                         block_bytes=config.data.eval_block_bytes)
+    evals = eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches)
+    numel = flat(build_model(config.model, seed=0)).numel()
+    started = time.time()
+    results: dict[str, list[dict]] = {}
+    for name, code, feedback, returns in VARIANTS:
+        if name not in args.variants:
+            continue
+        wire = WireFormat.of(code, return_compression=returns, error_feedback=feedback)
+        results[name] = []
+        for seed in range(args.seeds):
+            t0 = time.time()
+            results[name].append(run_variant(config, split, evals, wire, seed=seed, peers=args.peers,
+                                             rounds=args.rounds, inner_steps=args.inner_steps))
+            print(f"{name} seed {seed}: eval {results[name][-1]['final_eval']:.4f} ({time.time() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"numel": numel, "args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    text = report(results, args, numel, time.time() - started)
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    sys.exit(main())
