@@ -1,6 +1,7 @@
 """What each codec costs in learning, with the network taken out: eval loss at equal tokens.
 
     .venv/bin/python benchmarks/codec_learning.py [--peers 3] [--rounds 30] [--inner-steps 20] [--seeds 2]
+        [--variants fp16,int4+EF+ret4] [--add]
 
 ``compression.py`` measures bytes and all-reduce time on capped links, but its eval losses differ
 by ±10% between variants that are all "fp16-like": a few rounds each, a different number of
@@ -57,7 +58,7 @@ from node.training.trainer import Trainer, inner_lr  # noqa: E402
 # perturbation does to a run's eval loss.
 VARIANTS = (("fp16", "fp16", False, "fp16"), ("fp32", "fp32", False, "fp32"), ("int8+EF", "int8", True, "fp16"), ("int4+EF", "int4", True, "fp16"),
             ("int4", "int4", False, "fp16"), ("int2+EF", "int2", True, "fp16"), ("int2", "int2", False, "fp16"),
-            ("int8+EF+ret8", "int8", True, "int8"), ("int4+EF+ret4", "int4", True, "int4"),
+            ("int8", "int8", False, "fp16"), ("int8+EF+ret8", "int8", True, "int8"), ("int4+EF+ret4", "int4", True, "int4"),
             ("int2+EF+ret4", "int2", True, "int4"))
 
 
@@ -134,16 +135,21 @@ def _eval(peer: Peer, anchor: torch.Tensor, evals) -> float:
     return peer.trainer.evaluate_anchor(views, evals)
 
 
-def report(results: dict, args, numel: int, seconds: float) -> str:
+def command(args) -> str:
+    return (f".venv/bin/python benchmarks/codec_learning.py --peers {args.peers} --rounds {args.rounds} "
+            f"--inner-steps {args.inner_steps} --seeds {args.seeds} --variants {','.join(args.variants)}"
+            + (" --add" if args.add else ""))
+
+
+def report(results: dict, args, numel: int, minutes: float, commands: list[str], reproduced: str) -> str:
     names = list(results)
     base = results["fp16"]
     lines = [
         f"# Codecs and learning: {args.peers} simulated peers, {args.rounds} rounds of {args.inner_steps} inner steps, "
         f"{args.seeds} seeds", "",
-        f"Command: `.venv/bin/python benchmarks/codec_learning.py --peers {args.peers} --rounds {args.rounds} "
-        f"--inner-steps {args.inner_steps} --seeds {args.seeds}`; model {numel:,} parameters "
-        f"({args.config.name}); {seconds / 60:.0f} min. Every variant trains on the same batches in the same "
-        "order from the same init (per seed); only the codec differs.", "",
+        "Commands: " + "; then ".join(f"`{c}`" for c in commands) + f"; model {numel:,} parameters "
+        f"({args.config.name}); {minutes:.0f} min in all. Every variant trains on the same batches in the same "
+        "order from the same init (per seed); only the codec differs." + reproduced, "",
         "| variant | eval loss at the end (mean over seeds) | vs fp16 | per seed | vs fp16 per seed | "
         "anchor drift between peers (rel. to movement) |",
         "|---|---|---|---|---|---|",
@@ -174,7 +180,16 @@ def main() -> int:
     parser.add_argument("--variants", type=lambda s: s.split(","), default=[v[0] for v in VARIANTS])
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "bench.toml")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "codec_learning")
+    parser.add_argument("--add", action="store_true",
+                        help="add these variants to the results in --out's .json (same settings); fp16 runs "
+                             "again and must reproduce the stored fp16 numbers")
     args = parser.parse_args()
+    stored: dict = {}
+    if args.add:
+        stored = json.loads(args.out.with_suffix(".json").read_text())
+        for key in ("peers", "rounds", "inner_steps", "seeds", "config"):
+            if stored["args"][key] != str(getattr(args, key)):
+                raise SystemExit(f"--add: the stored results used {key} = {stored['args'][key]}, not {getattr(args, key)}")
     if "fp16" not in args.variants:
         args.variants = ["fp16", *args.variants]  # the reference
     torch.set_num_threads(args.threads)
@@ -197,10 +212,21 @@ def main() -> int:
                                              rounds=args.rounds, inner_steps=args.inner_steps))
             print(f"{name} seed {seed}: eval {results[name][-1]['final_eval']:.4f} ({time.time() - t0:.0f} s)",
                   file=sys.stderr, flush=True)
+    minutes = (time.time() - started) / 60 + stored.get("minutes", 0.0)
+    commands = [*stored.get("commands", []), command(args)]
+    reproduced = ""
+    if stored:
+        same = [new["final_eval"] == old["final_eval"] for new, old in zip(results["fp16"], stored["results"]["fp16"])]
+        reproduced = (" The second command's fp16 runs reproduced the first's eval losses bit for bit: the runs are "
+                      "deterministic." if all(same) else " The second command's fp16 runs did NOT reproduce the "
+                      f"first's eval losses exactly ({sum(same)} of {len(same)} seeds did).")
+        results = {name: results.get(name) or stored["results"][name]
+                   for name, *_ in VARIANTS if name in results or name in stored["results"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(
-        {"numel": numel, "args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
-    text = report(results, args, numel, time.time() - started)
+        {"numel": numel, "args": {k: str(v) for k, v in vars(args).items()}, "minutes": minutes,
+         "commands": commands, "results": results}, indent=1))
+    text = report(results, args, numel, minutes, commands, reproduced)
     args.out.with_suffix(".md").write_text(text)
     print(text)
     return 0
