@@ -157,8 +157,9 @@ class ShoalCodec(CompressionBase):
 def average_return_code(compression: CompressionBase) -> str | None:
     """The return code if reducers return the quantized average itself (int8/int4), else None
     (fp16/fp32 and hivemind's codecs: deltas)."""
-    code = getattr(compression, "return_code", None) if isinstance(compression, ShoalCodec) else None
-    return code if code in AVERAGE_RETURN_CODES else None
+    if isinstance(compression, ShoalCodec) and compression.return_code in AVERAGE_RETURN_CODES:
+        return compression.return_code
+    return None
 
 
 def encode_average(average: torch.Tensor, return_code: str) -> tuple[bytes, torch.Tensor]:

@@ -89,7 +89,7 @@ class WireFormat:
         if code in FLOAT_CODES:
             return cls(code=code, return_code=code, block_size=0, error_feedback=False)
         if return_compression == "auto":
-            return_compression = AUTO_RETURN.get(code, return_compression)
+            return_compression = AUTO_RETURN[code]
         return cls(code=code, return_code=return_compression, error_feedback=error_feedback,
                    block_size=block_size or codecs.get_code(code).default_block_size)
 

@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from averaging import codecs  # noqa: E402
+from averaging.flat import FlatLayout  # noqa: E402
 from averaging.merge import merge_correction  # noqa: E402
 from averaging.outer import outer_step_, pseudo_gradient  # noqa: E402
 from averaging.wire import WireFormat, accounted_for, returned  # noqa: E402
@@ -70,16 +71,15 @@ class Peer:
     momentum: torch.Tensor
 
 
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+def packed(layout: FlatLayout, model: torch.nn.Module) -> torch.Tensor:
+    return layout.pack(dict(model.named_parameters()), layout.new_buffer())
 
 
 @torch.no_grad()
-def load_flat(model: torch.nn.Module, values: torch.Tensor) -> None:
-    offset = 0
-    for p in model.parameters():
-        p.copy_(values[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+def load(layout: FlatLayout, model: torch.nn.Module, values: torch.Tensor) -> None:
+    params = dict(model.named_parameters())
+    for name, view in layout.views(values).items():
+        params[name].copy_(view)
 
 
 def sent_values(wire: WireFormat, pseudo_grad: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,9 @@ def sent_values(wire: WireFormat, pseudo_grad: torch.Tensor) -> torch.Tensor:
 def run_variant(config, split, evals, wire: WireFormat, *, seed: int, peers: int, rounds: int,
                 inner_steps: int) -> dict:
     torch.manual_seed(seed)
-    init = flat(build_model(config.model, seed=seed))
+    reference = build_model(config.model, seed=seed)
+    layout = FlatLayout.of(reference.named_parameters())
+    init = packed(layout, reference)
     swarm = []
     for index in range(peers):
         model = build_model(config.model, seed=seed)
@@ -110,7 +112,7 @@ def run_variant(config, split, evals, wire: WireFormat, *, seed: int, peers: int
             for step in range(inner_steps):
                 x, y = peer.sampler.next_batch()
                 peer.trainer.inner_step(x, y, inner_lr(config.inner, round + step / inner_steps))
-            grads.append(pseudo_gradient(peer.anchor, flat(peer.trainer.model)))
+            grads.append(pseudo_gradient(peer.anchor, packed(layout, peer.trainer.model)))
             sends.append(sent_values(wire, grads[-1]))
         average = torch.stack(sends).mean(dim=0)
         for peer, g, sent in zip(swarm, grads, sends):
@@ -119,20 +121,13 @@ def run_variant(config, split, evals, wire: WireFormat, *, seed: int, peers: int
                         lr=config.outer.lr, mu=config.outer.momentum, nesterov=config.outer.nesterov)
             accounted = accounted_for(g, sent, averaged=True, local=False, error_feedback=wire.error_feedback)
             params = old_anchor - g  # the parameters at the round's end (blocking: no work since)
-            load_flat(peer.trainer.model, params + merge_correction(peer.anchor, old_anchor, accounted, contributed=True))
-        eval_loss = _eval(swarm[0], swarm[0].anchor, evals)
+            load(layout, peer.trainer.model,
+                 params + merge_correction(peer.anchor, old_anchor, accounted, contributed=True))
+        eval_loss = swarm[0].trainer.evaluate_anchor(layout.views(swarm[0].anchor), evals)
         curve.append(((round + 1) * peers * inner_steps * batch_tokens, eval_loss))
     drift = max(float((p.anchor - swarm[0].anchor).square().mean().sqrt()) for p in swarm)
     moved = float((swarm[0].anchor - init).square().mean().sqrt())
     return {"curve": curve, "final_eval": curve[-1][1], "anchor_drift": drift, "anchor_moved": moved}
-
-
-def _eval(peer: Peer, anchor: torch.Tensor, evals) -> float:
-    views, offset = {}, 0
-    for name, p in peer.trainer.model.named_parameters():
-        views[name] = anchor[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return peer.trainer.evaluate_anchor(views, evals)
 
 
 def command(args) -> str:
@@ -198,7 +193,7 @@ def main() -> int:
     split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
                          block_bytes=config.data.eval_block_bytes)
     evals = eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches)
-    numel = flat(build_model(config.model, seed=0)).numel()
+    numel = FlatLayout.of(build_model(config.model, seed=0).named_parameters()).numel
     started = time.time()
     results: dict[str, list[dict]] = {}
     for name, code, feedback, returns in VARIANTS:
