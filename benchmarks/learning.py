@@ -167,6 +167,9 @@ def run_shoal(mode: str, seed: int, args, hosts, root: Path, evaluator: Evaluato
             "wall_s": curve[-1][0] if curve else None, "tokens_per_s": tokens_through(last) / train_s,
             "short_groups": {k: g for k, g in groups.items() if any(s != args.peers for s in g)},
             "waited_s": sum(r["wait_s"] for per in rounds.values() for r in per.values()),
+            # How long a sync took, hand-over to result: in overlap mode, the delay before its merge.
+            "sync_median_s": statistics.median(syncs) if (syncs := [r["sync_s"] for per in rounds.values()
+                                                                    for r in per.values() if r.get("sync_s")]) else None,
             "cpu": cpu.summary()}
 
 
@@ -376,6 +379,8 @@ def report(results: dict) -> str:
         if "waited_s" in run:
             notes.append(f"schedule began {run['schedule_start_s']:.1f} s after launch; first round trained by each "
                          f"peer {run['first_rounds']}; loop stalled {run['waited_s']:.1f} s (all peers)")
+        if run.get("sync_median_s") is not None:
+            notes.append(f"median sync {run['sync_median_s']:.2f} s (hand-over to result)")
         if run.get("setup_s") is not None:
             notes.append(f"training began {run['setup_s']:.1f} s after launch")
         if "throttle" in run:

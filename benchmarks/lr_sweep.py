@@ -1,0 +1,243 @@
+"""Tune shoal the way the learning benchmark tunes DDP: an lr grid at equal tokens, network taken out.
+
+    .venv/bin/python benchmarks/lr_sweep.py [--peers 4] [--rounds 30] [--inner-steps 36] [--seeds 1] \\
+        [--inner-lrs 0.003,0.006,0.012] [--outer 0.7:0.9,1.0:0.0] [--ddp-lrs 0.003,0.006,0.012,0.024] [--jobs 2]
+
+``learning.py`` compares shoal with DDP at equal tokens after tuning DDP's lr over a grid; shoal ran
+with its config's inner and outer rates, untuned. A fair comparison tunes both, and a grid of real
+4-peer swarms costs ~3 min per point on this machine. Here the peers are simulated in one process
+(as ``codec_learning.py`` does), so a point costs about a minute and is deterministic:
+
+- ``ddp``: one model, each step the mean gradient of ``--peers`` batches (one per rank, seeded as
+  ``ddp_baseline.py`` seeds its ranks), clipped, one AdamW step: what DDP computes, minus the fp16
+  rounding of its comm hook. ``rounds x inner-steps`` steps, so the same tokens as the swarm.
+- ``blocking`` DiLoCo: every peer takes ``--inner-steps`` steps, the fp16 pseudo-gradients are
+  averaged (fp16 sends and returns, ``averaging.wire``), the Nesterov outer step (``outer_step_``),
+  every peer restarts from the new anchor.
+- ``overlap``: as shoal's overlap mode: the round's snapshot is averaged while the peers go on
+  training; ``--delay`` of the next round's steps later the result is merged exactly as the round
+  engine merges it (``merge_correction``: the new anchor plus the work since the snapshot).
+
+Every run shares the learning benchmark's schedule (warmup 10% of the rounds, cosine to
+``min_lr_ratio`` at the end), model, data and eval batches (``configs/learning.toml``). What it
+leaves out: failures, stragglers, unequal step counts; the real swarm runs in ``learning.py`` keep
+those. The point of the sweep is which rates to give those runs.
+
+Writes ``benchmarks/results/lr_sweep.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from averaging import codecs  # noqa: E402
+from averaging.flat import FlatLayout  # noqa: E402
+from averaging.merge import merge_correction  # noqa: E402
+from averaging.outer import outer_step_, pseudo_gradient  # noqa: E402
+from averaging.wire import returned  # noqa: E402
+from node.process.config import load_config  # noqa: E402
+from node.training.data import BatchSampler, eval_batches, load_corpus, split_corpus  # noqa: E402
+from node.training.model import build_model  # noqa: E402
+from node.training.trainer import Trainer, inner_lr  # noqa: E402
+
+_DATA: dict = {}  # per worker process: the config, split and eval batches, loaded once
+
+
+def _setup(config_path: str, rounds: int) -> None:
+    torch.set_num_threads(1)
+    config = load_config(Path(config_path))
+    config = dataclasses.replace(config, inner=dataclasses.replace(
+        config.inner, total_rounds=float(rounds), warmup_rounds=0.1 * rounds))
+    split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
+                         block_bytes=config.data.eval_block_bytes)
+    _DATA.update(config=config, split=split,
+                 evals=eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches))
+
+
+def _samplers(seed: int, peers: int) -> list[BatchSampler]:
+    c, split = _DATA["config"], _DATA["split"]
+    return [BatchSampler(split.tokens, c.model.seq_len, c.data.batch_size, seed=[seed, rank], held_out=split.held_out)
+            for rank in range(peers)]
+
+
+def _trainer(seed: int, lr: float) -> Trainer:
+    c = _DATA["config"]
+    return Trainer(build_model(c.model, seed=seed), dataclasses.replace(c.inner, lr=lr), c.train, torch.device("cpu"))
+
+
+def _eval(trainer: Trainer, layout: FlatLayout, flat: torch.Tensor) -> float:
+    return trainer.evaluate_anchor(layout.views(flat), _DATA["evals"])
+
+
+def run_ddp(seed: int, peers: int, rounds: int, inner_steps: int, lr: float) -> dict:
+    trainer, samplers = _trainer(seed, lr), _samplers(seed, peers)
+    layout = FlatLayout.of(trainer.model.named_parameters())
+    curve = []
+    for step in range(rounds * inner_steps):
+        batches = [s.next_batch() for s in samplers]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        trainer.inner_step(x, y, inner_lr(trainer.inner, step / inner_steps))
+        if (step + 1) % (inner_steps * 5) == 0 or step + 1 == rounds * inner_steps:
+            params = layout.pack(dict(trainer.model.named_parameters()), layout.new_buffer())
+            curve.append(((step + 1) // inner_steps, _eval(trainer, layout, params)))
+    return {"curve": curve, "final_eval": curve[-1][1]}
+
+
+def run_diloco(seed: int, peers: int, rounds: int, inner_steps: int, lr: float, outer_lr: float, mu: float,
+               delay: int | None) -> dict:
+    """``delay`` None: blocking; else the merge lands after that many steps of the next round."""
+    trainers, samplers = [_trainer(seed, lr) for _ in range(peers)], _samplers(seed, peers)
+    layout = FlatLayout.of(trainers[0].model.named_parameters())
+    pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
+    anchor = pack(trainers[0])
+    anchors = [anchor.clone() for _ in range(peers)]
+    momenta = [torch.zeros_like(anchor) for _ in range(peers)]
+    pending: list | None = None  # per peer: (old anchor, sent pseudo-gradient) awaiting the merge
+
+    @torch.no_grad()
+    def add_(trainer: Trainer, delta: torch.Tensor) -> None:
+        params = dict(trainer.model.named_parameters())
+        for name, view in layout.views(delta).items():
+            params[name].add_(view)
+
+    def merge() -> None:
+        for t, a, (old, sent) in zip(trainers, anchors, pending):
+            add_(t, merge_correction(a, old, sent, contributed=True))
+
+    curve = []
+    for r in range(rounds):
+        for step in range(inner_steps):
+            if pending is not None and step == delay:
+                merge()
+                pending = None
+            for t, s in zip(trainers, samplers):
+                t.inner_step(*s.next_batch(), inner_lr(t.inner, r + step / inner_steps))
+        if pending is not None:  # a delay of a whole round or more: merge before the next snapshot
+            merge()
+            pending = None
+        sends = [codecs.quantize(pseudo_gradient(a, pack(t)), "fp16") for t, a in zip(trainers, anchors)]
+        average = torch.stack(sends).mean(dim=0)
+        olds = [a.clone() for a in anchors]
+        for a, m, sent in zip(anchors, momenta, sends):
+            outer_step_(a, returned(average, sent, "fp16"), m, lr=outer_lr, mu=mu, nesterov=True)
+        if delay is None:
+            for t, a, old, sent in zip(trainers, anchors, olds, sends):
+                add_(t, merge_correction(a, old, sent, contributed=True))
+        else:
+            pending = list(zip(olds, sends))
+        if (r + 1) % 5 == 0 or r + 1 == rounds:
+            curve.append((r + 1, _eval(trainers[0], layout, anchors[0])))
+    return {"curve": curve, "final_eval": curve[-1][1]}
+
+
+def _point(point: dict) -> dict:
+    t0 = time.time()
+    kind = point["kind"]
+    common = dict(seed=point["seed"], peers=point["peers"], rounds=point["rounds"], inner_steps=point["inner_steps"],
+                  lr=point["lr"])
+    if kind == "ddp":
+        result = run_ddp(**common)
+    else:
+        result = run_diloco(**common, outer_lr=point["outer_lr"], mu=point["mu"],
+                            delay=None if kind == "blocking" else point["delay"])
+    print(f"{label(point)} seed {point['seed']}: eval {result['final_eval']:.4f} ({time.time() - t0:.0f} s)",
+          file=sys.stderr, flush=True)
+    return {**point, **result, "seconds": time.time() - t0}
+
+
+def label(point: dict) -> str:
+    if point["kind"] == "ddp":
+        return f"ddp lr={point['lr']:g}"
+    return f"{point['kind']} inner={point['lr']:g} outer={point['outer_lr']:g}/{point['mu']:g}"
+
+
+def report(points: list[dict], args, commands: list[str], minutes: float) -> str:
+    by_label: dict[str, list[dict]] = {}
+    for p in points:
+        by_label.setdefault(label(p), []).append(p)
+    mean = {k: statistics.fmean(p["final_eval"] for p in v) for k, v in by_label.items()}
+    ddp = {k: v for k, v in mean.items() if k.startswith("ddp")}
+    best_ddp = min(ddp, key=ddp.get) if ddp else None
+    lines = [f"# lr sweep at equal tokens: {args.peers} simulated peers, {args.rounds} rounds of {args.inner_steps} "
+             f"inner steps, {args.seeds} seed(s)", "",
+             "Commands: " + "; then ".join(f"`{c.strip()}`" for c in commands) + f" ({minutes:.0f} min in all). Model, data, schedule and eval batches of "
+             f"{args.config.name}; overlap merges {args.delay} steps into the next round. Tokens per run: "
+             f"{args.rounds * args.inner_steps * args.peers * points[0]['batch_tokens']:,}.", "",
+             "| configuration | eval loss (mean over seeds) | per seed | vs best DDP |", "|---|---|---|---|"]
+    for key in sorted(mean, key=lambda k: (k.split()[0] != "ddp", k.split()[0], mean[k])):
+        per_seed = " / ".join(f"{p['final_eval']:.4f}" for p in by_label[key])
+        versus = f"{mean[key] / ddp[best_ddp] - 1:+.1%}" if best_ddp else "-"
+        lines.append(f"| {key}{' **best**' if key == best_ddp else ''} | {mean[key]:.4f} | {per_seed} | {versus} |")
+    for kind in ("blocking", "overlap"):
+        mine = {k: v for k, v in mean.items() if k.startswith(kind)}
+        if mine:
+            best = min(mine, key=mine.get)
+            lines += ["", f"Best {kind}: {best}, {mine[best]:.4f}" + (
+                f" ({mine[best] / ddp[best_ddp] - 1:+.1%} vs {best_ddp})" if best_ddp else "") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    floats = lambda s: [float(v) for v in s.split(",") if v]  # noqa: E731
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--inner-steps", type=int, default=36, help="per peer and round (learning.py's overlap runs: ~36)")
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--inner-lrs", type=floats, default=[0.003, 0.006, 0.012])
+    parser.add_argument("--outer", type=lambda s: [tuple(float(x) for x in v.split(":")) for v in s.split(",") if v],
+                        default=[(0.7, 0.9), (1.0, 0.0)], help="outer lr:momentum pairs")
+    parser.add_argument("--ddp-lrs", type=floats, default=[0.003, 0.006, 0.012, 0.024])
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["overlap"], help="blocking and/or overlap")
+    parser.add_argument("--delay", type=int, default=12, help="overlap: steps of the next round before the merge")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes, one torch thread each")
+    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "lr_sweep")
+    parser.add_argument("--add", action="store_true", help="merge these points into --out's .json (same peers, "
+                        "rounds, inner steps, delay and config; a point run again replaces the stored one)")
+    args = parser.parse_args()
+    stored: dict = {"points": [], "commands": [], "minutes": 0.0}
+    if args.add:
+        stored = json.loads(args.out.with_suffix(".json").read_text())
+        for key in ("peers", "rounds", "inner_steps", "delay", "config"):
+            if stored["args"][key] != str(getattr(args, key)):
+                raise SystemExit(f"--add: the stored sweep used {key} = {stored['args'][key]}, not {getattr(args, key)}")
+    config = load_config(args.config)
+    batch_tokens = config.data.batch_size * config.model.seq_len
+    base = dict(peers=args.peers, rounds=args.rounds, inner_steps=args.inner_steps, batch_tokens=batch_tokens)
+    plan = [dict(base, kind="ddp", lr=lr, seed=s) for s in range(args.seeds) for lr in args.ddp_lrs]
+    plan += [dict(base, kind=mode, lr=lr, outer_lr=o, mu=m, delay=args.delay, seed=s)
+             for s in range(args.seeds) for mode in args.modes for lr in args.inner_lrs for o, m in args.outer]
+    started = time.time()
+    with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config), args.rounds)) as pool:
+        points = list(pool.map(_point, plan))
+    minutes = (time.time() - started) / 60 + stored["minutes"]
+    commands = [*stored["commands"], ".venv/bin/python benchmarks/lr_sweep.py " + " ".join(sys.argv[1:])]
+    keys = {(label(p), p["seed"]) for p in points}
+    points = [p for p in stored["points"] if (label(p), p["seed"]) not in keys] + points
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "commands": commands, "minutes": minutes,
+         "points": points}, indent=1))
+    text = report(points, args, commands, minutes)
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
