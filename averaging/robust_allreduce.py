@@ -369,7 +369,13 @@ class RobustAllReduceRunner(AllReduceRunner):
         if peer_id in self.excluded_peers:  # a banned reducer: keep our local values for its parts
             self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
             return
-        await super()._communicate_with_peer(peer_id)
+        try:
+            await super()._communicate_with_peer(peer_id)
+        except Exception as e:
+            # hivemind logs this at debug level only, and its "received N% results" names no one.
+            logger.warning(f"group {self.group_id.hex()[:8]}: reducer {peer_id} failed ({e!r}): our local values "
+                           "are kept for its share of the vector")
+            raise
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         """hivemind's reducer loop for one sender; with int8/int4 returns each answer is the part's

@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -225,7 +226,7 @@ def main() -> int:
     with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config), args.rounds)) as pool:
         points = list(pool.map(_point, plan))
     minutes = (time.time() - started) / 60 + stored["minutes"]
-    commands = [*stored["commands"], ".venv/bin/python benchmarks/lr_sweep.py " + " ".join(sys.argv[1:])]
+    commands = [*stored["commands"], ".venv/bin/python benchmarks/lr_sweep.py " + shlex.join(sys.argv[1:])]
     keys = {(label(p), p["seed"]) for p in points}
     points = [p for p in stored["points"] if (label(p), p["seed"]) not in keys] + points
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from averaging.robust import RobustConfig
 from averaging.robust_allreduce import (
     CheckedPartContainer,
     GroupRefused,
+    RobustAllReduceRunner,
     RobustPartReducer,
     gathered_proof,
     vet_group,
@@ -199,6 +200,23 @@ def test_a_returned_average_becomes_our_delta_and_a_lying_one_is_still_refused()
     assert torch.equal(delta[32:], torch.full((32,), 0.25))  # average - own
     (delta,), bad = asyncio.run(collect(lie=True))
     assert bad == [1] and torch.equal(delta[32:], torch.zeros(32))
+
+
+def test_a_failed_reducer_is_named_in_one_warning(monkeypatch, caplog):
+    """hivemind logs why a reducer failed at debug level only, and then "received 91.7% results",
+    which names nobody; the failure leaves our anchor different from the group's on that share."""
+    from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+
+    async def cut_short(self, peer_id):
+        raise AllreduceException(f"peer {peer_id} sent 2 parts, but we expected 3")
+
+    monkeypatch.setattr(AllReduceRunner, "_communicate_with_peer", cut_short)
+    runner = RobustAllReduceRunner.__new__(RobustAllReduceRunner)
+    runner.excluded_peers, runner.group_id = [], bytes.fromhex("b783fae9") * 2
+    with caplog.at_level("WARNING", logger="averaging.robust_allreduce"), pytest.raises(AllreduceException):
+        asyncio.run(runner._communicate_with_peer(PEERS[1]))
+    assert f"group b783fae9: reducer {PEERS[1]} failed" in caplog.text
+    assert "sent 2 parts, but we expected 3" in caplog.text
 
 
 def gathered(bandwidth, mode: AveragingMode) -> bytes:
