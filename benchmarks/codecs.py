@@ -11,7 +11,9 @@ median of ``--repeats`` runs interleaved across codecs (so load drifting on a sh
 all alike); on CUDA also ``quantize`` (no bytes, no host copy). Accuracy is the relative RMS error
 ``||x - decode(encode(x))|| / ||x||`` on Gaussian and Student-t(3) vectors. Upload per value is
 what a full member of a butterfly all-reduce sends per value of the vector and per (n - 1) / n:
-its parts in the send code plus the deltas it returns (fp16 by default, ``hivemind_codecs``).
+its parts in the send code plus what it returns as a reducer, in the code ``return_compression =
+"auto"`` picks (``averaging.wire.AUTO_RETURN``: int8 for int8, int4 for int4 and int2; fp16 deltas
+for fp16).
 
 Writes ``benchmarks/results/codecs.md`` and ``.json``.
 """
@@ -35,7 +37,7 @@ import torch  # noqa: E402
 from hivemind.compression import CompressionInfo, Float16Compression  # noqa: E402
 
 from averaging import codecs  # noqa: E402
-from averaging.hivemind_codecs import DEFAULT_RETURN_CODE  # noqa: E402
+from averaging.wire import AUTO_RETURN  # noqa: E402
 
 CODES = ("fp16", "int8", "int4", "int2")
 HIVEMIND_FP16 = "hivemind fp16"
@@ -102,7 +104,7 @@ def errors(numel: int) -> dict[str, dict[str, float]]:
 
 def wire(name: str) -> dict[str, float]:
     per_value = 2.0 if name == HIVEMIND_FP16 else codecs.bytes_per_value(name)
-    returned = 2.0 if name in ("fp16", HIVEMIND_FP16) else codecs.bytes_per_value(DEFAULT_RETURN_CODE)
+    returned = 2.0 if name in ("fp16", HIVEMIND_FP16) else codecs.bytes_per_value(AUTO_RETURN[name])
     return {"bytes_per_value": per_value, "upload_per_value": per_value + returned}
 
 
@@ -114,7 +116,8 @@ def markdown(report: dict) -> str:
         f"{report['threads']} torch threads, {report['numel']:,} fp32 values, median of {report['repeats']}.",
         "",
         "GB/s of fp32 input. Upload: bytes a full all-reduce member sends per value (times (n-1)/n): "
-        f"parts in the code plus returned deltas in {DEFAULT_RETURN_CODE} (hivemind fp16: fp16 both ways).",
+        "parts in the code plus what it returns as a reducer with `return_compression = \"auto\"` (int8 "
+        "averages for int8, int4 averages for int4 and int2; fp16 deltas for fp16 and hivemind fp16).",
         "",
     ]
     for device, rows in report["speed"].items():

