@@ -140,7 +140,9 @@ def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_
     per_peer = {peer.name: rounds_of(peer) for peer in peers}
     print({name: [(r, x["applied"][0], x["caught_up"], x["resynced"]) for r, x in sorted(rounds.items())]
            for name, rounds in per_peer.items()})  # shown on failure
-    assert not any(r["resynced"] for rounds in per_peer.values() for r in rounds.values()), per_peer
+    for peer in peers:  # none re-synced, but for partial all-reduces (PARTIAL_RESULT)
+        resyncs = [r for r, x in per_peer[peer.name].items() if x["resynced"]]
+        assert len(resyncs) <= len(PARTIAL_RESULT.findall(peer.log())), (peer.name, resyncs, per_peer)
     # After a missed round (folded), the next averaged round replayed the step the others applied.
     rounds = per_peer["forgetful"]
     replayed = caught_up()[0]
