@@ -46,7 +46,7 @@ import torch  # noqa: E402
 
 from averaging import codecs  # noqa: E402
 from averaging.flat import FlatLayout  # noqa: E402
-from averaging.merge import merge_correction  # noqa: E402
+from averaging.merge import apply_correction_, merge_correction  # noqa: E402
 from averaging.outer import outer_step_, pseudo_gradient  # noqa: E402
 from averaging.wire import returned  # noqa: E402
 from node.process.config import load_config  # noqa: E402
@@ -108,37 +108,33 @@ def run_diloco(seed: int, peers: int, rounds: int, inner_steps: int, lr: float, 
     momenta = [torch.zeros_like(anchor) for _ in range(peers)]
     pending: list | None = None  # per peer: (old anchor, sent pseudo-gradient) awaiting the merge
 
-    @torch.no_grad()
-    def add_(trainer: Trainer, delta: torch.Tensor) -> None:
-        params = dict(trainer.model.named_parameters())
-        for name, view in layout.views(delta).items():
-            params[name].add_(view)
-
-    def merge() -> None:
-        for t, a, (old, sent) in zip(trainers, anchors, pending):
-            add_(t, merge_correction(a, old, sent, contributed=True))
+    def merge(landed: list) -> None:
+        """As the round engine merges: each peer's parameters become its new anchor plus its work since the snapshot."""
+        for t, a, (old, sent) in zip(trainers, anchors, landed):
+            views = layout.views(merge_correction(a, old, sent, contributed=True))
+            params = dict(t.model.named_parameters())
+            apply_correction_([params[name] for name in views], list(views.values()))
 
     curve = []
     for r in range(rounds):
         for step in range(inner_steps):
             if pending is not None and step == delay:
-                merge()
+                merge(pending)
                 pending = None
             for t, s in zip(trainers, samplers):
                 t.inner_step(*s.next_batch(), inner_lr(t.inner, r + step / inner_steps))
         if pending is not None:  # a delay of a whole round or more: merge before the next snapshot
-            merge()
+            merge(pending)
             pending = None
         sends = [codecs.quantize(pseudo_gradient(a, pack(t)), "fp16") for t, a in zip(trainers, anchors)]
         average = torch.stack(sends).mean(dim=0)
         olds = [a.clone() for a in anchors]
         for a, m, sent in zip(anchors, momenta, sends):
             outer_step_(a, returned(average, sent, "fp16"), m, lr=outer_lr, mu=mu, nesterov=True)
-        if delay is None:
-            for t, a, old, sent in zip(trainers, anchors, olds, sends):
-                add_(t, merge_correction(a, old, sent, contributed=True))
-        else:
-            pending = list(zip(olds, sends))
+        pending = list(zip(olds, sends))
+        if delay is None:  # blocking: every peer restarts from the new anchor
+            merge(pending)
+            pending = None
         if (r + 1) % 5 == 0 or r + 1 == rounds:
             curve.append((r + 1, _eval(trainers[0], layout, anchors[0])))
     return {"curve": curve, "final_eval": curve[-1][1]}
