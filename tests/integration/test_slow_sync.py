@@ -36,6 +36,13 @@ FORGETFUL = [sys.executable, LAUNCHER, "0", "3", "--"]  # misses the matchmaking
 PARTIAL_RESULT = re.compile(r"Averaging: received [\d.]+% results")
 
 
+def assert_no_unexplained_resync(peer, records: list[dict], shown) -> None:
+    """No re-sync among ``records`` but for one per partial all-reduce in the peer's log (PARTIAL_RESULT)."""
+    resyncs = [r["round"] for r in records if r["resynced"]]
+    partial = PARTIAL_RESULT.findall(peer.log())
+    assert len(resyncs) <= len(partial), (peer.name, resyncs, partial, shown)
+
+
 def assert_anchors_agree(anchors: dict[str, torch.Tensor]) -> None:
     for x, y in itertools.combinations(anchors, 2):
         rms = (anchors[x] - anchors[y]).square().mean().sqrt()
@@ -94,11 +101,10 @@ def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm, tmp_path
     assert settled is not None, f"the late peer never stayed out of a round after {together}"
     steady = range(settled, common[-1] + 1)
     assert len(steady) >= 3, (together, settled, common)
-    for name, rounds in per_peer.items():
+    for peer in peers:
+        name, rounds = peer.name, per_peer[peer.name]
         records = [rounds[r] for r in range(together, common[-1] + 1)]
-        resyncs = [r["round"] for r in records[1:] if r["resynced"]]
-        partial = PARTIAL_RESULT.findall(next(p for p in peers if p.name == name).log())
-        assert len(resyncs) <= len(partial), (name, resyncs, partial, records)
+        assert_no_unexplained_resync(peer, records[1:], records)
         # The loop never waited for the network.
         assert all(r["wait_s"] < 0.5 for r in records), (name, records)
         averaged = [r for r in steady if rounds[r]["applied"] == "averaged"]
@@ -140,9 +146,8 @@ def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_
     per_peer = {peer.name: rounds_of(peer) for peer in peers}
     print({name: [(r, x["applied"][0], x["caught_up"], x["resynced"]) for r, x in sorted(rounds.items())]
            for name, rounds in per_peer.items()})  # shown on failure
-    for peer in peers:  # none re-synced, but for partial all-reduces (PARTIAL_RESULT)
-        resyncs = [r for r, x in per_peer[peer.name].items() if x["resynced"]]
-        assert len(resyncs) <= len(PARTIAL_RESULT.findall(peer.log())), (peer.name, resyncs, per_peer)
+    for peer in peers:
+        assert_no_unexplained_resync(peer, list(per_peer[peer.name].values()), per_peer)
     # After a missed round (folded), the next averaged round replayed the step the others applied.
     rounds = per_peer["forgetful"]
     replayed = caught_up()[0]
