@@ -35,6 +35,9 @@ class AverageOutcome:
     sync_s: float = 0.0  # from the trigger to the averaged result
     allreduce_s: float = 0.0  # from the later of the trigger and the scheduled start to the result
     error: str | None = None
+    # Fraction of the average that never arrived (a reducer failed). Such a result is not ok: our
+    # own values on the missing share would put our anchor where no other member's is.
+    partial: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

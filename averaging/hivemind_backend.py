@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from hivemind import DHT, DecentralizedAverager
-from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
@@ -118,6 +118,10 @@ FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the avera
 LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 ASSEMBLY_LATENCY_S = 0.5  # a leader's group message to its followers, beyond request_timeout
 STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
+# The key under which the averager process adds, to a step's gathered reports, the fraction of the
+# average that did not arrive (a reducer failed: ``ShoalAverager._aggregate_with_group``). Not a
+# peer id (those are base58 multihashes), so no member's report can collide with it.
+PARTIAL_KEY = "shoal:partial"
 UPDATE_VERSION = 1
 # What a donor serves at once (state slices and outer updates), so that requests cannot exhaust
 # its host: an honest joiner has one fetch in flight per donor (averaging.download); one more
@@ -173,6 +177,8 @@ class ShoalAverager(DecentralizedAverager):
         # are shared memory, for the host.
         self._ban_list = BanList(robust.ban_rounds if robust is not None else 0)
         self.robust_counters = RobustCounters()
+        # Averager process: the fraction of the average each running group failed to deliver.
+        self._partial: dict[bytes, float] = {}
         target = kwargs.get("target_group_size")
         self._max_group_size = min(robust.max_group_size if robust is not None else 2**31, target or 2**31)
         super().__init__(*args, **kwargs)
@@ -267,19 +273,27 @@ class ShoalAverager(DecentralizedAverager):
         except GroupRefused as e:
             logger.warning(f"refused group {group_info.group_id.hex()[:8]} of {len(group_info.peer_ids)}: {e}")
             raise MatchmakingException(f"refused the group: {e}") from None
-        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            missing = self._partial.pop(group_info.group_id, 0.0)
+        # A partial result (hivemind keeps our local values where a reducer failed) would move our
+        # anchor somewhere no other member's is: the host must not apply it (``HivemindBackend.average``).
+        return {**gathered, PARTIAL_KEY: missing} if missing > 0 else gathered
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: bytes | None = None, **kwargs):
-        """hivemind's method (1.1.12, checked by ``robust_allreduce.check_hivemind``) with our runner."""
-        if self._robust is None:
-            return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        """hivemind's method (1.1.12, checked by ``robust_allreduce.check_hivemind``) with our runner
+        (hivemind's own with ``robust=None``), and what part of the result never arrived."""
         group_id = group_info.group_id if group_id is None else group_id
-        self._ban_list.next_round()
-        runner = RobustAllReduceRunner(
-            robust_config=self._robust, ban_list=self._ban_list, counters=self.robust_counters,
-            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids, **kwargs)
+        common = dict(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+                      ordered_peer_ids=group_info.peer_ids, **kwargs)
+        if self._robust is None:
+            runner = AllReduceRunner(**common)
+        else:
+            self._ban_list.next_round()
+            runner = RobustAllReduceRunner(robust_config=self._robust, ban_list=self._ban_list,
+                                           counters=self.robust_counters, **common)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
@@ -290,6 +304,9 @@ class ShoalAverager(DecentralizedAverager):
         else:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
+        container = runner.tensor_part_container
+        if container.failed_size:
+            self._partial[group_id] = container.failed_size / max(1, container.total_size)
 
     # -- donor side -------------------------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by
@@ -670,12 +687,19 @@ class HivemindBackend:
         allreduce_s = time.time() - max(started_wall, control.scheduled_time)
         if not gathered:
             return AverageOutcome(ok=False, sync_s=sync_s, error="averaging returned no group")
+        missing = gathered.pop(PARTIAL_KEY, 0.0)
+        gathered_by_peer = {str(peer): data for peer, data in gathered.items()}
+        group = tuple(sorted(gathered_by_peer))
+        if missing:
+            # Our vector stays as it was: the round folds, and the step the others applied is
+            # replayed from their history next round (OuterState.catch_up), not re-downloaded.
+            return AverageOutcome(ok=False, group=group, sync_s=sync_s, allreduce_s=allreduce_s, partial=missing,
+                                  error=f"partial all-reduce: {missing:.1%} of the average never arrived (a "
+                                        "reducer failed, named in the log); this round's work is kept for the next")
         # 3. Read the result only after the step finished (the averager released the lock).
         with self._averager.get_tensors() as (buffer,):
             vector.copy_(buffer)
-        gathered_by_peer = {str(peer): data for peer, data in gathered.items()}
-        return AverageOutcome(ok=True, group=tuple(sorted(gathered_by_peer)), gathered=gathered_by_peer, sync_s=sync_s,
-                              allreduce_s=allreduce_s)
+        return AverageOutcome(ok=True, group=group, gathered=gathered_by_peer, sync_s=sync_s, allreduce_s=allreduce_s)
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        slices: int | None = None, same_state: SameState | None = None,

@@ -569,7 +569,7 @@ class OuterLoop:
         # Only a group's all-reduce tells how long the next one will take: a failed matchmaking
         # (alone, or no group) ends on its own timeout, and peers with another history would then
         # guess differently and stay out of different rounds.
-        lateness_s = self.clock.now() - self._schedule().round_end(round) if outcome.ok else None
+        lateness_s = (self.clock.now() - self._schedule().round_end(round)) if outcome.ok or outcome.partial else None
         # 3. Consistency check (catching up with missed outer steps, or re-syncing if we cannot),
         #    then the outer step.
         old_anchor = self.outer.anchor.clone()

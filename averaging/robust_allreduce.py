@@ -12,7 +12,8 @@ What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any o
   container the class ``CheckedPartContainer`` (same state, one method more), whose
   ``register_processed_part`` checks every delta a reducer returns: a bad one, and every later
   part from that reducer, is replaced by zeros (we keep our local values, as hivemind does for a
-  reducer that failed), and the reducer is reported.
+  reducer that failed), and the reducer is reported. Either way the result is partial (counted in
+  the container's ``failed_size``), and the host does not apply it (``HivemindBackend.average``).
 - With int8/int4 returns (``hivemind_codecs.AVERAGE_RETURN_CODES``) a reducer quantizes each
   part's average once and sends every member those same bytes (``_accumulate_parts_streaming``
   instead of hivemind's, which re-encodes each member's delta); the container turns the average
@@ -74,6 +75,8 @@ REVIEWED = {
     "TensorPartReducer.on_sender_failed": "8a7de53789ffecb17e6bdc3a2346864e9c44152f8b4bf251b7de81de7b168276",
     "TensorPartReducer.check_current_part_finished": "ec9b059c42f3ca271d3e89ff63177006d66e0fc4a6bb99427eb08ab25d3d3640",
     "TensorPartContainer.register_processed_part": "ff5ebad6141c4a8886c1e661b81c22ae87dd54e624dc016ee30d94ca72285089",
+    # counts a failed reducer's parts in failed_size: how the host learns a result is partial
+    "TensorPartContainer.register_failed_reducer": "89b41b9d7f2259687a2fc1fce7460b96d97f8af368c72b22bd01079c194a89f1",
     "Matchmaking.follower_assemble_group": "2fc9715f5e6de487d880a919217efea5ae3d917cba393fcbe30301e72df4df3d",
     "Matchmaking._request_join_group": "df823040a94d1c1ddb28c15536b631502954dd03024ac943820a21075e335b43",
     "Matchmaking._check_reasons_to_reject": "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3",
@@ -91,6 +94,7 @@ ORIGINALS: dict[str, Callable] = {
     "TensorPartReducer.on_sender_failed": TensorPartReducer.on_sender_failed,
     "TensorPartReducer.check_current_part_finished": TensorPartReducer.check_current_part_finished,
     "TensorPartContainer.register_processed_part": TensorPartContainer.register_processed_part,
+    "TensorPartContainer.register_failed_reducer": TensorPartContainer.register_failed_reducer,
     "Matchmaking.follower_assemble_group": Matchmaking.follower_assemble_group,
     "Matchmaking._request_join_group": Matchmaking._request_join_group,
     "Matchmaking._check_reasons_to_reject": Matchmaking._check_reasons_to_reject,
@@ -313,9 +317,10 @@ class ShoalPotentialLeaders(PotentialLeaders):
 class ShoalMatchmaking(Matchmaking):
     """hivemind's matchmaking without the peers on our ban list (set up by ``ShoalAverager``: an
     existing instance is given this class and a ``ban_list``). In a group, a banned peer is a
-    reducer whose share every member refuses and keeps at its local values: the members' anchors
-    then differ on that share, and all but one re-sync the next round (seen in
-    benchmarks/attacks.py: 7 re-syncs in 12 rounds). Out of the group, it costs nothing."""
+    reducer whose share every member refuses: a partial result, so the round fails for every
+    member (before partial results were refused, the members kept their own values there and all
+    but one re-synced the next round: 7 re-syncs in 12 rounds in benchmarks/attacks.py). Out of
+    the group, it costs nothing."""
 
     ban_list: BanList
 

@@ -7,7 +7,6 @@ outer steps it missed), and the anchors agree at the end."""
 from __future__ import annotations
 
 import itertools
-import re
 import sys
 
 import pytest
@@ -29,18 +28,22 @@ pytestmark = pytest.mark.integration
 LAUNCHER = str(REPO / "tests" / "integration" / "delayed_sync.py")
 DELAYED = [sys.executable, LAUNCHER, "7", "--"]
 FORGETFUL = [sys.executable, LAUNCHER, "0", "3", "--"]  # misses the matchmaking of every third round
-# hivemind's line when a member got only part of the average: a reducer's stream failed or ended
-# short, so this member kept its own values on that share and must re-sync (README, Known
+# A member that got only part of the average (a reducer's stream failed or ended short) does not
+# apply it: its round folds, with this error, and it replays the step next round (README, Known
 # limitations: it happens without any fault, about one round in 15-20 under load). A fault of the
-# transport, logged, and not what this file tests: each one excuses one re-sync of that peer.
-PARTIAL_RESULT = re.compile(r"Averaging: received [\d.]+% results")
+# transport, not what this file tests: such a round counts as one the peer took part in.
+PARTIAL = "partial all-reduce"
 
 
-def assert_no_unexplained_resync(peer, records: list[dict], shown) -> None:
-    """No re-sync among ``records`` but for one per partial all-reduce in the peer's log (PARTIAL_RESULT)."""
+def took_part(record: dict) -> bool:
+    """The peer's pseudo-gradient went into its group's all-reduce (whether or not all of the
+    average came back)."""
+    return record["applied"] == "averaged" or PARTIAL in (record["error"] or "")
+
+
+def assert_no_resync(peer, records: list[dict], shown) -> None:
     resyncs = [r["round"] for r in records if r["resynced"]]
-    partial = PARTIAL_RESULT.findall(peer.log())
-    assert len(resyncs) <= len(partial), (peer.name, resyncs, partial, shown)
+    assert not resyncs, (peer.name, resyncs, shown)
 
 
 def assert_anchors_agree(anchors: dict[str, torch.Tensor]) -> None:
@@ -104,10 +107,10 @@ def test_a_sync_longer_than_a_round_costs_no_stall_and_no_resync(swarm, tmp_path
     for peer in peers:
         name, rounds = peer.name, per_peer[peer.name]
         records = [rounds[r] for r in range(together, common[-1] + 1)]
-        assert_no_unexplained_resync(peer, records[1:], records)
+        assert_no_resync(peer, records[1:], records)
         # The loop never waited for the network.
         assert all(r["wait_s"] < 0.5 for r in records), (name, records)
-        averaged = [r for r in steady if rounds[r]["applied"] == "averaged"]
+        averaged = [r for r in steady if took_part(rounds[r])]
         gaps = [b - a for a, b in zip(averaged, averaged[1:])]
         assert max(gaps, default=0) <= 2 and averaged[-1] >= steady[-1] - 1, (name, averaged)  # every other round
     # The shared models agree: in every averaged round each peer's anchor was checked against its
@@ -131,7 +134,10 @@ def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_
     forgetful = peers[2]
 
     def caught_up() -> list[int]:
-        return sorted(r for r, x in rounds_of(forgetful).items() if x["caught_up"])
+        """Rounds in which the forgetful peer replayed the step of a round it had folded (a joiner
+        may also replay one in its first round, when its donors had not applied it yet)."""
+        rounds = rounds_of(forgetful)
+        return sorted(r for r, x in rounds.items() if x["caught_up"] and r - 1 in rounds)
 
     def running_until_caught_up() -> list[int]:
         for peer in peers:
@@ -147,7 +153,7 @@ def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_
     print({name: [(r, x["applied"][0], x["caught_up"], x["resynced"]) for r, x in sorted(rounds.items())]
            for name, rounds in per_peer.items()})  # shown on failure
     for peer in peers:
-        assert_no_unexplained_resync(peer, list(per_peer[peer.name].values()), per_peer)
+        assert_no_resync(peer, list(per_peer[peer.name].values()), per_peer)
     # After a missed round (folded), the next averaged round replayed the step the others applied.
     rounds = per_peer["forgetful"]
     replayed = caught_up()[0]
@@ -155,5 +161,9 @@ def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_
     assert rounds[replayed]["caught_up"] in (1, 2) and rounds[replayed]["applied"] == "averaged", rounds
     assert rounds[replayed - 1]["applied"] == "folded", rounds
     assert "missed outer step(s) from" in forgetful.log()
-    assert all(per_peer[name][replayed]["applied"] == "averaged" for name in per_peer), per_peer
-    assert_anchors_agree({peer.name: anchor_at(peer, replayed) for peer in peers})
+    # Every peer took part in that round; those that got the whole average hold one anchor (one
+    # whose result came back partial folded the round, and replays it in the next).
+    assert all(took_part(per_peer[name][replayed]) for name in per_peer), per_peer
+    stepped = [peer for peer in peers if per_peer[peer.name][replayed]["applied"] == "averaged"]
+    assert len(stepped) >= 2, per_peer
+    assert_anchors_agree({peer.name: anchor_at(peer, replayed) for peer in stepped})

@@ -49,9 +49,12 @@ class FaultyBackend(LocalBackend):
     it averages as soon as the group is there, in no time."""
 
     def __init__(self, hub: LocalHub, peer_id: str, state_provider, fail_rounds=(), *,
-                 clock: FakeClock, allreduce_seconds: float | None = None):
+                 clock: FakeClock, allreduce_seconds: float | None = None, partial_rounds=()):
         super().__init__(hub, peer_id, state_provider)
         self.fail_rounds = set(fail_rounds)
+        # Rounds whose average reaches the group with our contribution but comes back to us partial
+        # (a reducer failed on our side): reported as HivemindBackend does, vector untouched.
+        self.partial_rounds = set(partial_rounds)
         self.clock, self.allreduce_seconds = clock, allreduce_seconds
         self.sent: dict[int, tuple[torch.Tensor, float]] = {}  # round -> (pseudo-gradient, weight)
         self.refusals_per_sync = 0  # robust aggregation's counters grow by this much per sync
@@ -73,6 +76,9 @@ class FaultyBackend(LocalBackend):
         self.sent[round] = (vector.clone(), weight)
         if round in self.fail_rounds:
             return AverageOutcome(ok=False, error="injected")
+        if round in self.partial_rounds:
+            outcome = super().average(vector.clone(), weight=weight, timeout=timeout, round=round)
+            return AverageOutcome(ok=False, group=outcome.group, partial=0.25, error="partial all-reduce: injected")
         return super().average(vector, weight=weight, timeout=timeout, round=round)
 
     def robustness(self) -> dict[str, int]:
@@ -164,7 +170,8 @@ def make_swarm():
     workers: list[SyncWorker] = []
 
     def make(config: LoopConfig, *, round_seconds: float, hub: LocalHub | None = None,
-             fail_at: dict[str, set[int]] | None = None, allreduce_seconds: float | None = None) -> list[Peer]:
+             fail_at: dict[str, set[int]] | None = None, allreduce_seconds: float | None = None,
+             partial_at: dict[str, set[int]] | None = None) -> list[Peer]:
         hub = hub or LocalHub()
         # Every peer's clock starts at the schedule's start: round 1 begins as the peers start.
         schedule = RoundSchedule(start_time=WALL_START, round_seconds=round_seconds)
@@ -177,7 +184,8 @@ def make_swarm():
             outer = OuterState(layout, layout.pack(dict(model.named_parameters()), layout.new_buffer()), OUTER)
             clock = FakeClock(WALL_START)
             backend = FaultyBackend(hub, peer_id, outer.shared_state, (fail_at or {}).get(peer_id, ()),
-                                    clock=clock, allreduce_seconds=allreduce_seconds)
+                                    clock=clock, allreduce_seconds=allreduce_seconds,
+                                    partial_rounds=(partial_at or {}).get(peer_id, ()))
             hub.update_providers[peer_id] = outer.update_after
             worker = SyncWorker(backend, allreduce_timeout=5.0, matchmaking_grace=1.0)
             workers.append(worker)
@@ -535,6 +543,30 @@ def test_a_peer_two_rounds_behind_replays_both_steps(make_swarm):
     assert_close(a.outer.anchor, b.outer.anchor, atol=CATCH_UP_ATOL)
     groups = {1: list(PEERS), 2: ["peer-b", "peer-c"], 3: ["peer-b", "peer-c"], 4: list(PEERS), 5: list(PEERS)}
     assert_close(b.outer.anchor, replay(init, peers, groups), atol=1e-5)
+
+
+def test_a_partial_average_is_not_applied_the_round_folds_and_its_step_is_replayed(make_swarm):
+    # Round 2's all-reduce has all three contributions, but peer-a gets part of the average back
+    # (a reducer failed on its side): applying it would put peer-a's anchor where no one's is.
+    peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS, partial_at={"peer-a": {2}})
+    init = peers[0].outer.anchor.clone()
+    run_by_hand(peers, rounds=4)
+    a, b, c = peers
+    folded = a.stats_of(2)
+    assert (folded.applied, folded.error, folded.rounds_done) == ("folded", "partial all-reduce: injected", 1)
+    assert torch.equal(a.rounds[2].anchor_after, a.rounds[1].anchor_after)
+    for peer in (b, c):
+        assert (peer.stats_of(2).applied, peer.stats_of(2).group_size) == ("averaged", 3)
+    # Round 3: peer-a replays the round-2 step (no download) and rejoins the group's anchor. Its
+    # round-2 work, already in that step, is carried again (with its weight): counted twice.
+    for peer in peers:
+        s = peer.stats_of(3)
+        assert (s.applied, s.resynced, s.caught_up) == ("averaged", False, 1 if peer is a else 0), s
+    assert a.backend.sent[3][1] == a.stats_of(2).tokens + a.stats_of(3).tokens
+    assert_close(a.outer.anchor, b.outer.anchor, atol=CATCH_UP_ATOL)
+    groups = {r: list(PEERS) for r in (1, 2, 3, 4)}
+    assert_close(b.outer.anchor, replay(init, peers, groups), atol=1e-5)
+    assert all(s.diverged == [] for peer in peers for s in [peer.stats_of(4)])
 
 
 def test_a_peer_further_behind_than_the_history_downloads_the_state(make_swarm):
