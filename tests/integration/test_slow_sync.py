@@ -43,7 +43,10 @@ def took_part(record: dict) -> bool:
 
 def assert_no_resync(peer, records: list[dict], shown) -> None:
     resyncs = [r["round"] for r in records if r["resynced"]]
-    assert not resyncs, (peer.name, resyncs, shown)
+    if resyncs:  # what led to it, from the peer's log (the swarm's directory is gone after the test)
+        marks = [f"round {r}:" for r in resyncs] + ["diverged", "reducer", "Averaging", "refused", "caught up"]
+        why = [line for line in peer.log().splitlines() if any(mark in line for mark in marks)]
+        raise AssertionError(f"{peer.name} re-synced in rounds {resyncs}; {shown}\n" + "\n".join(why[-40:]))
 
 
 def assert_anchors_agree(anchors: dict[str, torch.Tensor]) -> None:

@@ -107,7 +107,10 @@ def test_three_peers_train_one_model(swarm, compression, returns):
     # far below 1% of how far the anchor moved from its init. With int4 returns every peer gets
     # the same quantized average, so they differ only by the fp32 rounding of local + (avg - local)
     # (2^-24 relative): a thousand times tighter still. A failed part (a peer keeping its own
-    # pseudo-gradient) would be of the order of the anchor's movement.
+    # pseudo-gradient) would be of the order of the anchor's movement. A peer that replayed an outer
+    # step from the group's history (a joiner whose donors had not applied it yet) replayed its fp16
+    # copy: each such step adds up to 7 x 2^-11 of one step, which is at most the whole movement.
+    replayed = {name: sum(record["caught_up"] for record in rounds.values()) for name, rounds in per_peer.items()}
     anchors = {}
     for peer in peers:
         checkpoint = load_latest_valid(peer.checkpoint_dir)  # the one written when it left
@@ -116,8 +119,10 @@ def test_three_peers_train_one_model(swarm, compression, returns):
     moved = (anchors["a"] - init).square().mean().sqrt()
     bound = 7 * 2 * (FP16_UNIT_ROUNDOFF if wire.return_code == "fp16" else 2**-20) * len(common)
     for x, y in itertools.combinations(anchors, 2):
+        pair_bound = bound + 7 * FP16_UNIT_ROUNDOFF * (replayed[x] + replayed[y])
         rms_diff = (anchors[x] - anchors[y]).square().mean().sqrt()
         print(f"anchors {x}-{y}: rms diff {rms_diff:.3e}, max diff {(anchors[x] - anchors[y]).abs().max():.3e}, "
-              f"anchor moved {moved:.3e} (ratio {rms_diff / moved:.2e}, bound {bound:.2e})")
-        assert rms_diff <= bound * moved, (x, y, float(rms_diff), float(moved))
+              f"anchor moved {moved:.3e} (ratio {rms_diff / moved:.2e}, bound {pair_bound:.2e}, "
+              f"steps replayed {replayed[x]} + {replayed[y]})")
+        assert rms_diff <= pair_bound * moved, (x, y, float(rms_diff), float(moved), replayed)
         assert rms_diff < 1e-3, (x, y, float(rms_diff))  # the noise is ~1e-4 here; a failed part ~1e-2
