@@ -159,7 +159,8 @@ class OuterState:
         peer that missed up to ``HISTORY_ROUNDS`` steps replays them (``catch_up``) before it
         applies this one, so that every peer applies the same steps in the same order; only a peer
         that cannot catch up re-syncs (``donors``)."""
-        conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=1, error=outcome.error)
+        # (a partial all-reduce had a group, though its result is not ours to apply)
+        conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=max(1, len(outcome.group)), error=outcome.error)
         if outcome.ok and averaged is not None:
             conclusion.group_size = len(outcome.group)
             conclusion.verdict, conclusion.bad_reports, claims = self._judge(outcome.gathered, round)

@@ -587,7 +587,7 @@ class OuterLoop:
         # Work that reached no anchor weighs in the next contribution.
         self._carried_weight = 0.0 if accounted is not None else weight
         sent_bytes, received_bytes = round_payload(
-            self.layout.numel, len(outcome.group) if outcome.ok else 0, client_mode=self.client_mode,
+            self.layout.numel, len(outcome.group) if outcome.ok or outcome.partial else 0, client_mode=self.client_mode,
             send_bytes_per_value=self.wire.send_bytes_per_value(),
             return_bytes_per_value=self.wire.return_bytes_per_value())
         return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,

@@ -371,15 +371,15 @@ class RobustAllReduceRunner(AllReduceRunner):
                         f"{', '.join(map(str, self.excluded_peers))}")
 
     async def _communicate_with_peer(self, peer_id: PeerID):
-        if peer_id in self.excluded_peers:  # a banned reducer: keep our local values for its parts
+        if peer_id in self.excluded_peers:  # a banned reducer: its share is missing from our result
             self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
             return
         try:
             await super()._communicate_with_peer(peer_id)
         except Exception as e:
             # hivemind logs this at debug level only, and its "received N% results" names no one.
-            logger.warning(f"group {self.group_id.hex()[:8]}: reducer {peer_id} failed ({e!r}): our local values "
-                           "are kept for its share of the vector")
+            logger.warning(f"group {self.group_id.hex()[:8]}: reducer {peer_id} failed ({e!r}): our result misses "
+                           "its share, so this round's average is not applied")
             raise
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):

@@ -554,6 +554,7 @@ def test_a_partial_average_is_not_applied_the_round_folds_and_its_step_is_replay
     a, b, c = peers
     folded = a.stats_of(2)
     assert (folded.applied, folded.error, folded.rounds_done) == ("folded", "partial all-reduce: injected", 1)
+    assert folded.group_size == 3 and folded.bytes_sent > 0  # it took part: its work is in the others' step
     assert torch.equal(a.rounds[2].anchor_after, a.rounds[1].anchor_after)
     for peer in (b, c):
         assert (peer.stats_of(2).applied, peer.stats_of(2).group_size) == ("averaged", 3)

@@ -204,7 +204,7 @@ def test_a_returned_average_becomes_our_delta_and_a_lying_one_is_still_refused()
 
 def test_a_failed_reducer_is_named_in_one_warning(monkeypatch, caplog):
     """hivemind logs why a reducer failed at debug level only, and then "received 91.7% results",
-    which names nobody; the failure leaves our anchor different from the group's on that share."""
+    which names nobody; the failure costs us this round's average (a partial one is not applied)."""
     from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 
     async def cut_short(self, peer_id):
