@@ -16,7 +16,9 @@ step of delay, it needs no extra outer-state bookkeeping, and a failed round the
 
 If this peer's pseudo-gradient did *not* make it into the average (it missed the group, the
 round failed, or it re-synced), the work before the snapshot is kept too: the parameters move
-by ``anchor_{r+1} - anchor_r`` only, so that work is folded into the next contribution.
+by ``anchor_{r+1} - anchor_r`` only, so that work is folded into the next contribution. A
+partial result (our contribution went into the group's step, but part of the average never came
+back) is not applied, and merges as if averaged: the step is replayed next round.
 """
 
 from __future__ import annotations

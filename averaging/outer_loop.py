@@ -260,6 +260,9 @@ class OuterLoop:
         self._jobs: deque[_Job] = deque()  # submitted, not yet merged (oldest first)
         self._skipped_tokens = 0  # tokens of rounds we stayed out of, for our next contribution
         self._carried_weight = 0.0  # worker thread: weight of syncs that folded, for the next one
+        # Worker thread: what we sent in rounds whose result came back partial (not applied), with
+        # its weight, until a later round tells whether the group applied that step (see _settle_partial).
+        self._unconfirmed: list[tuple[torch.Tensor, float]] = []
         self._prepared_round = 0  # the last round we decided about (joined or skipped)
         self._prepares: dict[int, Future] = {}  # round -> its matchmaking job (prepare lane)
         self._lateness: float | None = None  # EMA of how long after its deadline a sync ends
@@ -579,13 +582,19 @@ class OuterLoop:
                                              round, donors, behind, reference))
         resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
         # 4. What the new anchor accounts for: with error feedback only what was sent, so the
-        #    residual stays in the parameters for the next round (averaging.wire).
-        accounted = accounted_for(pseudo_grad, sent, averaged=conclusion.applied == Applied.AVERAGED,
+        #    residual stays in the parameters for the next round (averaging.wire). A partial result
+        #    is not applied, but our contribution is in the step the others applied, which we replay
+        #    next round: it leaves the parameters as if averaged, held until that is confirmed.
+        accounted = accounted_for(pseudo_grad, sent, averaged=conclusion.applied == Applied.AVERAGED or outcome.partial > 0,
                                   local=conclusion.applied == Applied.LOCAL, error_feedback=self.wire.error_feedback)
         correction = merge_correction(self.outer.anchor, old_anchor, accounted, out=self._host_correction[slot],
                                       contributed=accounted is not None)
         # Work that reached no anchor weighs in the next contribution.
         self._carried_weight = 0.0 if accounted is not None else weight
+        if outcome.ok:
+            self._carried_weight += self._settle_partial(round, conclusion, resynced, correction)
+        elif outcome.partial:
+            self._unconfirmed.append((accounted.clone(), weight))
         sent_bytes, received_bytes = round_payload(
             self.layout.numel, len(outcome.group) if outcome.ok or outcome.partial else 0, client_mode=self.client_mode,
             send_bytes_per_value=self.wire.send_bytes_per_value(),
@@ -593,6 +602,26 @@ class OuterLoop:
         return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
                            sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.outer.rounds_done,
                            robust=robust)
+
+    def _settle_partial(self, round: int, conclusion: RoundConclusion, resynced: bool,
+                        correction: torch.Tensor) -> float:
+        """The first judged round after partial ones tells whether the group applied their steps:
+        each step we replayed (``caught_up``) carried one of them, oldest first. A partial round
+        whose step nobody applied (every member lost a share: a reducer crashed or was refused)
+        gives its work back to the parameters (``correction``) for the next contribution, with its
+        weight (returned). So our work is never counted twice, and never lost."""
+        if not self._unconfirmed:
+            return 0.0
+        unconfirmed, self._unconfirmed = self._unconfirmed, []
+        if resynced:
+            return 0.0  # the downloaded state holds whatever the group applied: nothing to tell
+        lost = unconfirmed[conclusion.caught_up:]
+        for sent, _ in lost:
+            correction -= sent
+        if lost:
+            logger.info(f"round {round}: {len(lost)} partial round(s) before were applied by nobody; their "
+                        "work goes into our next contribution")
+        return sum(weight for _, weight in lost)
 
     def _robust_since_last(self) -> dict[str, int]:
         """What robust aggregation refused since the previous sync (syncs run one at a time, so the

@@ -545,7 +545,7 @@ def test_a_peer_two_rounds_behind_replays_both_steps(make_swarm):
     assert_close(b.outer.anchor, replay(init, peers, groups), atol=1e-5)
 
 
-def test_a_partial_average_is_not_applied_the_round_folds_and_its_step_is_replayed(make_swarm):
+def test_a_partial_average_is_not_applied_and_its_step_is_replayed_without_counting_our_work_twice(make_swarm):
     # Round 2's all-reduce has all three contributions, but peer-a gets part of the average back
     # (a reducer failed on its side): applying it would put peer-a's anchor where no one's is.
     peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS, partial_at={"peer-a": {2}})
@@ -558,16 +558,42 @@ def test_a_partial_average_is_not_applied_the_round_folds_and_its_step_is_replay
     assert torch.equal(a.rounds[2].anchor_after, a.rounds[1].anchor_after)
     for peer in (b, c):
         assert (peer.stats_of(2).applied, peer.stats_of(2).group_size) == ("averaged", 3)
-    # Round 3: peer-a replays the round-2 step (no download) and rejoins the group's anchor. Its
-    # round-2 work, already in that step, is carried again (with its weight): counted twice.
+    # Its round-2 work is in the others' step: its parameters gave it up, as after an averaged round.
+    assert_close(a.rounds[2].params_after,
+                 a.rounds[2].anchor_after + (a.rounds[2].work_after - a.rounds[2].work_at_snapshot), atol=1e-5)
+    # Round 3: it replays the round-2 step (no download) and contributes its round-3 work alone,
+    # with its round-3 weight: nothing is counted twice.
     for peer in peers:
         s = peer.stats_of(3)
         assert (s.applied, s.resynced, s.caught_up) == ("averaged", False, 1 if peer is a else 0), s
-    assert a.backend.sent[3][1] == a.stats_of(2).tokens + a.stats_of(3).tokens
+    sent_vector, sent_weight = a.backend.sent[3]
+    assert sent_weight == a.stats_of(3).tokens
+    assert_close(sent_vector, -(a.rounds[3].work_at_snapshot - a.rounds[2].work_at_snapshot), atol=1e-5)
     assert_close(a.outer.anchor, b.outer.anchor, atol=CATCH_UP_ATOL)
     groups = {r: list(PEERS) for r in (1, 2, 3, 4)}
     assert_close(b.outer.anchor, replay(init, peers, groups), atol=1e-5)
-    assert all(s.diverged == [] for peer in peers for s in [peer.stats_of(4)])
+    assert all(peer.stats_of(4).diverged == [] for peer in peers)
+
+
+def test_a_partial_round_that_nobody_applied_gives_its_work_back_for_the_next_contribution(make_swarm):
+    # Every member lost a share of round 2 (a reducer crashed): nobody applies it, nobody is ahead.
+    peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS,
+                       partial_at={peer: {2} for peer in PEERS})
+    init = peers[0].outer.anchor.clone()
+    run_by_hand(peers, rounds=4)
+    for peer in peers:
+        assert [s.applied for s in peer.stats] == ["averaged", "folded", "averaged", "averaged"], peer.stats
+        assert [s.caught_up for s in peer.stats] == [0, 0, 0, 0] and not any(s.resynced for s in peer.stats)
+        # Round 3 found the round-2 step applied by nobody: the round-2 work went back into the
+        # parameters and reaches round 4's contribution, with its weight; none of it is lost.
+        assert peer.backend.sent[3][1] == peer.stats_of(3).tokens
+        assert peer.backend.sent[4][1] == peer.stats_of(2).tokens + peer.stats_of(4).tokens
+        work = -(peer.rounds[4].work_at_snapshot - peer.rounds[3].work_at_snapshot
+                 + peer.rounds[2].work_at_snapshot - peer.rounds[1].work_at_snapshot)
+        assert_close(peer.backend.sent[4][0], work, atol=1e-5)
+    assert all(torch.equal(p.outer.anchor, peers[0].outer.anchor) for p in peers)
+    groups = {1: list(PEERS), 3: list(PEERS), 4: list(PEERS)}
+    assert_close(peers[0].outer.anchor, replay(init, peers, groups), atol=1e-5)
 
 
 def test_a_peer_further_behind_than_the_history_downloads_the_state(make_swarm):
