@@ -380,7 +380,20 @@ class RobustAllReduceRunner(AllReduceRunner):
             # hivemind logs this at debug level only, and its "received N% results" names no one.
             logger.warning(f"group {self.group_id.hex()[:8]}: reducer {peer_id} failed ({e!r}): our result misses "
                            "its share, so this round's average is not applied")
+            if f"sent {averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)}" in str(e):
+                await self._drop_absent_sender(peer_id)
             raise
+
+    async def _drop_absent_sender(self, peer_id: PeerID) -> None:
+        """A peer that answers BAD_GROUP_ID does not run this group (it had waited ``request_timeout``
+        for it to register: a leader listed it, but it gave up on matchmaking), so it will never send
+        us its parts either. Fail it as a sender now, instead of after the sender timeout: every
+        member's all-reduce waited that long for it (10 s of a 5 s round, seen in the learning
+        benchmark). If it does send later, its parts are refused and its own result is partial."""
+        if peer_id in self.sender_peer_ids and peer_id not in self.banned_senders:
+            logger.warning(f"group {self.group_id.hex()[:8]}: {peer_id} does not run this group; its parts are not "
+                           "waited for")
+            await self._ban_sender(peer_id)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         """hivemind's reducer loop for one sender; with int8/int4 returns each answer is the part's

@@ -219,6 +219,39 @@ def test_a_failed_reducer_is_named_in_one_warning(monkeypatch, caplog):
     assert "sent 2 parts, but we expected 3" in caplog.text
 
 
+def test_a_peer_that_does_not_run_the_group_is_not_waited_for_as_a_sender(monkeypatch, caplog):
+    """A reducer that answers BAD_GROUP_ID gave up on the group: it will not send its parts either,
+    so it is failed as a sender at once (hivemind waits for it until the sender timeout)."""
+    from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+
+    failures = {PEERS[1]: "sent BAD_GROUP_ID", PEERS[2]: "sent 2 parts, but we expected 3"}
+
+    async def refuse(self, peer_id):
+        raise AllreduceException(f"{peer_id} {failures[peer_id]}")
+
+    class Reducer:
+        failed: list[int] = []
+
+        def on_sender_failed(self, index: int) -> None:
+            self.failed.append(index)
+
+    monkeypatch.setattr(AllReduceRunner, "_communicate_with_peer", refuse)
+    runner = RobustAllReduceRunner.__new__(RobustAllReduceRunner)
+    runner.excluded_peers, runner.group_id = [], bytes.fromhex("b783fae9") * 2
+    runner.sender_peer_ids, runner.banned_senders, runner.tensor_part_reducer = list(PEERS), set(), Reducer()
+
+    async def both() -> None:
+        runner.banlock = asyncio.Lock()
+        for peer in (PEERS[1], PEERS[2]):
+            with pytest.raises(AllreduceException):
+                await runner._communicate_with_peer(peer)
+
+    with caplog.at_level("WARNING", logger="averaging.robust_allreduce"):
+        asyncio.run(both())
+    assert Reducer.failed == [1] and runner.banned_senders == {PEERS[1]}  # a short stream says nothing of that
+    assert f"{PEERS[1]} does not run this group" in caplog.text
+
+
 def gathered(bandwidth, mode: AveragingMode) -> bytes:
     return MSGPackSerializer.dumps([bandwidth, mode.value, MSGPackSerializer.dumps({"r": 1})])
 
