@@ -85,9 +85,10 @@ class Applied(StrEnum):
     FOLDED = "folded"  # nothing applied: the work is folded into our next contribution
 
 
-# catch_up(donors, behind, reference): bring our anchor to the reference's by replaying the
-# ``behind`` outer steps we missed, fetched from ``donors``; True if it now agrees.
-CatchUp = Callable[[list[str], int, AnchorClaim], bool]
+# catch_up(donors, steps, reference, rewind): bring our anchor to the reference's by undoing our own
+# last ``rewind`` outer steps, then replaying ``steps`` steps fetched from ``donors``; True if it
+# now agrees.
+CatchUp = Callable[[list[str], int, AnchorClaim, int], bool]
 
 
 @dataclass(slots=True)
@@ -171,8 +172,12 @@ class OuterState:
                 behind = reference.rounds_done - self.rounds_done
                 if behind < 0 and self.agreed_before(reference):
                     pass  # the reference's report predates steps we applied since: we are ahead, not apart
-                elif catch_up is not None and 0 <= behind <= HISTORY_ROUNDS and catch_up(agreeing, behind, reference):
+                elif catch_up is not None and 0 <= behind <= HISTORY_ROUNDS and catch_up(agreeing, behind, reference, 0):
                     conclusion.caught_up = behind
+                elif catch_up is not None and 0 <= behind < HISTORY_ROUNDS and catch_up(agreeing, behind + 1, reference, 1):
+                    # We applied a later step without an earlier one (we joined while the reports of a
+                    # round predated a step, so nobody saw we lacked it): undo ours, replay both.
+                    conclusion.caught_up = behind + 1
                 else:
                     conclusion.donors, conclusion.reference = agreeing, reference
             elif verdict is not None and verdict.contested and self_id in verdict.agreeing and catch_up is not None:
@@ -195,7 +200,7 @@ class OuterState:
         ahead = sorted(((claims[p].rounds_done - self.rounds_done, p) for p in verdict.diverged
                         if 0 < claims[p].rounds_done - self.rounds_done <= HISTORY_ROUNDS), reverse=True)
         for behind, peer in ahead:  # the furthest ahead first
-            if catch_up([peer], behind, claims[peer]):
+            if catch_up([peer], behind, claims[peer], 0):
                 return behind
         return 0
 
@@ -249,27 +254,22 @@ class OuterState:
         with self._lock:
             return next((u for u in self._history if u.rounds_done == rounds_done + 1), None)
 
-    def catch_up(self, updates: list[AppliedUpdate], reference: AnchorClaim) -> bool:
+    def catch_up(self, updates: list[AppliedUpdate], reference: AnchorClaim, *, rewind: int = 0) -> bool:
         """Replay missed outer steps (fetched from peers, in order), then check that our anchor now
         agrees with the reference's claim; if it does not, nothing changes and False is returned
         (the caller falls back to a full download). The check is what makes a donor's word
-        unnecessary: an update that does not lead to the reference's anchor is never kept."""
+        unnecessary: an update that does not lead to the reference's anchor is never kept.
+
+        With ``rewind``, our own last ``rewind`` steps are undone first, from our history (fp16:
+        off by its rounding, like a replayed step): for a peer that applied a step on an anchor
+        that lacked the one before it, which replaying alone cannot fix."""
         with self._lock:
             saved = (self.anchor.clone(), self.momentum.clone(), self.rounds_done, self.last_round,
                      self._scale, self._last_rms, self._claim, list(self._history), list(self._past_claims))
             reference_rms = self._last_rms
-            for update in updates:
-                if update.rounds_done != self.rounds_done + 1 or update.update.shape != (self.layout.numel,):
-                    break
-                size = _rms(update.update)
-                if reference_rms > 0 and size > MAX_CATCH_UP_TO_LAST_RATIO * reference_rms:
-                    logger.warning(f"refused outer step {update.rounds_done}: {size / reference_rms:.3g}x larger than "
-                                   "the last one we applied")
-                    break
-                self._apply(update.update.float(), update.round)
-            else:
-                if _claims_agree(self._current_claim(), reference, self.rel_tol, self.abs_tol):
-                    return True
+            if (self._undo(rewind) and self._replay(updates, reference_rms)
+                    and _claims_agree(self._current_claim(), reference, self.rel_tol, self.abs_tol)):
+                return True
             (anchor, momentum, self.rounds_done, self.last_round, self._scale, self._last_rms, self._claim,
              history, past_claims) = saved
             self.anchor.copy_(anchor)
@@ -279,6 +279,38 @@ class OuterState:
             self._past_claims.clear()
             self._past_claims.extend(past_claims)
             return False
+
+    def _undo(self, steps: int) -> bool:
+        """Undo our last ``steps`` outer steps (lock held); False if our history lacks one."""
+        c = self.config
+        for _ in range(steps):
+            if not self._history or self._history[-1].rounds_done != self.rounds_done:
+                return False
+            step = self._history.pop().update.float()
+            self.anchor.copy_(anchor_before_step(self.anchor, step, self.momentum, lr=c.lr, mu=c.momentum,
+                                                 nesterov=c.nesterov))
+            if c.momentum > 0:  # momentum = mu * before + step
+                self.momentum.sub_(step).div_(c.momentum)
+            else:
+                self.momentum.zero_()
+            if self._past_claims:
+                self._past_claims.pop()
+            self.rounds_done -= 1
+            self._claim = None
+        return True
+
+    def _replay(self, updates: list[AppliedUpdate], reference_rms: float) -> bool:
+        """Apply fetched steps in order (lock held); False at the first that does not follow."""
+        for update in updates:
+            if update.rounds_done != self.rounds_done + 1 or update.update.shape != (self.layout.numel,):
+                return False
+            size = _rms(update.update)
+            if reference_rms > 0 and size > MAX_CATCH_UP_TO_LAST_RATIO * reference_rms:
+                logger.warning(f"refused outer step {update.rounds_done}: {size / reference_rms:.3g}x larger than "
+                               "the last one we applied")
+                return False
+            self._apply(update.update.float(), update.round)
+        return True
 
     def agreed_before(self, reference: AnchorClaim) -> bool:
         """Whether our anchor, before our last steps, agreed with ``reference`` (a claim made by a

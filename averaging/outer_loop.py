@@ -578,8 +578,8 @@ class OuterLoop:
         old_anchor = self.outer.anchor.clone()
         conclusion = self.outer.conclude(outcome, pseudo_grad, round=round, averaged=averaged if outcome.ok else None,
                                          self_id=self.peer_id, alone=self._alone(),
-                                         catch_up=lambda donors, behind, reference: self._catch_up(
-                                             round, donors, behind, reference))
+                                         catch_up=lambda donors, steps, reference, rewind: self._catch_up(
+                                             round, donors, steps, reference, rewind))
         resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
         # 4. What the new anchor accounts for: with error feedback only what was sent, so the
         #    residual stays in the parameters for the next round (averaging.wire). A partial result
@@ -631,10 +631,12 @@ class OuterLoop:
         self._robust_seen = counters
         return {kind: count for kind, count in delta.items() if count}
 
-    def _catch_up(self, round: int, donors: list[str], behind: int, reference: AnchorClaim) -> bool:
-        """Replay the ``behind`` outer steps we missed, fetched from ``donors`` (2 bytes/param each)."""
+    def _catch_up(self, round: int, donors: list[str], steps: int, reference: AnchorClaim, rewind: int = 0) -> bool:
+        """Replay ``steps`` outer steps fetched from ``donors`` (2 bytes/param each), after undoing
+        our own last ``rewind`` (``OuterState.catch_up``)."""
         updates: list[AppliedUpdate] = []
-        for rounds_done in range(self.outer.rounds_done, self.outer.rounds_done + behind):
+        first = self.outer.rounds_done - rewind
+        for rounds_done in range(first, first + steps):
             update = self.worker.backend.fetch_update(donors, rounds_done=rounds_done, numel=self.layout.numel,
                                                       timeout=self.config.download_timeout)
             if update is None:
@@ -642,12 +644,13 @@ class OuterLoop:
                                "not caught up")
                 return False
             updates.append(update)
-        if not self.outer.catch_up(updates, reference):
-            logger.warning(f"round {round}: replaying {behind} missed outer step(s) did not reach the group's "
-                           "anchor; not caught up")
+        undone = f" after undoing our last {rewind}" if rewind else ""
+        if not self.outer.catch_up(updates, reference, rewind=rewind):
+            logger.warning(f"round {round}: replaying {steps} missed outer step(s){undone} did not reach the "
+                           "group's anchor; not caught up")
             return False
-        if behind:
-            logger.info(f"round {round}: caught up with {behind} missed outer step(s) from {donors}")
+        if steps:
+            logger.info(f"round {round}: caught up with {steps} missed outer step(s){undone} from {donors}")
         return True
 
     def _resync(self, round: int, conclusion: RoundConclusion, averaged: torch.Tensor | None) -> bool:

@@ -169,10 +169,10 @@ def test_a_peer_whose_anchor_diverged_gets_the_others_as_donors():
 
 def catch_up_from(states: dict[str, OuterState], me: str, serve=None):
     """A ``CatchUp`` that fetches the missed steps from the donors' histories (or ``serve``)."""
-    def catch_up(donors, behind, reference):
-        start = states[me].rounds_done
-        updates = [(serve or states[donors[0]].update_after)(start + i) for i in range(behind)]
-        return None not in updates and states[me].catch_up(updates, reference)
+    def catch_up(donors, steps, reference, rewind):
+        start = states[me].rounds_done - rewind
+        updates = [(serve or states[donors[0]].update_after)(start + i) for i in range(steps)]
+        return None not in updates and states[me].catch_up(updates, reference, rewind=rewind)
     return catch_up
 
 
@@ -196,6 +196,30 @@ def test_a_two_peer_tie_between_a_peer_ahead_and_one_behind_ends_in_a_catch_up_w
         assert (states["peer-a"].anchor - states["peer-b"].anchor).abs().max() < 1e-5
         assert not end_round(states, round + 1, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.diverged
     assert behind_won and ahead_won  # both ways of the tie were exercised
+
+
+def test_a_peer_that_applied_a_step_without_the_one_before_undoes_it_and_replays_both():
+    """A joiner whose first round's reports all predated the group's last step (made while it was
+    being applied) is judged equal, then applies the next step on an anchor that lacks it. Next
+    round it is one step behind, but replaying that one step cannot fix it: it undoes its own step
+    and replays both, instead of downloading the whole state."""
+    states = {peer: new_state() for peer in GROUP}
+    joiner = states["peer-c"]
+    for peer in ("peer-a", "peer-b"):
+        states[peer].apply(randn(11, std=1e-3), round=2)  # the joiner downloaded the state before this
+    for state in states.values():
+        state.apply(randn(12, std=1e-3), round=3)  # one average for all three, unjudged (stale reports)
+    expected = new_state()
+    for step in (randn(11, std=1e-3), randn(12, std=1e-3), averaged := randn(13, std=1e-3)):
+        expected.apply(step, round=4)
+    conclusions = end_round(states, 4, averaged, catching_up=True)
+    assert conclusions["peer-c"].verdict.diverged == frozenset({"peer-c"})
+    assert conclusions["peer-c"].donors == [] and conclusions["peer-c"].caught_up == 2
+    assert joiner.rounds_done == states["peer-a"].rounds_done == 3
+    for state in states.values():  # up to the fp16 rounding of the undone and replayed steps
+        assert (state.anchor - expected.anchor).abs().max() < 1e-5
+        assert (state.momentum - expected.momentum).abs().max() < 1e-5
+    assert not end_round(states, 5, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.diverged
 
 
 def crafted_step(victim: OuterState, size: float) -> tuple[OuterState, torch.Tensor]:
@@ -239,9 +263,10 @@ def test_a_stranger_in_a_two_peer_tie_wins_it_only_by_the_hash_and_cannot_make_u
     assert won and lost
 
 
-def test_a_tie_is_repaired_by_a_re_sync_from_its_winner():
-    """Two honest peers whose all-reduce left one part apart (equal step counts, no majority): the
-    loser of the tie re-syncs from the winner, whoever the hash picks."""
+def test_a_tie_is_repaired_by_replaying_the_winners_step():
+    """Two honest peers whose last steps differ (equal step counts, no majority): the loser of the
+    tie undoes its step and replays the winner's (2 bytes/param) instead of downloading the state,
+    whoever the hash picks."""
     for round in range(3, 9):
         states = {"peer-a": new_state(), "peer-b": new_state()}
         end_round(states, 1, randn(11, std=1e-3), catching_up=True)
@@ -251,8 +276,9 @@ def test_a_tie_is_repaired_by_a_re_sync_from_its_winner():
         verdict = conclusions["peer-a"].verdict
         assert verdict.contested
         loser = next(iter(verdict.diverged))
-        assert conclusions[loser].donors == [verdict.reference]
-        assert conclusions[verdict.reference].donors == []
+        assert conclusions[loser].donors == [] and conclusions[loser].caught_up == 1
+        assert conclusions[verdict.reference].donors == [] and conclusions[verdict.reference].caught_up == 0
+        assert (states["peer-a"].anchor - states["peer-b"].anchor).abs().max() < 1e-5
 
 
 def test_fp16_noise_between_peers_is_not_a_divergence():
