@@ -25,6 +25,9 @@ Progress = Callable[[int, int], None]
 CheckSlice = Callable[[int, int, Any, torch.Tensor], "str | None"]
 
 
+PARTIAL_ERROR = "partial all-reduce"
+
+
 @dataclass(slots=True)
 class AverageOutcome:
     """How one averaging round ended. On failure the caller's vector is left untouched."""
@@ -36,7 +39,8 @@ class AverageOutcome:
     allreduce_s: float = 0.0  # from the later of the trigger and the scheduled start to the result
     error: str | None = None
     # Fraction of the average that never arrived (a reducer failed). Such a result is not ok: our
-    # own values on the missing share would put our anchor where no other member's is.
+    # own values on the missing share would put our anchor where no other member's is. Its
+    # ``error`` (the round record's) starts with PARTIAL_ERROR.
     partial: float = 0.0
 
 

@@ -54,7 +54,14 @@ from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
 
-from averaging.backend import AppliedUpdate, AverageOutcome, CheckSlice, DownloadedState, Progress
+from averaging.backend import (
+    PARTIAL_ERROR,
+    AppliedUpdate,
+    AverageOutcome,
+    CheckSlice,
+    DownloadedState,
+    Progress,
+)
 from averaging.download import (
     SameState,
     default_slice_count,
@@ -694,7 +701,7 @@ class HivemindBackend:
             # Our vector stays as it was: the round folds, and the step the others applied is
             # replayed from their history next round (OuterState.catch_up), not re-downloaded.
             return AverageOutcome(ok=False, group=group, sync_s=sync_s, allreduce_s=allreduce_s, partial=missing,
-                                  error=f"partial all-reduce: {missing:.1%} of the average never arrived (a "
+                                  error=f"{PARTIAL_ERROR}: {missing:.1%} of the average never arrived (a "
                                         "reducer failed, named in the log); this round's work is kept for the next")
         # 3. Read the result only after the step finished (the averager released the lock).
         with self._averager.get_tensors() as (buffer,):

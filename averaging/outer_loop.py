@@ -572,7 +572,8 @@ class OuterLoop:
         # Only a group's all-reduce tells how long the next one will take: a failed matchmaking
         # (alone, or no group) ends on its own timeout, and peers with another history would then
         # guess differently and stay out of different rounds.
-        lateness_s = (self.clock.now() - self._schedule().round_end(round)) if outcome.ok or outcome.partial else None
+        allreduced = outcome.ok or outcome.partial > 0  # a partial result too: only its outcome is not ours
+        lateness_s = self.clock.now() - self._schedule().round_end(round) if allreduced else None
         # 3. Consistency check (catching up with missed outer steps, or re-syncing if we cannot),
         #    then the outer step.
         old_anchor = self.outer.anchor.clone()
@@ -596,7 +597,7 @@ class OuterLoop:
         elif outcome.partial:
             self._unconfirmed.append((accounted.clone(), weight))
         sent_bytes, received_bytes = round_payload(
-            self.layout.numel, len(outcome.group) if outcome.ok or outcome.partial else 0, client_mode=self.client_mode,
+            self.layout.numel, len(outcome.group) if allreduced else 0, client_mode=self.client_mode,
             send_bytes_per_value=self.wire.send_bytes_per_value(),
             return_bytes_per_value=self.wire.return_bytes_per_value())
         return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,

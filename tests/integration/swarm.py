@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from averaging.backend import PARTIAL_ERROR
 from examples.swarm_launcher import LocalPeer, LocalSwarm, session_members, shoal_command
 from node.library.checkpoint import load_checkpoint, round_dir_name
 from node.observe.metrics import read_metrics
@@ -44,6 +45,18 @@ def rounds_of(peer: LocalPeer) -> dict[int, dict]:
     if not peer.metrics_path.exists():
         return {}
     return {r["round"]: r for r in read_metrics(peer.metrics_path) if r["event"] == "round"}
+
+
+def is_partial(record: dict) -> bool:
+    """A round whose all-reduce came back partial to this peer (a reducer's stream failed or ended
+    short: README, Known limitations): not applied, and the step is replayed next round."""
+    return (record["error"] or "").startswith(PARTIAL_ERROR)
+
+
+def took_part(record: dict) -> bool:
+    """The peer's pseudo-gradient went into its group's all-reduce (whether or not all of the
+    average came back)."""
+    return record["applied"] == "averaged" or is_partial(record)
 
 
 def every_round_checkpoints(path: Path, config: Path = TINY, text: str | None = None) -> Path:

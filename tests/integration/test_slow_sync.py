@@ -19,6 +19,7 @@ from tests.integration.swarm import (
     anchor_at,
     every_round_checkpoints,
     rounds_of,
+    took_part,
     train_then_interrupt,
     wait_until,
 )
@@ -28,17 +29,8 @@ pytestmark = pytest.mark.integration
 LAUNCHER = str(REPO / "tests" / "integration" / "delayed_sync.py")
 DELAYED = [sys.executable, LAUNCHER, "7", "--"]
 FORGETFUL = [sys.executable, LAUNCHER, "0", "3", "--"]  # misses the matchmaking of every third round
-# A member that got only part of the average (a reducer's stream failed or ended short) does not
-# apply it: its round folds, with this error, and it replays the step next round (README, Known
-# limitations: it happens without any fault, about one round in 15-20 under load). A fault of the
-# transport, not what this file tests: such a round counts as one the peer took part in.
-PARTIAL = "partial all-reduce"
-
-
-def took_part(record: dict) -> bool:
-    """The peer's pseudo-gradient went into its group's all-reduce (whether or not all of the
-    average came back)."""
-    return record["applied"] == "averaged" or PARTIAL in (record["error"] or "")
+# A member that got only part of the average does not apply it and replays the step next round
+# (``took_part``): a fault of the transport, not what this file tests.
 
 
 def assert_no_resync(peer, records: list[dict], shown) -> None:

@@ -23,6 +23,7 @@ from tests.integration.swarm import (
     TINY,
     anchor_at,
     every_round_checkpoints,
+    is_partial,
     rounds_of,
     shoal_command,
     train_then_interrupt,
@@ -69,7 +70,7 @@ def test_three_peers_train_one_model(swarm, compression, returns):
     # replays the step: a fault of the transport, handled, and shown here if it happens.
     ids = {name: rounds[min(rounds)]["peer"] for name, rounds in per_peer.items()}
     partial = {(ids[name], r) for name, rounds in per_peer.items() for r, record in rounds.items()
-               if "partial all-reduce" in (record["error"] or "")}
+               if is_partial(record)}
     for name, rounds in per_peer.items():
         # Each round record says what the all-reduce moved, sends and returns each in their code.
         expected = round_payload(init.numel(), 3, send_bytes_per_value=wire.send_bytes_per_value(),
