@@ -19,7 +19,9 @@ Hazards this module owns (docs/hivemind.md):
   hivemind's ``rpc_aggregate_part`` refuses a part for a group it has not registered yet as soon
   as *any* group (un)registers, and a group registers only once its step is triggered: the end of
   round r's all-reduce would then refuse round r+1's early parts. ``ShoalAverager`` waits for the
-  registration instead, for up to the sender timeout.
+  registration instead, for up to the sender timeout, unless the step that matched the group has
+  ended without running it (cancelled while it awaited its trigger): then it refuses at once, and
+  the members stop waiting for us (``RobustAllReduceRunner._drop_absent_sender``).
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ UpdateProvider = Callable[[int], AppliedUpdate | None]
 FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
 LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 ASSEMBLY_LATENCY_S = 0.5  # a leader's group message to its followers, beyond request_timeout
+ENDED_GROUPS_KEPT = 256  # group ids of finished steps remembered (parts for them are refused at once)
 STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
 # The key under which the averager process adds, to a step's gathered reports, the fraction of the
 # average that did not arrive (a reducer failed: ``ShoalAverager._aggregate_with_group``). Not a
@@ -186,6 +189,8 @@ class ShoalAverager(DecentralizedAverager):
         self.robust_counters = RobustCounters()
         # Averager process: the fraction of the average each running group failed to deliver.
         self._partial: dict[bytes, float] = {}
+        # Averager process: groups our steps matched that will not run (any more), oldest first.
+        self._ended_groups: dict[bytes, None] = {}
         target = kwargs.get("target_group_size")
         self._max_group_size = min(robust.max_group_size if robust is not None else 2**31, target or 2**31)
         super().__init__(*args, **kwargs)
@@ -203,6 +208,7 @@ class ShoalAverager(DecentralizedAverager):
     def _matchmaking(self, matchmaking: Matchmaking) -> None:
         matchmaking.__class__ = ShoalMatchmaking
         matchmaking.ban_list = self._ban_list
+        matchmaking.matched = {}
         # A group must reach its followers before they give up (robust_allreduce.declared_expiration):
         # a leader's answer can wait up to request_timeout behind its own join request, plus latency.
         matchmaking.potential_leaders.__class__ = ShoalPotentialLeaders
@@ -223,9 +229,24 @@ class ShoalAverager(DecentralizedAverager):
         finally:
             self._running.discard(task)
 
-    async def _step(self, **kwargs):
+    async def _step(self, *, step: StepControl, **kwargs):
         with self._kept_alive():
-            return await super()._step(**kwargs)
+            try:
+                return await super()._step(step=step, **kwargs)
+            finally:
+                self._end_groups(self._matchmaking.matched.pop(id(step), ()))
+
+    def _end_groups(self, group_ids: Sequence[bytes]) -> None:
+        """The groups a finished step matched will never (again) be registered: a part for one of
+        them is refused at once. A step cancelled while it awaited its trigger (its round was
+        passed, or its sync timed out) had told its group it was in; without this, every member's
+        part to us waited the whole registration wait (0.4 x allreduce_timeout) and the members'
+        all-reduce stalled that long (24 s of 6 s rounds in test_slow_sync, 1 CI run in 4)."""
+        for group_id in group_ids:
+            if group_id not in self._running_groups:
+                self._ended_groups[group_id] = None
+        while len(self._ended_groups) > ENDED_GROUPS_KEPT:
+            del self._ended_groups[next(iter(self._ended_groups))]
 
     def get_current_state(self):
         # Runs in the host process, in hivemind's state-fetcher thread.
@@ -260,11 +281,18 @@ class ShoalAverager(DecentralizedAverager):
         request = await anext(stream)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._registration_wait
-        while request.group_id not in self._running_groups and loop.time() < deadline:
+        while (request.group_id not in self._running_groups and request.group_id not in self._ended_groups
+               and loop.time() < deadline):
             await asyncio.sleep(0.05)
         future = self._running_groups.get(request.group_id)
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            # Hold the stream until the sender has read that and hung up: returning with its parts
+            # still unread resets the stream, and the sender often saw a broken pipe instead of
+            # BAD_GROUP_ID, so it did not know to stop waiting for our parts (a 16 s stall in
+            # tests/integration/test_cancelled_step.py, half the runs).
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_drain(stream), timeout=self._registration_wait)
             return
         group = await future
         async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
@@ -771,6 +799,11 @@ class HivemindBackend:
                 control.cancel()
         if self._averager.is_alive():
             self._averager.shutdown()
+
+
+async def _drain(stream: typing.AsyncIterator) -> None:
+    async for _ in stream:
+        pass
 
 
 def round_bits(round: int) -> str:

@@ -323,6 +323,15 @@ class ShoalMatchmaking(Matchmaking):
     the group, it costs nothing."""
 
     ban_list: BanList
+    # id(step) -> the group ids that step's matchmaking assembled (``ShoalAverager._step`` pops it
+    # when the step ends, to answer late parts for those groups at once).
+    matched: dict[int, list[bytes]]
+
+    async def look_for_group(self, step):
+        group = await super().look_for_group(step)
+        if group is not None:
+            self.matched.setdefault(id(step), []).append(group.group_id)
+        return group
 
     async def _request_join_group(self, leader: PeerID):
         if self.ban_list.is_banned(str(leader)):
