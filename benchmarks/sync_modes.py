@@ -234,6 +234,7 @@ def main() -> int:
     regimes = args.regimes or [None]
     texts, everything = [], {}
     base_out = args.out
+    base_out.parent.mkdir(parents=True, exist_ok=True)
     for regime in regimes:
         if regime is not None:
             args.mbit = mbit_for(regime, numel, args.peers, round_seconds)

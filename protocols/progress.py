@@ -60,6 +60,9 @@ class ProgressRecord:
     round_bytes_received: int | None = None
     # How long after their round's deadline this peer's syncs end (EMA, seconds); None: not measured.
     sync_late_s: float | None = None
+    # Outer steps applied to the peer's shared model (0: still the run's initial weights, which
+    # every peer builds from the run's seed); None in records of older peers.
+    rounds_done: int | None = None
 
 
 def encode(record: ProgressRecord) -> dict[str, Any]:
@@ -86,6 +89,7 @@ def encode(record: ProgressRecord) -> dict[str, Any]:
         # New keys, optional: older readers ignore them, and older records lack them.
         **{key: getattr(record, key) for key in ROUND_BYTES if getattr(record, key) is not None},
         **({"sync_late_s": record.sync_late_s} if record.sync_late_s is not None else {}),
+        **({"rounds_done": record.rounds_done} if record.rounds_done is not None else {}),
     }
 
 
@@ -140,6 +144,7 @@ def decode(peer_id: str, value: Any) -> ProgressRecord:
         shard=bounded_int(value, "shard", 0, MAX_SHARDS - 1) if value.get("shard") is not None else None,
         **{key: bounded_int(value, key, 0, MAX_COUNT) for key in ROUND_BYTES if value.get(key) is not None},
         sync_late_s=_number(value, "sync_late_s", -MAX_LATENESS, MAX_LATENESS, optional=True),
+        rounds_done=bounded_int(value, "rounds_done", 0, MAX_ROUND) if value.get("rounds_done") is not None else None,
     )
 
 
@@ -179,6 +184,15 @@ def read_records(found: Any, now: float) -> tuple[dict[str, ProgressRecord], int
         except MessageError:
             malformed += 1
     return records, malformed
+
+
+def before_first_step(records: Iterable[ProgressRecord]) -> bool:
+    """True if every one of ``records`` (at least one) says its peer has applied no outer step:
+    the swarm's shared model is then still the run's initial weights, which a joiner builds from
+    the run's seed, so there is nothing to download. One record that says otherwise, or does not
+    say (an older peer), is enough for False."""
+    records = list(records)
+    return bool(records) and all(record.rounds_done == 0 for record in records)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from node.library.run_record import MANIFEST_TTL, RunTrust, join_run
 from protocols.errors import CheckpointError
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
-from protocols.progress import ProgressRecord
+from protocols.progress import ProgressRecord, before_first_step
 from protocols.schedule import RoundSchedule
 from protocols.version import shoal_version
 
@@ -341,6 +341,15 @@ class DiLoCoSwarm:
                         key=lambda p: -self._monitor.peers[p].round)
         if not donors:
             return None
+        if before_first_step(self._monitor.peers[p] for p in donors):
+            # Nobody has applied an outer step: the swarm's shared model is the run's initial
+            # weights, which we built from the run's seed too. Downloading them cost minutes on
+            # slow links (92 s at 1.1 Mbit/s in benchmarks/sync_modes.py, shared with the donor's
+            # all-reduce traffic), and the donors' state had moved on by then. A claim is a peer's
+            # word: if it was wrong, our first averaged round finds us behind and catches up.
+            logger.info("the swarm has not applied an outer step yet: starting from the run's initial weights, "
+                        "as every peer does (nothing to download)")
+            return None
         started = time.perf_counter()
         try:
             adopted = self._loop.initial_sync(donors, newer_than=self._resumed_round, progress=progress)
@@ -402,5 +411,5 @@ class DiLoCoSwarm:
             round_bytes_sent=self.last_stats.bytes_sent if self.last_stats else None,
             round_bytes_received=self.last_stats.bytes_received if self.last_stats else None,
             time=self._directory.now(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
-            shard=beat.shard, sync_late_s=self._loop.sync_lateness,
+            shard=beat.shard, sync_late_s=self._loop.sync_lateness, rounds_done=self._outer.rounds_done,
         )

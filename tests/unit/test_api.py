@@ -112,6 +112,35 @@ def test_a_lone_peer_whose_state_was_just_downloaded_folds_instead_of_stepping_a
         peer.close()
 
 
+def test_a_joiner_downloads_the_state_only_once_the_swarm_has_stepped():
+    # Before any outer step the shared model is the run's initial weights, which the joiner builds
+    # itself: nothing to download (minutes on a slow link). After one, it downloads.
+    hub = LocalSwarmHub()
+    first = swarm(hub, "first")
+    joiners = []
+    try:
+        first._monitor.tick()  # publishes its record, as its monitor thread will
+        early = swarm(hub, "early", initial_peers=["first"])
+        joiners.append(early)
+
+        def no_download(*args, **kwargs):
+            raise AssertionError("downloaded the initial weights")
+
+        early._loop.initial_sync = no_download
+        assert early.start() is None and early.rounds_done == 0
+        assert any(record.rounds_done == 0 for record in early.peers if record.peer_id == first.peer_id)
+        early.close()
+        run_together([first], rounds=2)  # alone: local steps
+        assert first.rounds_done >= 1
+        late = swarm(hub, "late", initial_peers=["first"])
+        joiners.append(late)
+        joined = late.start()
+        assert joined is not None and late.rounds_done == first.rounds_done, joined
+    finally:
+        for peer in (*joiners, first):
+            peer.close()
+
+
 def test_an_incompatible_run_is_refused_naming_the_field():
     hub = LocalSwarmHub()
     first = swarm(hub, "first")

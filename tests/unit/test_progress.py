@@ -17,6 +17,7 @@ from protocols.progress import (
     PROGRESS_VERSION,
     ProgressRecord,
     SwarmSummary,
+    before_first_step,
     decode,
     encode,
     peer_id_from_subkey,
@@ -240,3 +241,26 @@ def test_a_malformed_sync_lateness_is_refused(bad):
     value["sync_late_s"] = bad
     with pytest.raises(MessageError, match="sync_late_s"):
         decode(ED25519_ID, value)
+
+
+def test_outer_steps_applied_round_trip_and_older_records_lack_them():
+    newer = record(rounds_done=7)
+    assert decode(ED25519_ID, msgpack.unpackb(msgpack.packb(encode(newer)), raw=False)) == newer
+    assert "rounds_done" not in encode(record())
+    assert decode(ED25519_ID, encode(record(rounds_done=0))).rounds_done == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2**60, 1.5, "3", True])
+def test_a_malformed_outer_step_count_is_refused(bad):
+    value = encode(record(rounds_done=1))
+    value["rounds_done"] = bad
+    with pytest.raises(MessageError, match="rounds_done"):
+        decode(ED25519_ID, value)
+
+
+def test_a_swarm_is_before_its_first_step_only_if_every_record_says_so():
+    fresh = [record(rounds_done=0), record(RSA_ID, rounds_done=0)]
+    assert before_first_step(fresh)
+    assert not before_first_step([*fresh, record("12D3KooWB", rounds_done=1)])  # one that stepped
+    assert not before_first_step([*fresh, record("12D3KooWB")])  # an older peer does not say
+    assert not before_first_step([])  # nobody to ask
