@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -239,13 +240,17 @@ class OuterLoop:
     def __init__(self, *, outer: OuterState, worker: SyncWorker, layout: FlatLayout,
                  params: Callable[[], dict[str, torch.Tensor]], schedule: Callable[[], RoundSchedule],
                  config: LoopConfig, peer_id: str, alone: Callable[[], bool], device: torch.device,
-                 clock: Clock = SYSTEM_CLOCK, wire: WireFormat | None = None, client_mode: bool = False):
+                 clock: Clock = SYSTEM_CLOCK, wire: WireFormat | None = None, client_mode: bool = False,
+                 swarm_lateness: Callable[[], Sequence[float]] | None = None):
         self.outer, self.worker, self.layout = outer, worker, layout
         # The payload's codec (error feedback: the residual lives in the live parameters, see
         # averaging.wire) and, for the byte counts, whether we reduce nothing (client mode).
         self.wire, self.client_mode = wire or WireFormat(), client_mode
         self._params, self._schedule, self.config = params, schedule, config
         self.peer_id, self._alone, self.device = peer_id, alone, device
+        # The other live peers' published sync lateness (their progress records): the sync period
+        # is agreed on from everyone's, so that the peers average in the same rounds (sync_period).
+        self._swarm_lateness = swarm_lateness
         self.clock = clock  # read on both threads (see Clock)
         cuda = device.type == "cuda"
         # Host staging for the parameter snapshots and the merge corrections: pinned so that
@@ -289,12 +294,26 @@ class OuterLoop:
     def sync_period(self) -> int:
         """Every how many rounds this peer can sync: 1 while syncs end within a round of their
         deadline; k when they take up to k rounds. Such a peer joins only rounds divisible by k.
-        Peers of one group measure the same lateness, so they stay in the same rounds; deciding
-        each round from its own timing alone, a peer could settle one round off the others' phase
-        and then always meet nobody."""
-        if self._lateness is None or self.config.mode == SyncMode.BLOCKING:
+        Deciding each round from its own timing alone, a peer could settle one round off the
+        others' phase and then always meet nobody; and peers that each chose k from their own
+        lateness chose differently (14-34 s syncs in 12 s rounds: k = 2 or 3) and met only in
+        pairs, each pair on its own lineage. So k comes from the swarm's lateness (``agreed_lateness``)."""
+        lateness = self.agreed_lateness
+        if lateness is None or self.config.mode == SyncMode.BLOCKING:
             return 1
-        return max(1, math.ceil(self._lateness / self._schedule().round_seconds))
+        return max(1, math.ceil(lateness / self._schedule().round_seconds))
+
+    @property
+    def agreed_lateness(self) -> float | None:
+        """The median of our sync lateness and the other live peers' published ones (every peer
+        reads the same records, so they agree on it up to a heartbeat; a minority claiming any
+        lateness cannot move the median out of the honest peers' range). Ours alone while nobody
+        else published one; None while nobody has measured any."""
+        values = [v for v in (self._swarm_lateness() if self._swarm_lateness is not None else ())
+                  if v is not None and math.isfinite(v)]
+        if self._lateness is not None:
+            values.append(self._lateness)
+        return statistics.median(values) if values else None
 
     @property
     def sync_lateness(self) -> float | None:
@@ -378,8 +397,8 @@ class OuterLoop:
                 logger.info(f"round {round}: staying out, the sync of round {self._jobs[-1].window.round} is still "
                             "running; this round's work goes into the next contribution")
             else:
-                logger.info(f"round {round}: staying out, syncs take about {self._lateness:.1f}s past their "
-                            f"deadline, so this peer averages in rounds divisible by {self.sync_period}")
+                logger.info(f"round {round}: staying out, the swarm's syncs take about {self.agreed_lateness:.1f}s "
+                            f"past their deadline, so its peers average in rounds divisible by {self.sync_period}")
 
     def _can_join(self, round: int) -> bool:
         """Whether our sync of ``round`` can start at its deadline: no more than one sync ahead of

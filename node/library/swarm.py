@@ -197,6 +197,7 @@ class DiLoCoSwarm:
                               prepare_lead=avg.matchmaking_seconds + avg.request_timeout),
             peer_id=self.peer_id, alone=self._alone,
             device=self.device, wire=avg.wire, client_mode=self.reachability.client_mode,
+            swarm_lateness=self._others_lateness,
         )
 
     def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -399,6 +400,11 @@ class DiLoCoSwarm:
     def sync_lateness(self) -> float | None:
         """How long after their round's deadline our syncs end (EMA, seconds), once measured."""
         return self._loop.sync_lateness
+
+    def _others_lateness(self) -> list[float]:
+        """The sync lateness the other live peers published (the round engine agrees on a period from it)."""
+        return [record.sync_late_s for peer, record in self._monitor.peers.items()
+                if peer != self.peer_id and record.sync_late_s is not None]
 
     def _status(self) -> ProgressRecord:
         """Our progress record (monitor thread): the library's own figures, then the caller's."""

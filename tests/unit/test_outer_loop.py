@@ -659,6 +659,27 @@ def test_a_sync_longer_than_a_round_never_stalls_training_nor_forces_a_resync(ma
         assert peer.outer.rounds_done == peers[0].outer.rounds_done
 
 
+def test_peers_agree_on_the_sync_period_from_everyones_lateness(make_swarm):
+    # 12 s rounds, syncs ending 14-34 s late: each peer alone would pick 2 or 3 and meet the
+    # others only now and then; from everyone's published lateness they pick one period.
+    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2)
+    peers = make_swarm(config, round_seconds=12.0)
+    own = dict(zip(PEERS, (14.0, 20.0, 34.0)))
+    for peer in peers:
+        peer.loop._lateness = own[peer.id]
+    assert sorted(p.loop.sync_period for p in peers) == [2, 2, 3]  # alone: out of phase
+    for peer in peers:
+        peer.loop._swarm_lateness = lambda me=peer.id: [late for other, late in own.items() if other != me]
+    assert [p.loop.sync_period for p in peers] == [2, 2, 2] and peers[0].loop.agreed_lateness == 20.0
+    joiner = peers[0].loop
+    joiner._lateness = None  # not measured yet: it falls into the swarm's phase at once
+    assert joiner.sync_period == 3 and joiner.agreed_lateness == 27.0
+    joiner._swarm_lateness = lambda: [3.0, 4.0, 1e6]  # one peer claiming anything does not move it
+    assert joiner.sync_period == 1
+    joiner._swarm_lateness = lambda: []
+    assert joiner.agreed_lateness is None and joiner.sync_period == 1
+
+
 class DecidedHub(LocalHub):
     """The group of round r is every peer that prepared it, known once each peer has decided about r
     (prepared r or a later round, or left): which thread runs first in real time decides nothing."""
