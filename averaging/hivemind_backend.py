@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 import typing
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +75,7 @@ from averaging.download import (
 )
 from averaging.error_feedback import balanced_part_size
 from averaging.hivemind_codecs import AVERAGE_RETURN_CODES, ShoalCodec
+from averaging.part_timeouts import REDUCER_SHARE, SENDER_SHARE, part_timeouts
 from averaging.robust import BanList, RobustConfig
 from averaging.robust_allreduce import (
     GroupRefused,
@@ -126,6 +127,7 @@ UpdateProvider = Callable[[int], AppliedUpdate | None]
 FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
 LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 ASSEMBLY_LATENCY_S = 0.5  # a leader's group message to its followers, beyond request_timeout
+RECENT_ALLREDUCES = 3  # the part timeouts follow the longest of the last few all-reduces
 ENDED_GROUPS_KEPT = 256  # group ids of finished steps remembered (parts for them are refused at once)
 STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
 # The key under which the averager process adds, to a step's gathered reports, the fraction of the
@@ -172,6 +174,9 @@ class ShoalAverager(DecentralizedAverager):
         # What the averager process asks the host for (see the module docstring); shared memory,
         # created before the fork.
         self._host_request = torch.full((1,), STATE_REQUEST, dtype=torch.int64).share_memory_()
+        # The all-reduce's sender and reducer timeouts, set by the host from measured all-reduces
+        # (0: as configured); shared memory, read by the averager process at each all-reduce.
+        self._part_timeouts = torch.zeros(2, dtype=torch.float64).share_memory_()
         self._host_lock: asyncio.Lock | None = None  # averager process, created on its event loop
         self._running: set[asyncio.Task] = set()  # averager process: commands in flight (_kept_alive)
         # Averager process: requests being served per peer, the shared state copy, refusals logged.
@@ -248,6 +253,10 @@ class ShoalAverager(DecentralizedAverager):
         while len(self._ended_groups) > ENDED_GROUPS_KEPT:
             del self._ended_groups[next(iter(self._ended_groups))]
 
+    def set_part_timeouts(self, sender_timeout: float, reducer_timeout: float) -> None:
+        """Host: the timeouts the next all-reduces use (``averaging.part_timeouts``)."""
+        self._part_timeouts.copy_(torch.tensor([sender_timeout, reducer_timeout], dtype=torch.float64))
+
     def get_current_state(self):
         # Runs in the host process, in hivemind's state-fetcher thread.
         request = int(self._host_request[0])
@@ -321,6 +330,9 @@ class ShoalAverager(DecentralizedAverager):
         """hivemind's method (1.1.12, checked by ``robust_allreduce.check_hivemind``) with our runner
         (hivemind's own with ``robust=None``), and what part of the result never arrived."""
         group_id = group_info.group_id if group_id is None else group_id
+        sender_timeout, reducer_timeout = self._part_timeouts.tolist()
+        if reducer_timeout > 0:  # the host's scaled timeouts (averaging.part_timeouts), once it measured any
+            kwargs.update(sender_timeout=sender_timeout, reducer_timeout=reducer_timeout)
         common = dict(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
                       ordered_peer_ids=group_info.peer_ids, **kwargs)
         if self._robust is None:
@@ -632,14 +644,16 @@ class HivemindBackend:
             prefix=prefix,
             state_provider=state_provider,
             update_provider=update_provider,
-            registration_wait=allreduce_timeout * 0.4,
+            registration_wait=allreduce_timeout * SENDER_SHARE,
             target_group_size=target_group_size,
             min_group_size=min_group_size,
             min_matchmaking_time=min_matchmaking_time,
             request_timeout=request_timeout,
             allreduce_timeout=allreduce_timeout,
-            sender_timeout=allreduce_timeout * 0.4,  # hivemind requires sender < reducer timeout
-            reducer_timeout=allreduce_timeout / 2,
+            # Until all-reduces are measured (then averaging.part_timeouts scales them); hivemind
+            # requires sender < reducer timeout.
+            sender_timeout=allreduce_timeout * SENDER_SHARE,
+            reducer_timeout=allreduce_timeout * REDUCER_SHARE,
             compression=averager_compression(wire, numel=numel, target_group_size=target_group_size),
             state_compression=NoCompression(),  # shared state must arrive exact
             client_mode=client_mode,
@@ -652,6 +666,8 @@ class HivemindBackend:
         # What state_provider returns: by default anchor and momentum (OuterState.shared_state).
         self._state_lengths = list(state_lengths) if state_lengths is not None else [numel, numel]
         self._request_timeout = request_timeout
+        self._allreduce_timeout = allreduce_timeout
+        self._recent_allreduce_s: deque[float] = deque(maxlen=RECENT_ALLREDUCES)
         # Steps by round: prepare (the prepare lane) and average (the sync lane) run on two threads.
         self._controls: dict[int, StepControl] = {}
         self._controls_lock = threading.Lock()
@@ -722,6 +738,7 @@ class HivemindBackend:
         allreduce_s = time.time() - max(started_wall, control.scheduled_time)
         if not gathered:
             return AverageOutcome(ok=False, sync_s=sync_s, error="averaging returned no group")
+        self._note_allreduce(allreduce_s)
         missing = gathered.pop(PARTIAL_KEY, 0.0)
         gathered_by_peer = {str(peer): data for peer, data in gathered.items()}
         group = tuple(sorted(gathered_by_peer))
@@ -735,6 +752,12 @@ class HivemindBackend:
         with self._averager.get_tensors() as (buffer,):
             vector.copy_(buffer)
         return AverageOutcome(ok=True, group=group, gathered=gathered_by_peer, sync_s=sync_s, allreduce_s=allreduce_s)
+
+    def _note_allreduce(self, seconds: float) -> None:
+        """An all-reduce ran (whole or partial) in ``seconds``: scale the part timeouts to it."""
+        self._recent_allreduce_s.append(seconds)
+        sender, reducer = part_timeouts(self._recent_allreduce_s, self._allreduce_timeout)
+        self._averager.set_part_timeouts(sender, reducer)
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        slices: int | None = None, same_state: SameState | None = None,
