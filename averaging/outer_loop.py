@@ -331,7 +331,7 @@ class OuterLoop:
         ``progress(done_bytes, total_bytes)`` is called on the worker thread."""
         state = self.clock.wait(self.worker.submit(self.worker.backend.download_state, donors,
                                                    timeout=self.config.download_timeout, progress=progress,
-                                                   same_state=self.outer.same_state, max_round=self._now_round(),
+                                                   same_state=self.outer.same_state, max_round=self._download_horizon(),
                                                    check=self.outer.slice_check()))
         if state is None:
             return None
@@ -355,6 +355,13 @@ class OuterLoop:
         """The newest round an honest state can have: the schedule's round now, plus one for a donor
         whose clock runs ahead of ours (a donor's claimed round is not trusted beyond that)."""
         return self._schedule().round_at(self.clock.now()) + 1
+
+    def _download_horizon(self) -> int:
+        """The newest round a donor's slice may honestly carry during a download starting now: the
+        donors keep stepping while it runs (up to ``download_timeout``). Bounded at the start, a
+        download on a slow link refused every donor that had moved on (3.3 Mbit/s, 63 s: "expected
+        an int in [0, 4], got 5"), gave up, and the joiner started from the initial weights."""
+        return self._now_round() + math.ceil(self.config.download_timeout / self._schedule().round_seconds)
 
     def progress(self, now: float | None = None) -> float:
         """Global progress in rounds, for the inner learning-rate schedule."""
@@ -677,7 +684,7 @@ class OuterLoop:
         """Our anchor disagrees with the group's: take the state of a peer that agrees."""
         logger.warning(f"round {round}: our anchor diverged from the group's; re-syncing from {conclusion.donors}")
         adopted = None
-        newest = max(round, self._now_round())  # the donors may have applied this round's step
+        newest = max(round, self._download_horizon())  # the donors may have applied this round's step, and more
         donors = list(conclusion.donors)
         step = averaged if conclusion.applied == Applied.AVERAGED else None
         check = self.outer.slice_check(conclusion.reference)
@@ -688,7 +695,7 @@ class OuterLoop:
             if state is None:
                 continue
             try:
-                adopted = self.outer.adopt(state, require_claim=True, max_round=newest,
+                adopted = self.outer.adopt(state, require_claim=True, max_round=max(round, self._now_round()),
                                            reference=conclusion.reference, step=step)
             except MessageError as e:
                 logger.warning(f"round {round}: refused the state of {state.peer}: {e}")

@@ -680,6 +680,31 @@ def test_peers_agree_on_the_sync_period_from_everyones_lateness(make_swarm):
     assert joiner.agreed_lateness is None and joiner.sync_period == 1
 
 
+def test_a_joiners_download_accepts_the_rounds_its_donors_reach_while_it_runs(make_swarm):
+    # The donor moved on while the joiner downloaded (12 s rounds, a minute on a slow link): its
+    # state is of round 6 when the joiner's schedule said round 3 at the start. Bounded at the
+    # start (round 4), every such donor was refused and the joiner started from the initial weights.
+    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2, download_timeout=60.0)
+    joiner, donor, _ = make_swarm(config, round_seconds=12.0)
+    for r in range(1, 7):
+        donor.outer.apply(torch.full_like(donor.outer.anchor, 0.01), round=r)
+    joiner.clock.advance(2.5 * 12.0)  # in round 3
+    plain = joiner.backend.download_state
+
+    def like_hivemind(peers, *, max_round, **kwargs):  # HivemindBackend drops a donor past max_round
+        state = plain(peers, max_round=max_round, **kwargs)
+        joiner.clock.advance(40.0)  # what the download took
+        return None if state is None or state.metadata["round"] > max_round else state
+
+    joiner.backend.download_state = like_hivemind
+    assert joiner.loop.initial_sync([donor.id]) == 6
+    assert torch.equal(joiner.outer.anchor, donor.outer.anchor)
+    # A claim past what the download's duration allows is still refused (now in round 6: up to 12).
+    for r in range(7, 14):
+        donor.outer.apply(torch.full_like(donor.outer.anchor, 0.01), round=r)
+    assert joiner.loop.initial_sync([donor.id]) is None
+
+
 class DecidedHub(LocalHub):
     """The group of round r is every peer that prepared it, known once each peer has decided about r
     (prepared r or a later round, or left): which thread runs first in real time decides nothing."""
