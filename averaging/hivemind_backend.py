@@ -738,7 +738,6 @@ class HivemindBackend:
         allreduce_s = time.time() - max(started_wall, control.scheduled_time)
         if not gathered:
             return AverageOutcome(ok=False, sync_s=sync_s, error="averaging returned no group")
-        self._note_allreduce(allreduce_s)
         missing = gathered.pop(PARTIAL_KEY, 0.0)
         gathered_by_peer = {str(peer): data for peer, data in gathered.items()}
         group = tuple(sorted(gathered_by_peer))
@@ -751,10 +750,13 @@ class HivemindBackend:
         # 3. Read the result only after the step finished (the averager released the lock).
         with self._averager.get_tensors() as (buffer,):
             vector.copy_(buffer)
+        self._note_allreduce(allreduce_s)
         return AverageOutcome(ok=True, group=group, gathered=gathered_by_peer, sync_s=sync_s, allreduce_s=allreduce_s)
 
     def _note_allreduce(self, seconds: float) -> None:
-        """An all-reduce ran (whole or partial) in ``seconds``: scale the part timeouts to it."""
+        """An all-reduce succeeded in ``seconds``: scale the part timeouts to it. Only whole ones
+        measure the link: a partial one lasted as long as the timeout that failed it, and scaling
+        to that made every later failure wait longer (a round skipped in test_swarm)."""
         self._recent_allreduce_s.append(seconds)
         sender, reducer = part_timeouts(self._recent_allreduce_s, self._allreduce_timeout)
         self._averager.set_part_timeouts(sender, reducer)

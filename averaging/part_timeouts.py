@@ -6,7 +6,8 @@ built (shoal: 0.4 and 0.5 x ``allreduce_timeout``). On a slow link one answer ca
 all-reduce: the reducer waits for the slowest sender's part, then sends every member its answer
 over one uplink. With four peers at 1.1 Mbit/s (an 18 s bandwidth bound) the fixed 30 s reducer
 timeout failed a reducer in every round (benchmarks/sync_modes.py, the 1.5-round regime), and
-every round's average came back partial. So the timeouts grow with the all-reduces measured."""
+every round's average came back partial. So the timeouts grow with the all-reduces that succeeded
+(a failed one lasted as long as the timeout that failed it: it measures the timeout, not the link)."""
 
 from __future__ import annotations
 
