@@ -186,13 +186,15 @@ def read_records(found: Any, now: float) -> tuple[dict[str, ProgressRecord], int
     return records, malformed
 
 
-def before_first_step(records: Iterable[ProgressRecord]) -> bool:
-    """True if every one of ``records`` (at least one) says its peer has applied no outer step:
-    the swarm's shared model is then still the run's initial weights, which a joiner builds from
-    the run's seed, so there is nothing to download. One record that says otherwise, or does not
-    say (an older peer), is enough for False."""
+def before_first_step(records: Iterable[ProgressRecord], round: int) -> bool:
+    """True if the swarm cannot have applied an outer step yet: the schedule is still in its first
+    ``round`` (a step needs a round to end) and every one of ``records`` (at least one) says its
+    peer has applied none. The shared model is then the run's initial weights, which a joiner builds
+    from the run's seed: nothing to download. Records alone are not enough: one published just before
+    its peer's first step says 0 for another heartbeat (a joiner trusting it started a step behind).
+    A record that says otherwise, or does not say (an older peer), is enough for False."""
     records = list(records)
-    return bool(records) and all(record.rounds_done == 0 for record in records)
+    return round <= 1 and bool(records) and all(record.rounds_done == 0 for record in records)
 
 
 @dataclass(frozen=True, slots=True)

@@ -342,7 +342,8 @@ class DiLoCoSwarm:
                         key=lambda p: -self._monitor.peers[p].round)
         if not donors:
             return None
-        if before_first_step(self._monitor.peers[p] for p in donors):
+        if before_first_step((self._monitor.peers[p] for p in donors),
+                             self._monitor.schedule.round_at(self._directory.now())):
             # Nobody has applied an outer step: the swarm's shared model is the run's initial
             # weights, which we built from the run's seed too. Downloading them cost minutes on
             # slow links (92 s at 1.1 Mbit/s in benchmarks/sync_modes.py, shared with the donor's

@@ -112,30 +112,32 @@ def test_a_lone_peer_whose_state_was_just_downloaded_folds_instead_of_stepping_a
         peer.close()
 
 
-def test_a_joiner_downloads_the_state_only_once_the_swarm_has_stepped():
-    # Before any outer step the shared model is the run's initial weights, which the joiner builds
-    # itself: nothing to download (minutes on a slow link). After one, it downloads.
+def test_a_joiner_downloads_the_state_only_once_the_swarm_may_have_stepped():
+    # In the run's first round, with every record at 0 outer steps, the shared model is the run's
+    # initial weights, which the joiner builds itself: nothing to download (minutes on a slow link).
+    # After a step it downloads.
     hub = LocalSwarmHub()
-    first = swarm(hub, "first")
+    long_rounds = RoundConfig(seconds=600.0)
+    first = swarm(hub, "first", rounds=long_rounds)
     joiners = []
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("downloaded the initial weights")
+
     try:
         first._monitor.tick()  # publishes its record, as its monitor thread will
-        early = swarm(hub, "early", initial_peers=["first"])
+        early = swarm(hub, "early", rounds=long_rounds, initial_peers=["first"])
         joiners.append(early)
-
-        def no_download(*args, **kwargs):
-            raise AssertionError("downloaded the initial weights")
-
         early._loop.initial_sync = no_download
         assert early.start() is None and early.rounds_done == 0
         assert any(record.rounds_done == 0 for record in early.peers if record.peer_id == first.peer_id)
-        early.close()
-        run_together([first], rounds=2)  # alone: local steps
-        assert first.rounds_done >= 1
-        late = swarm(hub, "late", initial_peers=["first"])
+        first._outer.apply(torch.full_like(first._outer.anchor, 0.01), round=1)  # as a lone peer's round 1
+        first._monitor.tick()
+        late = swarm(hub, "late", rounds=long_rounds, initial_peers=["first"])
         joiners.append(late)
         joined = late.start()
-        assert joined is not None and late.rounds_done == first.rounds_done, joined
+        assert joined is not None and late.rounds_done == first.rounds_done == 1, joined
+        assert all(torch.equal(late.anchor_params()[k], v) for k, v in first.anchor_params().items())
     finally:
         for peer in (*joiners, first):
             peer.close()
