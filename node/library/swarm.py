@@ -47,6 +47,8 @@ from protocols.version import shoal_version
 
 logger = logging.getLogger(__name__)
 
+RECORD_MARGIN_S = 1.0  # beyond one heartbeat period, for a new record to reach the others' monitors
+
 __all__ = ["DiLoCoSwarm", "Heartbeat", "LiveRound", "Resumed", "RoundStats"]
 
 
@@ -342,8 +344,12 @@ class DiLoCoSwarm:
                         key=lambda p: -self._monitor.peers[p].round)
         if not donors:
             return None
-        if before_first_step((self._monitor.peers[p] for p in donors),
-                             self._monitor.schedule.round_at(self._directory.now())):
+        now, schedule = self._directory.now(), self._monitor.schedule
+        # ...and the others will see our record (published by the tick above) before round 1 ends:
+        # a lone peer steps alone at the end of a round unless it knows of another peer, and a
+        # joiner it did not know of would then start a step behind.
+        heard_in_time = schedule.round_end(1) - now > self._monitor.period + RECORD_MARGIN_S
+        if heard_in_time and before_first_step((self._monitor.peers[p] for p in donors), schedule.round_at(now)):
             # Nobody has applied an outer step: the swarm's shared model is the run's initial
             # weights, which we built from the run's seed too. Downloading them cost minutes on
             # slow links (92 s at 1.1 Mbit/s in benchmarks/sync_modes.py, shared with the donor's

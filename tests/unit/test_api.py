@@ -131,6 +131,12 @@ def test_a_joiner_downloads_the_state_only_once_the_swarm_may_have_stepped():
         early._loop.initial_sync = no_download
         assert early.start() is None and early.rounds_done == 0
         assert any(record.rounds_done == 0 for record in early.peers if record.peer_id == first.peer_id)
+        # Too late in round 1 for the others to hear of us before it ends (a lone peer then steps
+        # alone, and we would start a step behind): download, as later.
+        unheard = swarm(hub, "unheard", rounds=long_rounds, initial_peers=["first"])
+        joiners.append(unheard)
+        unheard._monitor.period = 1e4
+        assert unheard.start() is not None
         first._outer.apply(torch.full_like(first._outer.anchor, 0.01), round=1)  # as a lone peer's round 1
         first._monitor.tick()
         late = swarm(hub, "late", rounds=long_rounds, initial_peers=["first"])
