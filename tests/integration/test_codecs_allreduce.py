@@ -20,7 +20,7 @@ from hivemind.compression import serialization
 
 from averaging import codecs, hivemind_codecs
 from averaging.error_feedback import balanced_part_size, compensate
-from averaging.hivemind_backend import ShoalAverager
+from averaging.hivemind_backend import PARTIAL_KEY, ShoalAverager
 from averaging.hivemind_codecs import ReturnCodec, ShoalCodec
 from averaging.robust import RobustConfig
 from tests.integration.averagers import loopback_averagers
@@ -126,9 +126,18 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
 
         # 3. One round per codec, all three peers at once.
         for name, (code, ret) in CASES.items():
-            controls = [averager.step(weight=weight, wait=False, timeout=40)
-                        for averager, weight in zip(averagers[name], WEIGHTS)]
-            groups = [control.result(timeout=60) for control in controls]
+            for _attempt in range(3):
+                controls = [averager.step(weight=weight, wait=False, timeout=40)
+                            for averager, weight in zip(averagers[name], WEIGHTS)]
+                groups = [control.result(timeout=60) for control in controls]
+                if not any(group and PARTIAL_KEY in group for group in groups):
+                    break
+                # A partial result (a reducer's share never arrived: README, Known limitations; seen
+                # once in CI) is not applied by shoal and the round is replayed: so here, from what
+                # was sent (hivemind's own runner, for fp16 returns, does not say).
+                for averager, vector in zip(averagers[name], to_send[name]):
+                    with averager.get_tensors() as (tensor,):
+                        tensor.copy_(vector)
             assert all(group is not None and len(group) == PEERS for group in groups), groups
             results = []
             for averager in averagers[name]:
