@@ -247,9 +247,8 @@ class ShoalAverager(DecentralizedAverager):
         passed, or its sync timed out) had told its group it was in; without this, every member's
         part to us waited the whole registration wait (0.4 x allreduce_timeout) and the members'
         all-reduce stalled that long (24 s of 6 s rounds in test_slow_sync, 1 CI run in 4)."""
-        for group_id in group_ids:
-            if group_id not in self._running_groups:
-                self._ended_groups[group_id] = None
+        for group_id in group_ids:  # unregistered by now (hivemind's _register_allreduce_group)
+            self._ended_groups[group_id] = None
         while len(self._ended_groups) > ENDED_GROUPS_KEPT:
             del self._ended_groups[next(iter(self._ended_groups))]
 

@@ -309,8 +309,7 @@ class OuterLoop:
         reads the same records, so they agree on it up to a heartbeat; a minority claiming any
         lateness cannot move the median out of the honest peers' range). Ours alone while nobody
         else published one; None while nobody has measured any."""
-        values = [v for v in (self._swarm_lateness() if self._swarm_lateness is not None else ())
-                  if v is not None and math.isfinite(v)]
+        values = [v for v in (self._swarm_lateness() if self._swarm_lateness is not None else ()) if math.isfinite(v)]
         if self._lateness is not None:
             values.append(self._lateness)
         return statistics.median(values) if values else None

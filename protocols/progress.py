@@ -186,15 +186,16 @@ def read_records(found: Any, now: float) -> tuple[dict[str, ProgressRecord], int
     return records, malformed
 
 
-def before_first_step(records: Iterable[ProgressRecord], round: int) -> bool:
-    """True if the swarm cannot have applied an outer step yet: the schedule is still in its first
-    ``round`` (a step needs a round to end) and every one of ``records`` (at least one) says its
-    peer has applied none. The shared model is then the run's initial weights, which a joiner builds
-    from the run's seed: nothing to download. Records alone are not enough: one published just before
+def before_first_step(records: Iterable[ProgressRecord], *, first_round_left_s: float, heard_within_s: float) -> bool:
+    """True if a joiner has nothing to download: the run's first round still has more than
+    ``heard_within_s`` to go (a step needs a round to end, and a lone peer that steps alone at its
+    end must hear of the joiner's record first) and every one of ``records`` (at least one) says
+    its peer has applied no outer step. The shared model is then the run's initial weights, which
+    a joiner builds from the run's seed. Records alone are not enough: one published just before
     its peer's first step says 0 for another heartbeat (a joiner trusting it started a step behind).
     A record that says otherwise, or does not say (an older peer), is enough for False."""
     records = list(records)
-    return round <= 1 and bool(records) and all(record.rounds_done == 0 for record in records)
+    return first_round_left_s > heard_within_s and bool(records) and all(r.rounds_done == 0 for r in records)
 
 
 @dataclass(frozen=True, slots=True)

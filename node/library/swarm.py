@@ -344,12 +344,10 @@ class DiLoCoSwarm:
                         key=lambda p: -self._monitor.peers[p].round)
         if not donors:
             return None
-        now, schedule = self._directory.now(), self._monitor.schedule
-        # ...and the others will see our record (published by the tick above) before round 1 ends:
-        # a lone peer steps alone at the end of a round unless it knows of another peer, and a
-        # joiner it did not know of would then start a step behind.
-        heard_in_time = schedule.round_end(1) - now > self._monitor.period + RECORD_MARGIN_S
-        if heard_in_time and before_first_step((self._monitor.peers[p] for p in donors), schedule.round_at(now)):
+        # Our record (published by the tick above) reaches the others within a heartbeat period.
+        if before_first_step((self._monitor.peers[p] for p in donors),
+                             first_round_left_s=self._monitor.schedule.round_end(1) - self._directory.now(),
+                             heard_within_s=self._monitor.period + RECORD_MARGIN_S):
             # Nobody has applied an outer step: the swarm's shared model is the run's initial
             # weights, which we built from the run's seed too. Downloading them cost minutes on
             # slow links (92 s at 1.1 Mbit/s in benchmarks/sync_modes.py, shared with the donor's
