@@ -683,11 +683,12 @@ class OuterLoop:
         """Our anchor disagrees with the group's: take the state of a peer that agrees."""
         logger.warning(f"round {round}: our anchor diverged from the group's; re-syncing from {conclusion.donors}")
         adopted = None
-        newest = max(round, self._download_horizon())  # the donors may have applied this round's step, and more
         donors = list(conclusion.donors)
         step = averaged if conclusion.applied == Applied.AVERAGED else None
         check = self.outer.slice_check(conclusion.reference)
         for _ in range(RESYNC_ATTEMPTS):
+            # Per attempt: the donors may have applied this round's step, and more while we retried.
+            newest = max(round, self._download_horizon())
             state = self.worker.backend.download_state(donors, timeout=self.config.download_timeout,
                                                        same_state=self.outer.same_state, max_round=newest,
                                                        check=check)

@@ -50,7 +50,7 @@ from averaging.merge import merge_correction  # noqa: E402
 from averaging.outer import outer_step_, pseudo_gradient  # noqa: E402
 from averaging.wire import WireFormat, accounted_for, returned  # noqa: E402
 from node.process.config import load_config  # noqa: E402
-from node.training.data import BatchSampler, eval_batches, load_corpus, shard_bounds, split_corpus  # noqa: E402
+from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus  # noqa: E402
 from node.training.model import build_model  # noqa: E402
 from node.training.trainer import Trainer, inner_lr  # noqa: E402
 
@@ -101,7 +101,8 @@ def run_variant(config, split, evals, wire: WireFormat, *, seed: int, peers: int
         model = build_model(config.model, seed=seed)
         sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size, seed=[seed, index],
                                held_out=split.held_out,
-                               bounds=shard_bounds(len(split.tokens), config.data.num_shards, index % config.data.num_shards))
+                               ranges=shard_ranges(len(split.tokens), config.data.num_shards,
+                                                   index % config.data.num_shards, config.data.shard_stripe_bytes))
         swarm.append(Peer(Trainer(model, config.inner, config.train, torch.device("cpu")), sampler,
                           init.clone(), torch.zeros_like(init)))
     batch_tokens = config.data.batch_size * config.model.seq_len

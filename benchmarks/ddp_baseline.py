@@ -37,7 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from node.process.config import load_config  # noqa: E402
-from node.training.data import BatchSampler, eval_batches, load_corpus, shard_bounds, split_corpus  # noqa: E402
+from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus  # noqa: E402
 from node.training.model import build_model  # noqa: E402
 from node.training.trainer import Trainer, inner_lr  # noqa: E402
 
@@ -64,7 +64,8 @@ def main() -> int:
     # The batch order follows train.seed too, so two seeds differ in data order as well as init.
     sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size, seed=[config.train.seed, rank],
                            held_out=split.held_out,
-                           bounds=shard_bounds(len(split.tokens), config.data.num_shards, rank % config.data.num_shards))
+                           ranges=shard_ranges(len(split.tokens), config.data.num_shards, rank % config.data.num_shards,
+                                                config.data.shard_stripe_bytes))
     evals = eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches)
     model = build_model(config.model, seed=config.train.seed)
     if not args.no_sync:

@@ -50,7 +50,7 @@ from averaging.merge import apply_correction_, merge_correction  # noqa: E402
 from averaging.outer import outer_step_, pseudo_gradient  # noqa: E402
 from averaging.wire import returned  # noqa: E402
 from node.process.config import load_config  # noqa: E402
-from node.training.data import BatchSampler, eval_batches, load_corpus, split_corpus  # noqa: E402
+from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus  # noqa: E402
 from node.training.model import build_model  # noqa: E402
 from node.training.trainer import Trainer, inner_lr  # noqa: E402
 
@@ -68,9 +68,13 @@ def _setup(config_path: str, rounds: int) -> None:
                  evals=eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches))
 
 
-def _samplers(seed: int, peers: int) -> list[BatchSampler]:
+def _samplers(seed: int, peers: int, stripe_bytes: int) -> list[BatchSampler]:
+    """Per rank: the whole corpus (``stripe_bytes`` 0), or shard ``rank`` of ``data.num_shards`` cut in
+    stripes of that size, as a swarm's peers draw (a stripe past the corpus makes contiguous shards)."""
     c, split = _DATA["config"], _DATA["split"]
-    return [BatchSampler(split.tokens, c.model.seq_len, c.data.batch_size, seed=[seed, rank], held_out=split.held_out)
+    return [BatchSampler(split.tokens, c.model.seq_len, c.data.batch_size, seed=[seed, rank], held_out=split.held_out,
+                         ranges=shard_ranges(len(split.tokens), c.data.num_shards, rank % c.data.num_shards,
+                                             stripe_bytes) if stripe_bytes else None)
             for rank in range(peers)]
 
 
@@ -83,8 +87,8 @@ def _eval(trainer: Trainer, layout: FlatLayout, flat: torch.Tensor) -> float:
     return trainer.evaluate_anchor(layout.views(flat), _DATA["evals"])
 
 
-def run_ddp(seed: int, peers: int, rounds: int, inner_steps: int, lr: float) -> dict:
-    trainer, samplers = _trainer(seed, lr), _samplers(seed, peers)
+def run_ddp(seed: int, peers: int, rounds: int, inner_steps: int, lr: float, stripe_bytes: int = 0) -> dict:
+    trainer, samplers = _trainer(seed, lr), _samplers(seed, peers, stripe_bytes)
     layout = FlatLayout.of(trainer.model.named_parameters())
     curve = []
     for step in range(rounds * inner_steps):
@@ -98,9 +102,9 @@ def run_ddp(seed: int, peers: int, rounds: int, inner_steps: int, lr: float) -> 
 
 
 def run_diloco(seed: int, peers: int, rounds: int, inner_steps: int, lr: float, outer_lr: float, mu: float,
-               delay: int | None) -> dict:
+               delay: int | None, stripe_bytes: int = 0) -> dict:
     """``delay`` None: blocking; else the merge lands after that many steps of the next round."""
-    trainers, samplers = [_trainer(seed, lr) for _ in range(peers)], _samplers(seed, peers)
+    trainers, samplers = [_trainer(seed, lr) for _ in range(peers)], _samplers(seed, peers, stripe_bytes)
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
     anchor = pack(trainers[0])
@@ -144,7 +148,7 @@ def _point(point: dict) -> dict:
     t0 = time.time()
     kind = point["kind"]
     common = dict(seed=point["seed"], peers=point["peers"], rounds=point["rounds"], inner_steps=point["inner_steps"],
-                  lr=point["lr"])
+                  lr=point["lr"], stripe_bytes=point.get("stripe_bytes", 0))
     if kind == "ddp":
         result = run_ddp(**common)
     else:
@@ -171,7 +175,9 @@ def report(points: list[dict], args, commands: list[str], minutes: float) -> str
     lines = [f"# lr sweep at equal tokens: {args.peers} simulated peers, {args.rounds} rounds of {args.inner_steps} "
              f"inner steps, {args.seeds} seed(s)", "",
              "Commands: " + "; then ".join(f"`{c.strip()}`" for c in commands) + f" ({minutes:.0f} min in all). Model, data, schedule and eval batches of "
-             f"{args.config.name}; overlap merges {args.delay} steps into the next round. Tokens per run: "
+             f"{args.config.name}; overlap merges {args.delay} steps into the next round; each peer draws from "
+             + (f"its shard of data.num_shards cut in stripes of {args.stripe_bytes:,} bytes" if args.stripe_bytes
+                else "the whole corpus") + ". Tokens per run: "
              f"{args.rounds * args.inner_steps * args.peers * points[0]['batch_tokens']:,}.", "",
              "| configuration | eval loss (mean over seeds) | per seed | vs best DDP |", "|---|---|---|---|"]
     for key in sorted(mean, key=lambda k: (k.split()[0] != "ddp", k.split()[0], mean[k])):
@@ -200,6 +206,9 @@ def main() -> int:
     parser.add_argument("--ddp-lrs", type=floats, default=[0.003, 0.006, 0.012, 0.024])
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["overlap"], help="blocking and/or overlap")
     parser.add_argument("--delay", type=int, default=12, help="overlap: steps of the next round before the merge")
+    parser.add_argument("--stripe-bytes", type=int, default=0,
+                        help="0: each peer draws from the whole corpus; else from its shard of data.num_shards cut in "
+                        "stripes of this many bytes, as swarm peers do (a value past the corpus: contiguous shards)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes, one torch thread each")
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "lr_sweep")
@@ -209,12 +218,14 @@ def main() -> int:
     stored: dict = {"points": [], "commands": [], "minutes": 0.0}
     if args.add:
         stored = json.loads(args.out.with_suffix(".json").read_text())
-        for key in ("peers", "rounds", "inner_steps", "delay", "config"):
-            if stored["args"][key] != str(getattr(args, key)):
-                raise SystemExit(f"--add: the stored sweep used {key} = {stored['args'][key]}, not {getattr(args, key)}")
+        for key in ("peers", "rounds", "inner_steps", "delay", "config", "stripe_bytes"):
+            was = stored["args"].get(key, "0")  # sweeps before --stripe-bytes drew from the whole corpus
+            if was != str(getattr(args, key)):
+                raise SystemExit(f"--add: the stored sweep used {key} = {was}, not {getattr(args, key)}")
     config = load_config(args.config)
     batch_tokens = config.data.batch_size * config.model.seq_len
-    base = dict(peers=args.peers, rounds=args.rounds, inner_steps=args.inner_steps, batch_tokens=batch_tokens)
+    base = dict(peers=args.peers, rounds=args.rounds, inner_steps=args.inner_steps, batch_tokens=batch_tokens,
+                stripe_bytes=args.stripe_bytes)
     plan = [dict(base, kind="ddp", lr=lr, seed=s) for s in range(args.seeds) for lr in args.ddp_lrs]
     plan += [dict(base, kind=mode, lr=lr, outer_lr=o, mu=m, delay=args.delay, seed=s)
              for s in range(args.seeds) for mode in args.modes for lr in args.inner_lrs for o, m in args.outer]

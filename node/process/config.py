@@ -62,7 +62,7 @@ def shared_fields(config: RunConfig) -> dict[str, Any]:
         **{f"{section}.{f.name}": getattr(getattr(config, section), f.name)
            for section in ("model", "inner") for f in dataclasses.fields(getattr(config, section))},
         "data.batch_size": config.data.batch_size, "data.num_shards": config.data.num_shards,
-        "data.heterogeneous": config.data.heterogeneous,
+        "data.shard_stripe_bytes": config.data.shard_stripe_bytes, "data.heterogeneous": config.data.heterogeneous,
         "train.seed": config.train.seed,
         **sync_shared_fields(outer=config.outer, rounds=config.round, averaging=config.averaging),
     }

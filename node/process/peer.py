@@ -31,7 +31,7 @@ from node.training.data import (
     eval_batches,
     load_corpus,
     seed_for_peer,
-    shard_bounds,
+    shard_ranges,
     split_corpus,
 )
 from node.training.model import build_model, count_parameters
@@ -136,7 +136,7 @@ class Peer:
         self.shard = choose_shard(config.data.num_shards, self.peer_id, {}, None)  # revised once we see the swarm
         self.sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size,
                                     seed=seed_for_peer(self.peer_id), held_out=split.held_out,
-                                    bounds=shard_bounds(len(split.tokens), config.data.num_shards, self.shard))
+                                    ranges=self._shard_ranges(len(split.tokens)))
         self.eval_set = eval_batches(split.eval, config.model.seq_len, config.data.batch_size,
                                      config.train.eval_batches)
 
@@ -274,6 +274,10 @@ class Peer:
         if self.options.checkpoint_dir is not None and stats.round % self.config.train.checkpoint_every_rounds == 0:
             self.save_checkpoint()
 
+    def _shard_ranges(self, n_tokens: int, shard: int | None = None) -> list[tuple[int, int]]:
+        data = self.config.data
+        return shard_ranges(n_tokens, data.num_shards, self.shard if shard is None else shard, data.shard_stripe_bytes)
+
     def _claim_shard(self) -> None:
         """Move to the least-used shard if ours is shared while another has fewer peers."""
         claims = {r.peer_id: r.shard for r in self.swarm.peers}
@@ -284,7 +288,7 @@ class Peer:
         logger.info(f"training on data shard {shard}/{self.config.data.num_shards} "
                     f"(shard {self.shard} is also trained by {', '.join(sharing) or 'nobody'})")
         self.metrics.write("shard", shard=shard, previous=self.shard, sharing=sharing)
-        self.sampler.retarget(shard_bounds(len(self.sampler.tokens), self.config.data.num_shards, shard))
+        self.sampler.retarget(self._shard_ranges(len(self.sampler.tokens), shard))
         self.shard = shard
 
     def _report_problems(self, stats: RoundStats) -> None:

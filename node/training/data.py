@@ -56,7 +56,10 @@ class DataConfig:
     max_eval_bytes: int = 1_000_000
     """Cap on the held-out split, so big corpora do not waste training text."""
     num_shards: int = 16
-    """The train split is cut into this many contiguous shards; each peer trains on one."""
+    """The train split is cut into this many disjoint shards; each peer trains on one."""
+    shard_stripe_bytes: int = 65536
+    """A shard is every ``num_shards``-th stripe of this many bytes, so each shard samples the whole
+    corpus (source and docs alike) instead of one contiguous stretch of it."""
     batch_size: int = 16
     """Sequences per training batch."""
     heterogeneous: bool = False
@@ -72,7 +75,8 @@ class DataConfig:
             raise ConfigError(
                 f"data.cache_dir ({self.cache_dir!r}) must be a string path; use '' for the default"
             )
-        for name in ("max_corpus_bytes", "max_eval_bytes", "num_shards", "batch_size", "eval_block_bytes"):
+        for name in ("max_corpus_bytes", "max_eval_bytes", "num_shards", "batch_size", "eval_block_bytes",
+                     "shard_stripe_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"data.{name} ({value!r}) must be a positive integer")
@@ -282,16 +286,28 @@ def split_corpus(tokens: np.ndarray, eval_fraction: float, max_eval_bytes: int, 
     return Split(tokens=tokens, held_out=held_out, eval=eval_text)
 
 
-def shard_bounds(n_tokens: int, num_shards: int, shard_index: int) -> tuple[int, int]:
-    """[start, end) of one of `num_shards` contiguous, disjoint shards covering [0, n_tokens)."""
+def shard_ranges(n_tokens: int, num_shards: int, shard_index: int, stripe_bytes: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` byte ranges of one of ``num_shards`` disjoint shards covering
+    ``[0, n_tokens)``: the corpus is cut into stripes of ``stripe_bytes`` (smaller when the corpus
+    has fewer than one stripe per shard) and shard i holds stripes i, i + num_shards, ...
+
+    Why stripes: a corpus is files in order (the default one is stdlib sources, then docs), so a
+    contiguous shard is one kind of text. Four peers on four contiguous shards of sixteen trained
+    on a quarter of the corpus's kinds while the eval spans all of them, and their pseudo-gradients
+    pulled apart (non-IID data): in a 4-peer simulation at 100 inner steps a round, striped data
+    beat contiguous shards by ~1 nat of eval loss (README, Data). A pure function of its
+    arguments, so every peer cuts the same shards."""
     if num_shards <= 0:
         raise ValueError(f"data.num_shards ({num_shards}) must be a positive integer")
     if not 0 <= shard_index < num_shards:
         raise ValueError(f"shard index {shard_index} is outside [0, {num_shards})")
     if n_tokens < 0:
         raise ValueError(f"n_tokens ({n_tokens}) must be non-negative")
-    # Integer floor division spreads the remainder over the shards: sizes differ by at most 1.
-    return n_tokens * shard_index // num_shards, n_tokens * (shard_index + 1) // num_shards
+    if stripe_bytes <= 0:
+        raise ValueError(f"data.shard_stripe_bytes ({stripe_bytes}) must be a positive integer")
+    stripe = max(1, min(stripe_bytes, n_tokens // num_shards))
+    return [(start, min(start + stripe, n_tokens))
+            for start in range(shard_index * stripe, n_tokens, num_shards * stripe)]
 
 
 def seed_for_peer(peer_id: str) -> int:
@@ -309,35 +325,48 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torc
 
 
 class BatchSampler:
-    """Random windows of seq_len+1 bytes from one shard of the corpus, never touching held-out
-    text; seeded so a peer's stream is reproducible. ``retarget`` moves it to another shard."""
+    """Random windows of seq_len+1 bytes from one shard of the corpus (its ``ranges``; a window
+    never straddles two of them), never touching held-out text; seeded so a peer's stream is
+    reproducible. ``retarget`` moves it to another shard."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, *,
-                 bounds: tuple[int, int] | None = None, held_out: HeldOut | None = None) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int | list[int], *,
+                 ranges: list[tuple[int, int]] | None = None, held_out: HeldOut | None = None) -> None:
         if seq_len <= 0 or batch_size <= 0:
             raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
         self.tokens, self.seq_len, self.batch_size, self.held_out = tokens, seq_len, batch_size, held_out
         self._rng = np.random.default_rng(seed)
         # Pinned host memory makes .to(device, non_blocking=True) truly asynchronous.
         self._pin = torch.cuda.is_available()
-        self.retarget(bounds or (0, len(tokens)))
+        self.retarget(ranges or [(0, len(tokens))])
 
-    def retarget(self, bounds: tuple[int, int]) -> None:
-        lo, hi = bounds
-        room = self.held_out.longest_gap(lo, hi) if self.held_out is not None else hi - lo
-        if room < self.seq_len + 1:
+    def retarget(self, ranges: list[tuple[int, int]]) -> None:
+        """Draw from these ``[start, end)`` ranges from now on; a range too short for a window
+        between held-out blocks is left out, and a shard with no usable range is refused."""
+        window = self.seq_len + 1
+        usable = [(lo, hi) for lo, hi in ranges
+                  if (self.held_out.longest_gap(lo, hi) if self.held_out is not None else hi - lo) >= window]
+        if not usable:
+            size = sum(hi - lo for lo, hi in ranges)
             raise ConfigError(
-                f"shard has {hi - lo} bytes, at most {room} in a row between held-out blocks, but a window needs "
-                f"seq_len+1 = {self.seq_len + 1}; use fewer data.num_shards or more data"
+                f"shard has {size} bytes, but no stretch of seq_len+1 = {window} training bytes in a row between "
+                "held-out blocks; use fewer data.num_shards or more data"
             )
-        self.lo, self.hi = lo, hi
+        self.ranges = np.asarray(usable, dtype=np.int64)
+        room = self.ranges[:, 1] - self.ranges[:, 0] - self.seq_len  # window starts per range
+        self._first = np.concatenate([[0], np.cumsum(room)])  # range k's starts are [first[k], first[k+1])
+
+    def _draw(self, size: int) -> np.ndarray:
+        """Window starts uniform over every start that fits inside one of the ranges."""
+        flat = self._rng.integers(0, self._first[-1], size=size)
+        k = np.searchsorted(self._first, flat, side="right") - 1
+        return self.ranges[k, 0] + (flat - self._first[k])
 
     def next_starts(self) -> np.ndarray:
         """Window starts in the corpus; those touching held-out text are drawn again."""
-        starts = self._rng.integers(self.lo, self.hi - self.seq_len, size=self.batch_size)
+        starts = self._draw(self.batch_size)
         if self.held_out is not None:
             while (bad := self.held_out.touches(starts, self.seq_len + 1)).any():
-                starts[bad] = self._rng.integers(self.lo, self.hi - self.seq_len, size=int(bad.sum()))
+                starts[bad] = self._draw(int(bad.sum()))
         return starts
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,6 @@
 """Corpus loading and caching, held-out split, shards and batches."""
 
 import os
-from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from node.training.data import (
     eval_batches,
     load_corpus,
     resolve_files,
-    shard_bounds,
+    shard_ranges,
     split_corpus,
 )
 
@@ -150,22 +149,25 @@ def test_training_windows_never_touch_held_out_text() -> None:
     split = split_corpus(tokens, eval_fraction=0.02, max_eval_bytes=1_000_000, block_bytes=256)
     held = set(split.eval.tolist())
     for shard in range(4):
-        bounds = shard_bounds(len(tokens), 4, shard)
+        ranges = shard_ranges(len(tokens), 4, shard, stripe_bytes=4096)
+        mine = np.zeros(len(tokens), dtype=bool)
+        for lo, hi in ranges:
+            mine[lo:hi] = True
         sampler = BatchSampler(split.tokens, seq_len=64, batch_size=256, seed=shard, held_out=split.held_out,
-                               bounds=bounds)
+                               ranges=ranges)
         for _ in range(20):
             x, y = sampler.next_batch()
             window = torch.cat([x, y[:, -1:]], dim=1)
             assert not held.intersection(window.flatten().tolist())  # no held-out byte, ever
-            assert bounds[0] <= int(window.min()) and int(window.max()) < bounds[1]
+            assert mine[window.flatten().numpy()].all()  # only this shard's bytes
 
 
 def test_a_window_longer_than_the_gaps_between_held_out_blocks_is_refused() -> None:
     tokens = np.arange(10_000, dtype=np.int64)
     split = split_corpus(tokens, eval_fraction=0.3, max_eval_bytes=10_000, block_bytes=100)  # period 3 blocks
     with pytest.raises(ValueError, match="in a row between held-out blocks"):
-        BatchSampler(split.tokens, seq_len=300, batch_size=2, seed=0, held_out=split.held_out, bounds=(0, 5000))
-    BatchSampler(split.tokens, seq_len=150, batch_size=2, seed=0, held_out=split.held_out, bounds=(0, 5000)).next_batch()
+        BatchSampler(split.tokens, seq_len=300, batch_size=2, seed=0, held_out=split.held_out, ranges=[(0, 5000)])
+    BatchSampler(split.tokens, seq_len=150, batch_size=2, seed=0, held_out=split.held_out, ranges=[(0, 5000)]).next_batch()
 
 
 def test_eval_split_too_small_is_rejected() -> None:
@@ -173,40 +175,48 @@ def test_eval_split_too_small_is_rejected() -> None:
         split_corpus(np.zeros(50, dtype=np.uint8), eval_fraction=0.01, max_eval_bytes=1000)
 
 
-@pytest.mark.parametrize(("n_tokens", "num_shards"), [(0, 3), (10, 1), (10, 3), (1000, 16), (17, 17), (5, 8)])
-def test_shards_are_contiguous_disjoint_and_cover_everything(n_tokens: int, num_shards: int) -> None:
-    bounds = [shard_bounds(n_tokens, num_shards, i) for i in range(num_shards)]
-    assert bounds[0][0] == 0
-    assert bounds[-1][1] == n_tokens
-    for (_, end), (next_start, _) in pairwise(bounds):
-        assert end == next_start
-    sizes = [end - start for start, end in bounds]
-    assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1
+@pytest.mark.parametrize(("n_tokens", "num_shards", "stripe"),
+                         [(0, 3, 8), (10, 1, 4), (10, 3, 2), (1000, 16, 16), (1000, 16, 1000), (17, 17, 4), (5, 8, 4)])
+def test_shards_are_disjoint_striped_and_cover_everything(n_tokens: int, num_shards: int, stripe: int) -> None:
+    owner = np.full(n_tokens, -1)
+    for shard in range(num_shards):
+        for lo, hi in shard_ranges(n_tokens, num_shards, shard, stripe):
+            assert 0 <= lo < hi <= n_tokens and (owner[lo:hi] == -1).all()  # disjoint
+            owner[lo:hi] = shard
+    assert (owner >= 0).all()  # every byte belongs to a shard
+    sizes = np.bincount(owner, minlength=num_shards)
+    used = max(1, min(stripe, n_tokens // num_shards))
+    assert sizes.max() - sizes.min() <= used  # balanced up to one stripe
+    # Striped: consecutive stripes go to consecutive shards, so every shard spans the corpus.
+    if n_tokens >= 2 * num_shards * used:
+        assert all(shard_ranges(n_tokens, num_shards, s, stripe)[-1][0] >= n_tokens - 2 * num_shards * used
+                   for s in range(num_shards))
 
 
 def test_shard_index_out_of_range_is_rejected() -> None:
     with pytest.raises(ValueError):
-        shard_bounds(100, 4, 4)
+        shard_ranges(100, 4, 4, 16)
 
 
-def test_batch_sampler_windows_are_slices_of_the_shard_and_y_is_x_shifted() -> None:
+def test_batch_sampler_windows_are_slices_of_one_stripe_and_y_is_x_shifted() -> None:
     corpus = np.arange(4000, dtype=np.int64)  # distinct values: each window reveals where it came from
-    start, end = shard_bounds(len(corpus), 4, 2)
-    shard = corpus[start:end]
-    sampler = BatchSampler(corpus, seq_len=16, batch_size=64, seed=3, bounds=(start, end))
-    seen_starts = set()
-    for _ in range(10):
+    ranges = shard_ranges(len(corpus), 4, 2, stripe_bytes=250)  # 4 stripes: 500..750, 1500..1750, ...
+    sampler = BatchSampler(corpus, seq_len=16, batch_size=64, seed=3, ranges=ranges)
+    seen: dict[int, set[int]] = {lo: set() for lo, _ in ranges}
+    for _ in range(20):
         x, y = sampler.next_batch()
         assert x.shape == y.shape == (64, 16)
         assert x.dtype == y.dtype == torch.int64
         for row_x, row_y in zip(x, y, strict=True):
-            offset = int(row_x[0]) - start
-            assert 0 <= offset and offset + 17 <= len(shard)
-            np.testing.assert_array_equal(row_x.numpy(), shard[offset : offset + 16])
-            np.testing.assert_array_equal(row_y.numpy(), shard[offset + 1 : offset + 17])
-            seen_starts.add(offset)
-    # 640 draws over 984 possible starts: both ends of the shard should be reachable.
-    assert min(seen_starts) < 50 and max(seen_starts) > len(shard) - 17 - 50
+            start = int(row_x[0])
+            [(lo, hi)] = [(lo, hi) for lo, hi in ranges if lo <= start < hi]
+            assert start + 17 <= hi  # never straddles into the next shard's stripe
+            np.testing.assert_array_equal(row_x.numpy(), corpus[start : start + 16])
+            np.testing.assert_array_equal(row_y.numpy(), corpus[start + 1 : start + 17])
+            seen[lo].add(start - lo)
+    # 1280 draws over 4 x 234 starts: every stripe is drawn from, both of its ends reachable.
+    for offsets in seen.values():
+        assert min(offsets) < 40 and max(offsets) > 250 - 17 - 40
 
 
 def test_batch_sampler_is_reproducible_from_its_seed() -> None:

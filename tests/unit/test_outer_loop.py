@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from averaging.backend import AppliedUpdate, AverageOutcome
-from averaging.diloco import OuterConfig, OuterState
+from averaging.diloco import Applied, OuterConfig, OuterState, RoundConclusion
 from averaging.flat import FlatLayout
 from averaging.local_backend import LocalBackend, LocalHub
 from averaging.outer import outer_step_
@@ -703,6 +703,35 @@ def test_a_joiners_download_accepts_the_rounds_its_donors_reach_while_it_runs(ma
     for r in range(7, 14):
         donor.outer.apply(torch.full_like(donor.outer.anchor, 0.01), round=r)
     assert joiner.loop.initial_sync([donor.id]) is None
+
+
+def test_a_resyncs_retry_accepts_the_rounds_its_donor_reached_during_the_failed_attempts(make_swarm):
+    # A diverged peer re-syncs in round 3; its first download fails after a minute (a donor
+    # vanished mid-slice), and meanwhile the donor applies the group's step in round 10. Bounded
+    # once at the first attempt's start (round 9), every retry refused it.
+    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2, download_timeout=60.0)
+    peer, donor, _ = make_swarm(config, round_seconds=12.0)
+    donor.outer.apply(torch.full_like(donor.outer.anchor, 0.01), round=1)
+    reference = donor.outer.claim()  # what the group agreed on in round 3
+    step = torch.full_like(donor.outer.anchor, 0.02)
+    peer.clock.advance(2.5 * 12.0)  # in round 3
+    plain, attempts = peer.backend.download_state, []
+
+    def like_hivemind(peers, *, max_round, **kwargs):  # HivemindBackend drops a donor past max_round
+        attempts.append(max_round)
+        if len(attempts) == 1:
+            peer.clock.advance(60.0)  # now in round 8
+            donor.outer.apply(step, round=10)
+            return None
+        state = plain(peers, max_round=max_round, **kwargs)
+        peer.clock.advance(20.0)  # now in round 10
+        return None if state is None or state.metadata["round"] > max_round else state
+
+    peer.backend.download_state = like_hivemind
+    conclusion = RoundConclusion(applied=Applied.AVERAGED, group_size=2, donors=[donor.id], reference=reference)
+    assert peer.loop._resync(3, conclusion, step)
+    assert attempts[:2] == [9, 14]
+    assert torch.equal(peer.outer.anchor, donor.outer.anchor) and peer.outer.last_round == 10
 
 
 class DecidedHub(LocalHub):
