@@ -8,7 +8,9 @@ at once.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 
 from node.library.run_record import MANIFEST_TTL, RunDirectory, RunTrust, converge
@@ -31,6 +33,7 @@ class PeerMonitor:
         self._status, self._on_change = status, on_change
         self.peers: dict[str, ProgressRecord] = {}
         self.malformed = 0  # records ignored at the last read (validation failed)
+        self.others_seen_at = -math.inf  # time.time() of the last read that found another live peer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shoal-monitor", daemon=True)
 
@@ -73,6 +76,8 @@ class PeerMonitor:
         self.manifest = converge(self.manifest, manifests, self.trust, self.directory.now())
         live, self.malformed = self.directory.progress()
         live[self.peer_id] = mine
+        if len(live) > 1:
+            self.others_seen_at = time.time()
         joined, left = set(live) - set(self.peers), set(self.peers) - set(live)
         self.peers = live
         if joined or left:

@@ -48,6 +48,7 @@ from protocols.version import shoal_version
 logger = logging.getLogger(__name__)
 
 RECORD_MARGIN_S = 1.0  # beyond one heartbeat period, for a new record to reach the others' monitors
+ALONE_AFTER_ROUNDS = 2  # rounds without a joiner or another live record before a peer steps alone (_alone)
 
 __all__ = ["DiLoCoSwarm", "Heartbeat", "LiveRound", "Resumed", "RoundStats"]
 
@@ -212,9 +213,13 @@ class DiLoCoSwarm:
         model). Not while another peer is known, nor within two rounds of a peer downloading our
         state: that joiner holds our anchor as it was, and a local step now would leave it one step
         behind unseen (our next report may predate the step), to be found only after both moved on:
-        a re-sync. Folding the round instead costs nothing; the work goes into our next contribution."""
-        joining = time.time() - self._served_at < 2 * self._monitor.schedule.round_seconds
-        return self._monitor.peer_count <= 1 and not joining
+        a re-sync. Nor within two rounds of hearing another peer: on a link that an all-reduce
+        saturates, records miss their TTL and peers seem to leave for a round or two (a peer at
+        1.1 Mbit/s logged peers=1 for two rounds and stepped alone twice, off the swarm's lineage).
+        Folding the round instead costs nothing; the work goes into our next contribution."""
+        now, wait = time.time(), ALONE_AFTER_ROUNDS * self._monitor.schedule.round_seconds
+        recent = now - self._served_at < wait or now - self._monitor.others_seen_at < wait
+        return self._monitor.peer_count <= 1 and not recent
 
     # -- the training loop's calls -------------------------------------------------------------
     def resume(self, state: DownloadedState) -> int:

@@ -112,6 +112,20 @@ def test_a_lone_peer_whose_state_was_just_downloaded_folds_instead_of_stepping_a
         peer.close()
 
 
+def test_a_peer_that_heard_another_lately_folds_instead_of_stepping_alone():
+    # On a saturated link the others' records miss their TTL for a round or two: the peer that then
+    # reads "peers=1" must not step alone off the swarm's lineage. Two rounds later, it is alone.
+    peer = swarm(LocalSwarmHub(), "flapping")
+    try:
+        peer._monitor.others_seen_at = time.time()  # another peer's record, at the last read but one
+        finished = run_together([peer], rounds=4)[0]
+        applied = [s.applied for s in finished]
+        assert applied[0] == Applied.FOLDED and Applied.LOCAL in applied, applied
+        assert peer.rounds_done == applied.count(Applied.LOCAL)
+    finally:
+        peer.close()
+
+
 def test_a_joiner_downloads_the_state_only_once_the_swarm_may_have_stepped():
     # In the run's first round, with every record at 0 outer steps, the shared model is the run's
     # initial weights, which the joiner builds itself: nothing to download (minutes on a slow link).
