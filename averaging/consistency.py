@@ -221,3 +221,49 @@ def claim_from_gather(report: RoundGather) -> AnchorClaim:
         scale=torch.tensor(report.scale, dtype=torch.float64),
         rounds_done=report.rounds_done,
     )
+
+
+# A member off the group's anchor this many of our groups in a row is not catching up: warned of.
+PERSISTENT_DIVERGENCE = 3
+REPEAT_WARNING_EVERY = 10
+MAX_WATCHED = 1024  # members remembered (groups are capped; ids beyond this are Sybil churn)
+
+
+@dataclass
+class DivergenceReport:
+    peer: str
+    streak: int  # our consecutive groups in which it was off the agreed anchor
+
+    @property
+    def persistent(self) -> bool:
+        return self.streak >= PERSISTENT_DIVERGENCE
+
+
+class DivergenceWatch:
+    """Which members keep holding an anchor the group does not. An honest member off the anchor
+    (it folded a round, or lost a part) catches up or re-syncs at once, so it is off for one group;
+    one that stays off is failing to re-sync, or lies about its anchor (issue 11's hijack: a peer
+    claiming a poisoned anchor one step ahead is harmless to the majority, which keeps its anchor,
+    but the operator should see who it is). Only a peer that holds the majority's anchor judges:
+    in a contested or lost verdict we may be the odd one ourselves."""
+
+    def __init__(self):
+        self._streaks: dict[str, int] = {}
+
+    def observe(self, verdict: Verdict | None, self_id: str) -> list[DivergenceReport]:
+        """What to report after this group's verdict: a member's first divergence, when it becomes
+        persistent, and every ``REPEAT_WARNING_EVERY`` groups after that."""
+        if verdict is None or verdict.contested or self_id not in verdict.agreeing:
+            return []
+        for peer in verdict.agreeing:
+            self._streaks.pop(peer, None)
+        reports = []
+        for peer in sorted(verdict.diverged):
+            streak = self._streaks.pop(peer, 0) + 1
+            self._streaks[peer] = streak  # the most recently seen last
+            if len(self._streaks) > MAX_WATCHED:
+                del self._streaks[next(iter(self._streaks))]
+            if streak in (1, PERSISTENT_DIVERGENCE) or (
+                    streak > PERSISTENT_DIVERGENCE and (streak - PERSISTENT_DIVERGENCE) % REPEAT_WARNING_EVERY == 0):
+                reports.append(DivergenceReport(peer, streak))
+        return reports

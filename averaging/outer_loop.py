@@ -45,7 +45,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from averaging.backend import AppliedUpdate, DownloadedState, Progress
-from averaging.consistency import AnchorClaim
+from averaging.consistency import AnchorClaim, DivergenceWatch
 from averaging.diloco import Applied, OuterState, RoundConclusion
 from averaging.flat import FlatLayout
 from averaging.merge import apply_correction_, merge_correction
@@ -273,6 +273,7 @@ class OuterLoop:
         self._lateness: float | None = None  # EMA of how long after its deadline a sync ends
         self._robust_seen: dict[str, int] = {}  # worker thread: the backend's counters at the last sync
         self._warned_round_seconds = False
+        self._divergence = DivergenceWatch()
         self.window: _Window | None = None
         self.last_download: DownloadedState | None = None  # the state adopted by initial_sync
 
@@ -606,6 +607,7 @@ class OuterLoop:
                                          self_id=self.peer_id, alone=self._alone(),
                                          catch_up=lambda donors, steps, reference, rewind: self._catch_up(
                                              round, donors, steps, reference, rewind))
+        self._report_divergence(round, conclusion)
         resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
         # 4. What the new anchor accounts for: with error feedback only what was sent, so the
         #    residual stays in the parameters for the next round (averaging.wire). A partial result
@@ -628,6 +630,19 @@ class OuterLoop:
         return _SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
                            sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.outer.rounds_done,
                            robust=robust)
+
+    def _report_divergence(self, round: int, conclusion: RoundConclusion) -> None:
+        """Name the members off the group's anchor (``DivergenceWatch``): once, then if they stay off."""
+        verdict = conclusion.verdict
+        for report in self._divergence.observe(verdict, self.peer_id):
+            agreeing = f"{len(verdict.agreeing)} of {len(verdict.agreeing) + len(verdict.diverged)} members agree"
+            if report.persistent:
+                logger.warning(f"round {round}: {report.peer} has held an anchor the group does not in "
+                               f"{report.streak} of our groups in a row ({agreeing}): it is not catching up, "
+                               "or it lies about its anchor")
+            else:
+                logger.info(f"round {round}: {report.peer} holds an anchor the group does not ({agreeing}); "
+                            "it should catch up or re-sync")
 
     def _settle_partial(self, round: int, conclusion: RoundConclusion, resynced: bool,
                         correction: torch.Tensor) -> float:

@@ -23,6 +23,9 @@ What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any o
   our groups (``ShoalMatchmaking``: we do not ask it to lead us, and as a leader we turn it away);
   in a group that holds it anyway (another leader's), it is treated as failed from the start of
   the round: its parts are not counted and ours are not sent to it.
+- ``ShoalPotentialLeaders`` declares its search's end ahead of the deadline, and fetches the
+  declared leaders at most once per ``REFETCH_S``: hivemind's search refetches in a loop once every
+  leader has turned it away (docs/hivemind.md, "Matchmaking and steps").
 - hivemind has no hook for either class (the averager constructs them by name), so
   ``ShoalAverager._run_allreduce_inplace_`` (``averaging.hivemind_backend``) is a copy of
   hivemind's that constructs ``RobustAllReduceRunner``.
@@ -53,7 +56,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
-from hivemind.utils.timed_storage import TimedStorage
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS, TimedStorage
 
 from averaging import hivemind_codecs, robust
 from averaging.robust import BanList, RobustConfig
@@ -81,6 +84,7 @@ REVIEWED = {
     "Matchmaking._request_join_group": "df823040a94d1c1ddb28c15536b631502954dd03024ac943820a21075e335b43",
     "Matchmaking._check_reasons_to_reject": "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3",
     "PotentialLeaders._declare_averager_periodically": "36280203c3a0aca00f4592ce13e4bac4f04c3177cae282101acce4c81458c501",
+    "PotentialLeaders._update_queue_periodically": "13036c7d743da89efd85ef93befc61463e1e45d87bdb6d07e97b46fa7e4ba580",
 }
 ORIGINALS: dict[str, Callable] = {
     "DecentralizedAverager._aggregate_with_group": DecentralizedAverager._aggregate_with_group,
@@ -99,6 +103,7 @@ ORIGINALS: dict[str, Callable] = {
     "Matchmaking._request_join_group": Matchmaking._request_join_group,
     "Matchmaking._check_reasons_to_reject": Matchmaking._check_reasons_to_reject,
     "PotentialLeaders._declare_averager_periodically": PotentialLeaders._declare_averager_periodically,
+    "PotentialLeaders._update_queue_periodically": PotentialLeaders._update_queue_periodically,
 }
 
 
@@ -281,11 +286,48 @@ def declared_expiration(now: float, *, scheduled_time: float, min_matchmaking_ti
     return expiration if expiration > now else None
 
 
+# The least time between two fetches of the declared leaders from the DHT (one search).
+REFETCH_S = 0.25
+
+
 class ShoalPotentialLeaders(PotentialLeaders):
-    """hivemind's search for leaders with ``declared_expiration`` (set up by ``ShoalAverager``: an
-    existing instance is given this class and a ``margin``)."""
+    """hivemind's search for leaders with ``declared_expiration`` and a paced leader fetch (set up
+    by ``ShoalAverager``: an existing instance is given this class and a ``margin``)."""
 
     margin: float
+
+    async def _update_queue_periodically(self, key_manager) -> None:
+        # hivemind's loop (1.1.12, in REVIEWED), paced. Once every declared leader has been tried
+        # (all turned us away: we are banned, or each is in another group), ``pop_next_leader``
+        # finds the queue empty and triggers a refetch at once, the fetch returns the same
+        # leaders, and the two spin until the search ends: 12,905 fetches in one second with an
+        # instant fake DHT (tests/unit/test_robust_allreduce.py), each a DHT get that queries
+        # other peers. A peer banned by the swarm spent ~2 s of every round so, and its process
+        # used 0.45-0.6 cores against an honest peer's 0.3 (benchmarks/attacks.py, stop 22),
+        # starving honest peers of CPU on a shared machine. Pacing costs a new leader at most
+        # REFETCH_S before we see it.
+        discrepancy = MAX_DHT_TIME_DISCREPANCY_SECONDS
+        fetched = -math.inf
+        while get_dht_time() < self.search_end_time:
+            wait = min(fetched + REFETCH_S, self.search_end_time) - get_dht_time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            fetched = get_dht_time()
+            new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
+            self.max_assured_time = max(self.max_assured_time,
+                                        get_dht_time() + self.min_matchmaking_time - discrepancy)
+            self.leader_queue.clear()
+            for peer, peer_expiration_time in new_peers:
+                if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
+                    continue
+                self.leader_queue.store(peer, peer_expiration_time, peer_expiration_time)
+                self.max_assured_time = max(self.max_assured_time, peer_expiration_time - discrepancy)
+            self.update_finished.set()
+            await asyncio.wait(
+                {asyncio.create_task(self.running.wait()), asyncio.create_task(self.update_triggered.wait())},
+                return_when=asyncio.ALL_COMPLETED,
+                timeout=self.search_end_time - get_dht_time() if math.isfinite(self.search_end_time) else None)
+            self.update_triggered.clear()
 
     async def _declare_averager_periodically(self, step, key_manager) -> None:
         # hivemind's loop (1.1.12, in REVIEWED) with our expiration, and an end once it is None.

@@ -7,8 +7,12 @@ import torch
 
 from averaging.consistency import (
     NUM_PROJECTIONS,
+    PERSISTENT_DIVERGENCE,
+    REPEAT_WARNING_EVERY,
     SIGN_PERIOD,
     AnchorClaim,
+    DivergenceWatch,
+    Verdict,
     _sign_table,
     agree,
     chunk_length,
@@ -272,3 +276,30 @@ def test_claim_round_trips_exactly_through_the_round_report(numel):
     assert torch.equal(back.fingerprint.projections, fp.projections)
     assert torch.equal(back.scale, claim.scale)
     assert torch.equal(rms_difference(back.fingerprint, fp), torch.zeros(fp.num_chunks, dtype=torch.float64))
+
+
+def test_a_member_that_stays_off_the_anchor_is_named_then_warned_of():
+    def verdict(agreeing, diverged, contested=False):
+        return Verdict(reference=sorted(agreeing)[0], agreeing=frozenset(agreeing), diverged=frozenset(diverged),
+                       contested=contested)
+
+    watch = DivergenceWatch()
+    seen = []
+    for _ in range(PERSISTENT_DIVERGENCE + REPEAT_WARNING_EVERY):
+        seen.append([(r.peer, r.streak, r.persistent) for r in watch.observe(verdict({"me", "b"}, {"x"}), "me")])
+    assert seen[0] == [("x", 1, False)]  # named at once
+    assert seen[PERSISTENT_DIVERGENCE - 1] == [("x", PERSISTENT_DIVERGENCE, True)]
+    assert seen[-1] == [("x", PERSISTENT_DIVERGENCE + REPEAT_WARNING_EVERY, True)]
+    assert sum(map(len, seen)) == 3  # and not every round in between
+
+    # An honest member that folded once: named once, and its streak ends when it agrees again.
+    watch = DivergenceWatch()
+    assert len(watch.observe(verdict({"me", "b"}, {"y"}), "me")) == 1
+    assert watch.observe(verdict({"me", "b", "y"}, set()), "me") == []
+    assert [(r.streak) for r in watch.observe(verdict({"me", "b"}, {"y"}), "me")] == [1]
+
+    # We judge only from the majority: off the anchor ourselves, or in a tie, we may be the odd one.
+    watch = DivergenceWatch()
+    assert watch.observe(verdict({"x", "b"}, {"me"}), "me") == []
+    assert watch.observe(verdict({"me"}, {"x"}, contested=True), "me") == []
+    assert watch.observe(None, "me") == []

@@ -366,3 +366,49 @@ def test_the_search_declares_our_expiration_and_withdraws_it():
     # Too late to lead a group: nothing is declared at all.
     _, declared = asyncio.run(declare(scheduled_in=-1.0, deadline_in=1.5, run_s=0.2))
     assert declared == []
+
+
+class RefusingLeaders:
+    """A DHT that always names the same declared leader, who turns us away: the search of a peer
+    the swarm has banned (or of one whose every leader is in another group)."""
+
+    current_key = "prefix.0b0"
+
+    def __init__(self, leader: PeerID, expiration: float):
+        self.leader, self.expiration, self.fetches = leader, expiration, 0
+
+    async def get_averagers(self, key, only_active=True):
+        self.fetches += 1
+        await asyncio.sleep(0)
+        return [(self.leader, self.expiration)]
+
+
+def test_a_search_whose_leaders_all_refused_fetches_them_at_a_paced_rate():
+    from hivemind.utils import get_dht_time
+
+    async def search(seconds: float) -> tuple[int, int]:
+        now = get_dht_time()
+        leaders = PotentialLeaders(PeerID(b"\x12\x20" + bytes(32)), 3.0, None)
+        leaders.__class__ = robust_allreduce.ShoalPotentialLeaders
+        leaders.search_end_time = now + seconds
+        leaders.running.set()
+        dht = RefusingLeaders(PeerID(b"\x12\x20" + bytes([1] * 32)), now + 5.0)
+        pops = 0
+
+        async def ask_each_leader():  # hivemind's _request_join_potential_leaders, every answer a no
+            nonlocal pops
+            while True:
+                await leaders.pop_next_leader()
+                pops += 1
+
+        tasks = [asyncio.create_task(leaders._update_queue_periodically(dht)), asyncio.create_task(ask_each_leader())]
+        await asyncio.sleep(seconds)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return dht.fetches, pops
+
+    fetches, pops = asyncio.run(search(1.0))
+    # hivemind's loop: ~13,000 fetches in this second (each a DHT get that queries other peers).
+    assert pops == 1  # the leader was asked once; its unchanged declaration is not asked again
+    assert 2 <= fetches <= 1.0 / robust_allreduce.REFETCH_S + 2
