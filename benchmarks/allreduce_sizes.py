@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +28,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from harness import BusyTimeline  # noqa: E402
 
 from benchmarks import netns  # noqa: E402
 
@@ -105,8 +110,9 @@ def measure(size_mb: float, args, net: netns.Network, root: Path) -> dict:
                 if not initial:
                     raise RuntimeError("the first peer printed no address")
         deadline = start + args.rounds * period + 120
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.time()))
+        with BusyTimeline() as busy:
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.time()))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -115,9 +121,21 @@ def measure(size_mb: float, args, net: netns.Network, root: Path) -> dict:
     times = [r["allreduce_s"] for rounds in per_peer for r in rounds if r["ok"] and r["group"] == args.peers]
     failed = sum(not r["ok"] for rounds in per_peer for r in rounds)
     median = statistics.median(times) if times else None
+    # Busy cores while the all-reduces ran (each round from its scheduled start, for its median
+    # length): near the machine's cores, the figure measures CPU, not the network.
+    windows = [busy.cores_between(start + k * period, start + k * period + median) for k in range(args.rounds)] \
+        if median else []
+    windows = [w for w in windows if w is not None]
     return {"size_mb": size_mb, "numel": numel, "bound_s": round(bound, 3), "median_s": median,
             "ratio": round(median / bound, 2) if median else None, "min_s": min(times, default=None),
-            "max_s": max(times, default=None), "samples": len(times), "failed": failed}
+            "max_s": max(times, default=None), "samples": len(times), "failed": failed,
+            "busy_cores": round(statistics.mean(windows), 2) if windows else None, "cores": os.cpu_count()}
+
+
+def busy_cell(result: dict) -> str:
+    if result.get("busy_cores") is None:
+        return "-"
+    return f"{result['busy_cores']:.2f} of {result['cores']}"
 
 
 def report(results: list[dict], args) -> str:
@@ -126,15 +144,17 @@ def report(results: list[dict], args) -> str:
              f"Command: `sudo .venv/bin/python benchmarks/allreduce_sizes.py --peers {args.peers} --mbit {args.mbit:g} "
              f"--sizes {sizes} --rounds {args.rounds}`; fp16 on the wire, "
              "robust aggregation on (as shipped); bound 2(N-1)/N·S/B.", "",
-             "| vector | bound (s) | median all-reduce (s) | min / max (s) | ratio | target | samples | failed |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| vector | bound (s) | median all-reduce (s) | min / max (s) | ratio | target | samples | failed "
+             "| busy cores during the all-reduces |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         limit = target_for(r["size_mb"])
         target = "-" if limit is None else f"≤ {limit}x" + ("" if r["ratio"] is None or r["ratio"] <= limit else " (missed)")
         median = f"{r['median_s']:.2f}" if r["median_s"] is not None else "-"
         spread = f"{r['min_s']:.2f} / {r['max_s']:.2f}" if r["samples"] else "-"
         lines.append(f"| {r['size_mb']:g} MB | {r['bound_s']:.2f} | {median} | {spread} | "
-                     f"{r['ratio'] if r['ratio'] is not None else '-'}x | {target} | {r['samples']} | {r['failed']} |")
+                     f"{r['ratio'] if r['ratio'] is not None else '-'}x | {target} | {r['samples']} | {r['failed']} "
+                     f"| {busy_cell(r)} |")
     return "\n".join(lines) + "\n"
 
 

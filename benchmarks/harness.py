@@ -120,6 +120,39 @@ def _machine_busy() -> tuple[float, float]:
     return (sum(fields) - idle) / ticks, sum(fields) / ticks
 
 
+class BusyTimeline:
+    """The whole machine's busy CPU sampled every ``period`` seconds over a ``with`` block, to read
+    how many cores were busy in given windows (an all-reduce's, say: averaged over a whole run, the
+    idle time between windows hides whether they were CPU-bound)."""
+
+    def __init__(self, period: float = 0.2):
+        self.period = period
+        self.samples: list[tuple[float, float]] = []  # (time.time(), busy CPU seconds since boot)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.time(), _machine_busy()[0]))
+            if self._stop.wait(self.period):
+                return
+
+    def __enter__(self) -> BusyTimeline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cores_between(self, start: float, end: float) -> float | None:
+        """Busy cores between the samples nearest inside [start, end]; None if fewer than two."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return None
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
 class CpuMeter:
     """CPU used by this process's descendants (peers, their DHT/averager children, p2pd, DDP
     ranks) and by the whole machine, over a ``with`` block; sampled every ``period`` seconds (a
