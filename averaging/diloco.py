@@ -121,6 +121,9 @@ class OuterState:
         self._lock = threading.Lock()
         self._claim: AnchorClaim | None = None
         self._scale = torch.zeros(fingerprint(self.anchor).num_chunks, dtype=torch.float64)
+        # The run's initial weights, which every peer builds alike from the run's seed (model.py):
+        # the only state of no outer step an honest donor can serve (``slice_check``).
+        self._initial = AnchorClaim(fingerprint(self.anchor), self._scale.clone(), 0)
         self._last_rms = 0.0  # RMS of the last applied pseudo-gradient
         self._history: deque[AppliedUpdate] = deque(maxlen=HISTORY_KEPT)
         # Our claims before the last steps: a report made before our last sync landed is stale, and
@@ -302,7 +305,8 @@ class OuterState:
     def _replay(self, updates: list[AppliedUpdate], reference_rms: float) -> bool:
         """Apply fetched steps in order (lock held); False at the first that does not follow."""
         for update in updates:
-            if update.rounds_done != self.rounds_done + 1 or update.update.shape != (self.layout.numel,):
+            if (update.rounds_done != self.rounds_done + 1 or update.update.shape != (self.layout.numel,)
+                    or update.round < update.rounds_done):  # at most one step a round: a false round
                 return False
             size = _rms(update.update)
             if reference_rms > 0 and size > MAX_CATCH_UP_TO_LAST_RATIO * reference_rms:
@@ -350,6 +354,10 @@ class OuterState:
         claim = claim_from_gather(self.decode_report(metadata["claim"]))
         if claim.rounds_done != metadata.get("rounds_done"):
             raise MessageError("its fingerprint describes another outer step than its state")
+        # At most one outer step a round (``_replay`` keeps this true of replayed steps too).
+        round = metadata.get("round")
+        if not isinstance(round, int) or claim.rounds_done > round:
+            raise MessageError(f"it claims {claim.rounds_done} outer steps in a state of round {round}")
         return claim
 
     def _matches(self, fp: Fingerprint, claim: AnchorClaim) -> bool:
@@ -380,19 +388,27 @@ class OuterState:
         of a slice must match, chunk by chunk, the group's ``reference`` claim when the donor's
         state is at that claim's step, else the donor's own claim. The donor of a slice that does
         not is dropped and named when its slice arrives; the momentum half is checked with the
-        whole state (``adopt``)."""
+        whole state (``adopt``).
+
+        A state of no outer step is the run's initial weights with zero momentum, which we built
+        ourselves: checked against those, not against anyone's claim. A donor serving other weights
+        as the initial state (issue 11's hijack: its own anchor plus noise) won the vote whenever
+        it was the first of two donors to answer, and joiners started from it."""
         numel = self.layout.numel
 
         def check(start: int, stop: int, metadata: Any, values: torch.Tensor) -> str | None:
-            if start >= numel:
-                return None
             try:
                 claim = self.state_claim(metadata)
             except MessageError as e:
                 return f"bad claim ({e})"
+            initial = claim.rounds_done == 0
+            if initial and stop > numel and values[max(numel - start, 0):].any():
+                return "the momentum of a state of no outer step is not zero"
+            if start >= numel:
+                return None
             by_group = reference is not None and claim.rounds_done == reference.rounds_done
-            against = reference if by_group else claim
-            if self._scale.any():
+            against = self._initial if initial else reference if by_group else claim
+            if self._scale.any() and not initial:
                 against = self._capped(against)
             chunk_len = against.fingerprint.chunk_len
             if start % chunk_len:
@@ -400,7 +416,8 @@ class OuterState:
             end = min(stop, numel)
             if not chunks_agree(values[: end - start], start // chunk_len, against, rel_tol=self.rel_tol,
                                 abs_tol=self.abs_tol):
-                whose = "the anchor its group agreed on" if by_group else "the fingerprint it claims"
+                whose = ("the run's initial weights (a state of no outer step)" if initial
+                         else "the anchor its group agreed on" if by_group else "the fingerprint it claims")
                 return f"values {start}..{end} of its anchor do not match {whose}"
             return None
 

@@ -38,6 +38,7 @@ from benchmarks import netns  # noqa: E402
 BYTES_PER_VALUE = 2  # fp16 on the wire (WireFormat's default codec)
 # Issue 12's targets, as (smallest, largest MB, at most this many times the bound).
 TARGETS = ((1.0, 3.0, 1.5), (10.0, float("inf"), 1.2))
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "allreduce_sizes"
 
 
 def target_for(size_mb: float) -> float | None:
@@ -132,6 +133,11 @@ def measure(size_mb: float, args, net: netns.Network, root: Path) -> dict:
             "busy_cores": round(statistics.mean(windows), 2) if windows else None, "cores": os.cpu_count()}
 
 
+def out_flag(out: Path) -> str:
+    out = Path(out).resolve()
+    return "" if out == DEFAULT_OUT.resolve() else f" --out {out.relative_to(REPO) if out.is_relative_to(REPO) else out}"
+
+
 def busy_cell(result: dict) -> str:
     if result.get("busy_cores") is None:
         return "-"
@@ -142,7 +148,7 @@ def report(results: list[dict], args) -> str:
     sizes = ",".join(f"{r['size_mb']:g}" for r in results)
     lines = [f"# All-reduce vs bandwidth bound: {args.peers} peers, links capped at {args.mbit:g} Mbit/s, CPU idle", "",
              f"Command: `sudo .venv/bin/python benchmarks/allreduce_sizes.py --peers {args.peers} --mbit {args.mbit:g} "
-             f"--sizes {sizes} --rounds {args.rounds}`; fp16 on the wire, "
+             f"--sizes {sizes} --rounds {args.rounds}{out_flag(args.out)}`; fp16 on the wire, "
              "robust aggregation on (as shipped); bound 2(N-1)/N·S/B.", "",
              "| vector | bound (s) | median all-reduce (s) | min / max (s) | ratio | target | samples | failed "
              "| busy cores during the all-reduces |",
@@ -164,7 +170,7 @@ def main() -> int:
     parser.add_argument("--mbit", type=float, default=100.0)
     parser.add_argument("--sizes", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 10.0, 50.0])
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "allreduce_sizes")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json of a past run")
     # a peer's own arguments (the driver passes them)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -594,3 +594,57 @@ def test_a_claimed_scale_cannot_widen_the_tolerance():
     for conclusion in conclusions.values():
         assert conclusion.verdict.diverged == frozenset({"mallory"}), conclusion.verdict
         assert conclusion.donors == []
+
+
+def test_a_state_of_no_outer_step_must_be_the_runs_initial_weights():
+    """Issue 11's hijack at a join: a donor serving its own anchor plus noise as the state of no
+    outer step, with a claim of its own making, is refused slice by slice: every peer builds the
+    initial weights itself from the run's seed."""
+    receiver = new_state(anchor_seed=7)  # our init: the run's
+    honest = new_state(anchor_seed=7)
+    metadata, tensors = honest.shared_state()
+    flat = torch.cat(tensors)
+    align = slice_alignment(NUMEL)
+    count = slice_units(flat.numel(), align)
+    bounds = [slice_bounds(flat.numel(), i, count, align) for i in range(count)]
+    receiver.apply(randn(8, std=1e-3), round=1)  # what we did since does not change the run's init
+    check = receiver.slice_check()
+    assert all(check(a, b, metadata, flat[a:b]) is None for a, b in bounds)
+
+    hijacker = new_state(anchor_seed=7)
+    hijacker.anchor.add_(randn(9, std=0.05))  # claims are computed from this anchor: self-consistent
+    liar_metadata, liar_tensors = hijacker.shared_state()
+    liar_flat = torch.cat(liar_tensors)
+    problems = [check(a, b, liar_metadata, liar_flat[a:b]) for a, b in bounds if a < NUMEL]
+    assert problems and all(p is not None and "the run's initial weights" in p for p in problems), problems
+    # ... also in a re-sync whose group reference is its own (two Sybils outvoting us).
+    by_group = receiver.slice_check(hijacker.claim())
+    assert all(by_group(a, b, liar_metadata, liar_flat[a:b]) is not None for a, b in bounds if a < NUMEL)
+
+    momentum = flat.clone()
+    momentum[NUMEL + 3] = 0.5  # the initial state has no outer momentum yet
+    problems = [check(a, b, metadata, momentum[a:b]) for a, b in bounds]
+    assert sum(p is not None for p in problems) == 1
+    assert "momentum of a state of no outer step" in next(p for p in problems if p)
+
+
+def test_a_state_claiming_more_outer_steps_than_rounds_is_refused():
+    """A peer applies at most one outer step a round: a state of round 1 with 2 steps is a lie
+    (the hijacker's "one step ahead" of a state of round 0, issue 11), refused before its claim
+    is compared with anything; and a replayed step may not claim such a round either."""
+    receiver = new_state(anchor_seed=40)
+    before = snapshot(receiver)
+    lie = with_metadata(round=1)  # donor_state: 2 outer steps
+    with pytest.raises(MessageError, match="claims 2 outer steps in a state of round 1"):
+        receiver.adopt(lie, require_claim=True)
+    assert_same_snapshot(snapshot(receiver), before)
+    assert not receiver.same_state(lie.metadata, lie.metadata)
+    assert "claims 2 outer steps" in receiver.slice_check()(0, 16, lie.metadata, lie.tensors[0][:16])
+
+    honest = new_state(anchor_seed=40)
+    step = randn(41, std=1e-3)
+    target = new_state(anchor_seed=40)
+    target.apply(step, round=3)
+    assert not honest.catch_up([AppliedUpdate(0, 1, step.half())], target.claim())  # 1 step by round 0
+    assert honest.rounds_done == 0
+    assert honest.catch_up([AppliedUpdate(3, 1, step.half())], target.claim())
