@@ -134,6 +134,9 @@ STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an up
 # average that did not arrive (a reducer failed: ``ShoalAverager._aggregate_with_group``). Not a
 # peer id (those are base58 multihashes), so no member's report can collide with it.
 PARTIAL_KEY = "shoal:partial"
+# Likewise: the members on our ban list when the all-reduce ended (refused in it, or before). Their
+# reports are dropped before the consistency check: a peer we just refused must not win a tie.
+DISTRUSTED_KEY = "shoal:distrusted"
 UPDATE_VERSION = 1
 # What a donor serves at once (state slices and outer updates), so that requests cannot exhaust
 # its host: an honest joiner has one fetch in flight per donor (averaging.download); one more
@@ -322,7 +325,11 @@ class ShoalAverager(DecentralizedAverager):
             missing = self._partial.pop(group_info.group_id, 0.0)
         # A partial result (hivemind keeps our local values where a reducer failed) would move our
         # anchor somewhere no other member's is: the host must not apply it (``HivemindBackend.average``).
-        return {**gathered, PARTIAL_KEY: missing} if missing > 0 else gathered
+        if missing > 0:
+            gathered = {**gathered, PARTIAL_KEY: missing}
+        distrusted = [str(peer) for peer in group_info.peer_ids
+                      if peer != self.peer_id and self._ban_list.is_banned(str(peer))]
+        return {**gathered, DISTRUSTED_KEY: distrusted} if distrusted else gathered
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: bytes | None = None, **kwargs):
@@ -738,8 +745,13 @@ class HivemindBackend:
         if not gathered:
             return AverageOutcome(ok=False, sync_s=sync_s, error="averaging returned no group")
         missing = gathered.pop(PARTIAL_KEY, 0.0)
+        distrusted = set(gathered.pop(DISTRUSTED_KEY, ()))
         gathered_by_peer = {str(peer): data for peer, data in gathered.items()}
         group = tuple(sorted(gathered_by_peer))
+        # A member our robust aggregation refused speaks no more in this round's consistency check
+        # (seen: a two-member group with a peer banned that round, which then won the tie and
+        # the honest peer re-synced to its state).
+        gathered_by_peer = {peer: data for peer, data in gathered_by_peer.items() if peer not in distrusted}
         if missing:
             # Our vector stays as it was: the round folds, and the step the others applied is
             # replayed from their history next round (OuterState.catch_up), not re-downloaded.

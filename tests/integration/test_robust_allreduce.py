@@ -106,7 +106,8 @@ def test_honest_peers_survive_every_attack(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_banned_peer_is_kept_out_of_the_next_groups():
-    """Once the honest peers ban a sender, they neither follow it nor accept it as a follower: the
+    """Once the honest peers ban a sender, its report is dropped from the round's gather (it has no
+    say in the consistency check), and they neither follow it nor accept it as a follower: the
     next groups are the honest peers alone, and they end with the same average (a banned peer kept
     inside a group is a reducer whose share every member keeps at its local values: apart)."""
     generator = torch.Generator().manual_seed(12)
@@ -138,6 +139,9 @@ def test_a_banned_peer_is_kept_out_of_the_next_groups():
             if round == 1:
                 assert all(attacker in o.group for o in honest)  # the attack: refused, and banned
                 assert all(b.robustness()["bans"] == 1 for b in backends[:HONEST])
+                # ... and its report is dropped: it has no say in the round's consistency check.
+                assert all(sorted(o.gathered) == sorted(b.peer_id for b in backends[:HONEST]) for o in honest), \
+                    [sorted(o.gathered) for o in honest]
                 continue
             for i, outcome in enumerate(honest):
                 assert attacker not in outcome.group, f"round {round}: the banned peer is in peer {i}'s group"
