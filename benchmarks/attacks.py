@@ -252,10 +252,10 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write(results: dict) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    RESULTS.with_suffix(".md").write_text(report(results))
+def write(results: dict, out: Path = RESULTS) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    out.with_suffix(".md").write_text(report(results))
 
 
 def main() -> int:
@@ -266,10 +266,11 @@ def main() -> int:
     parser.add_argument("--only", type=lambda s: s.split(","), default=[*CLEAN, *HOSTILE, "clean#2"],
                         help="scenarios in order; NAME#K repeats one (default: every scenario, clean twice)")
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results path, without .md/.json")
     parser.add_argument("--report-only", action="store_true", help="redraw the table from the .json")
     args = parser.parse_args()
     if args.report_only:
-        write(json.loads(RESULTS.with_suffix(".json").read_text()))
+        write(json.loads(args.out.with_suffix(".json").read_text()), args.out)
         return 0
     unknown = {base(n) for n in args.only} - set(CLEAN) - set(HOSTILE)
     if unknown:
@@ -284,10 +285,10 @@ def main() -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {name}", flush=True)
         results["runs"].append(run_scenario(name, args, root, evaluator))
         results["ended"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
-        write(results)
+        write(results, args.out)
         print(json.dumps({k: results["runs"][-1][k] for k in ("exit_codes", "final_eval", "robust", "resyncs")}),
               flush=True)
-    print(f"wrote {RESULTS.with_suffix('.md')} (peers' logs in {root})")
+    print(f"wrote {args.out.with_suffix('.md')} (peers' logs in {root})")
     return 0
 
 
