@@ -56,7 +56,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
-from hivemind.utils.timed_storage import TimedStorage
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS, TimedStorage
 
 from averaging import hivemind_codecs, robust
 from averaging.robust import BanList, RobustConfig
@@ -290,24 +290,6 @@ def declared_expiration(now: float, *, scheduled_time: float, min_matchmaking_ti
 REFETCH_S = 0.25
 
 
-class _PacedKeys:
-    """A group key manager whose ``get_averagers`` runs at most once per ``REFETCH_S``, never
-    waiting past the search's end; everything else is the wrapped manager's."""
-
-    def __init__(self, keys, leaders: PotentialLeaders):
-        self._keys, self._leaders, self._fetched = keys, leaders, -math.inf
-
-    def __getattr__(self, name: str):
-        return getattr(self._keys, name)
-
-    async def get_averagers(self, *args, **kwargs):
-        wait = min(self._fetched + REFETCH_S, self._leaders.search_end_time) - get_dht_time()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        self._fetched = get_dht_time()
-        return await self._keys.get_averagers(*args, **kwargs)
-
-
 class ShoalPotentialLeaders(PotentialLeaders):
     """hivemind's search for leaders with ``declared_expiration`` and a paced leader fetch (set up
     by ``ShoalAverager``: an existing instance is given this class and a ``margin``)."""
@@ -324,7 +306,28 @@ class ShoalPotentialLeaders(PotentialLeaders):
         # used 0.45-0.6 cores against an honest peer's 0.3 (benchmarks/attacks.py, stop 22),
         # starving honest peers of CPU on a shared machine. Pacing costs a new leader at most
         # REFETCH_S before we see it.
-        await super()._update_queue_periodically(_PacedKeys(key_manager, self))
+        discrepancy = MAX_DHT_TIME_DISCREPANCY_SECONDS
+        fetched = -math.inf
+        while get_dht_time() < self.search_end_time:
+            wait = min(fetched + REFETCH_S, self.search_end_time) - get_dht_time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            fetched = get_dht_time()
+            new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
+            self.max_assured_time = max(self.max_assured_time,
+                                        get_dht_time() + self.min_matchmaking_time - discrepancy)
+            self.leader_queue.clear()
+            for peer, peer_expiration_time in new_peers:
+                if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
+                    continue
+                self.leader_queue.store(peer, peer_expiration_time, peer_expiration_time)
+                self.max_assured_time = max(self.max_assured_time, peer_expiration_time - discrepancy)
+            self.update_finished.set()
+            await asyncio.wait(
+                {asyncio.create_task(self.running.wait()), asyncio.create_task(self.update_triggered.wait())},
+                return_when=asyncio.ALL_COMPLETED,
+                timeout=self.search_end_time - get_dht_time() if math.isfinite(self.search_end_time) else None)
+            self.update_triggered.clear()
 
     async def _declare_averager_periodically(self, step, key_manager) -> None:
         # hivemind's loop (1.1.12, in REVIEWED) with our expiration, and an end once it is None.
