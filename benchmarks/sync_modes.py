@@ -1,6 +1,6 @@
 """Overlap vs blocking DiLoCo vs DDP on heterogeneous peers over capped links, side by side.
 
-    sudo .venv/bin/python benchmarks/sync_modes.py [--peers 4] [--throttles 1,1.5,2,3] [--mbit 10] [--budget 120]
+    sudo .venv/bin/python benchmarks/sync_modes.py [--peers 4] [--throttles 2,3,4,6] [--mbit 10] [--budget 120]
     sudo .venv/bin/python benchmarks/sync_modes.py --regimes 0.5,1.5 --modes overlap,blocking,ceiling
 
 ``--regimes`` runs the modes once per regime, each with its own link cap, chosen so that a blocking
@@ -215,10 +215,25 @@ def plot(results: dict, path: Path, throttles: list[float]) -> bool:
     return True
 
 
+SPREAD = (1.0, 1.5, 2.0, 3.0)  # issue 12's speed spread: the fastest peer 3x the slowest
+TRAINING_SHARE = 0.625  # of the cores: the rest is headroom for the DHT, the all-reduce and p2pd
+
+
+def default_throttles(peers: int, cores: int) -> list[float]:
+    """The spread (repeated for more peers), scaled so that training alone (one torch thread per
+    peer at 1/throttle of a core) needs at most ``TRAINING_SHARE`` of the cores: on 2 cores, 4
+    peers get 2, 3, 4, 6 (1.25 cores). Otherwise a swarm benchmark measures CPU starvation."""
+    spread = [SPREAD[i % len(SPREAD)] for i in range(peers)]
+    scale = max(1.0, sum(1 / t for t in spread) / (TRAINING_SHARE * cores))
+    return [round(t * scale, 3) for t in spread]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--throttles", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 1.5, 2.0, 3.0])
+    parser.add_argument("--throttles", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                        help="one per peer; default: the speed spread 1,1.5,2,3 scaled so that training alone "
+                             f"needs at most {TRAINING_SHARE:.0%} of this machine's cores")
     parser.add_argument("--mbit", type=float, default=10.0)
     parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
@@ -227,7 +242,13 @@ def main() -> int:
     parser.add_argument("--regimes", type=lambda s: [float(x) for x in s.split(",")], default=None,
                         help="all-reduce bound as fractions of a round, e.g. 0.5,1.5 (sets --mbit per regime)")
     args = parser.parse_args()
+    if args.throttles is None:
+        args.throttles = default_throttles(args.peers, os.cpu_count() or 1)
     assert len(args.throttles) == args.peers, "one throttle per peer"
+    demand = sum(1 / t for t in args.throttles)
+    if demand >= (os.cpu_count() or 1):
+        print(f"warning: training alone needs {demand:.2f} cores of {os.cpu_count()}: the figures will measure CPU "
+              "starvation, not the design; raise --throttles", file=sys.stderr)
     capped = netns.available()
     if not capped:
         print("not root (or no ip/tc): running on loopback WITHOUT bandwidth caps", file=sys.stderr)
@@ -266,7 +287,8 @@ def main() -> int:
     if args.regimes:
         text = (f"# Never idle on slow links: regimes {', '.join(f'{r:g}' for r in args.regimes)}\n\n"
                 f"Command: `sudo .venv/bin/python benchmarks/sync_modes.py --regimes "
-                f"{','.join(f'{r:g}' for r in args.regimes)} --modes {','.join(args.modes)} --budget {args.budget:g}`\n\n"
+                f"{','.join(f'{r:g}' for r in args.regimes)} --modes {','.join(args.modes)} --throttles "
+                f"{','.join(f'{t:g}' for t in args.throttles)} --budget {args.budget:g}`\n\n"
                 + text)
     out.with_suffix(".md").write_text(text)
     print(text)
