@@ -111,9 +111,11 @@ def measure(size_mb: float, args, net: netns.Network, root: Path) -> dict:
                 if not initial:
                     raise RuntimeError("the first peer printed no address")
         deadline = start + args.rounds * period + 120
-        with BusyTimeline() as busy:
+        with BusyTimeline() as busy, netns.LinkTimeline(net) as links:
+            drops_before = links.drops()
             for proc in procs:
                 proc.wait(timeout=max(1.0, deadline - time.time()))
+            drops = [after - before for before, after in zip(drops_before, links.drops())]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -127,10 +129,26 @@ def measure(size_mb: float, args, net: netns.Network, root: Path) -> dict:
     windows = [busy.cores_between(start + k * period, start + k * period + median) for k in range(args.rounds)] \
         if median else []
     windows = [w for w in windows if w is not None]
+    # How full the links were in the same windows: below the cap on idle CPU, the time went to the
+    # transport (TCP recovering from drops at the cap), not to the all-reduce's payload.
+    use = [links.between(start + k * period, start + k * period + median) for k in range(args.rounds)] \
+        if median else []
+    use = [u for u in use if u is not None]
+    # The same bytes as plain TCP flows between the same namespaces (no hivemind, no p2pd): what
+    # the links and the kernel's TCP allow an all-to-all of this size.
+    tcp = [netns.tcp_all_to_all(net, 2 * size_bytes // args.peers, sys.executable) for _ in range(args.tcp_runs)]
     return {"size_mb": size_mb, "numel": numel, "bound_s": round(bound, 3), "median_s": median,
             "ratio": round(median / bound, 2) if median else None, "min_s": min(times, default=None),
             "max_s": max(times, default=None), "samples": len(times), "failed": failed,
-            "busy_cores": round(statistics.mean(windows), 2) if windows else None, "cores": os.cpu_count()}
+            "busy_cores": round(statistics.mean(windows), 2) if windows else None, "cores": os.cpu_count(),
+            "upload_use": round(statistics.mean(u["upload_use"] for u in use), 3) if use else None,
+            "download_use": round(statistics.mean(u["download_use"] for u in use), 3) if use else None,
+            "upload_drops": round(drops[0] / args.rounds), "download_drops": round(drops[1] / args.rounds),
+            "tcp_s": round(statistics.median(tcp), 3) if tcp else None,
+            "upload_mb": round(statistics.mean(u["upload_bytes"] for u in use) / 1e6 / args.peers, 2) if use else None,
+            # Upload use per host through the last round (start-up excluded): where the links idled.
+            "trace": links.rates(start + (args.rounds - 1) * period - 1, start + (args.rounds - 1) * period + 1.3 * median)
+            if median else []}
 
 
 def out_flag(out: Path) -> str:
@@ -144,23 +162,44 @@ def busy_cell(result: dict) -> str:
     return f"{result['busy_cores']:.2f} of {result['cores']}"
 
 
+def tcp_cells(result: dict) -> str:
+    """The plain TCP all-to-all's time and the all-reduce against it."""
+    tcp, median = result.get("tcp_s"), result.get("median_s")
+    if not tcp:
+        return "- | -"
+    return f"{tcp:.2f} ({tcp / result['bound_s']:.2f}x) | " + (f"{median / tcp:.2f}x" if median else "-")
+
+
+def link_cells(result: dict, peers: int) -> str:
+    """Link use, bytes each peer uploaded against the all-reduce's payload, drops (all per
+    all-reduce, in its median window); dashes for a run that did not sample its links."""
+    if result.get("upload_use") is None:
+        return "- | - | -"
+    payload = 2 * (peers - 1) / peers * result["size_mb"]
+    return (f"{result['upload_use']:.0%} / {result['download_use']:.0%} | {result['upload_mb']:.2f} ({payload:.2f}) "
+            f"| {result['upload_drops']:,} / {result.get('download_drops', 0):,}")
+
+
 def report(results: list[dict], args) -> str:
     sizes = ",".join(f"{r['size_mb']:g}" for r in results)
     lines = [f"# All-reduce vs bandwidth bound: {args.peers} peers, links capped at {args.mbit:g} Mbit/s, CPU idle", "",
              f"Command: `sudo .venv/bin/python benchmarks/allreduce_sizes.py --peers {args.peers} --mbit {args.mbit:g} "
              f"--sizes {sizes} --rounds {args.rounds}{out_flag(args.out)}`; fp16 on the wire, "
              "robust aggregation on (as shipped); bound 2(N-1)/N·S/B.", "",
-             "| vector | bound (s) | median all-reduce (s) | min / max (s) | ratio | target | samples | failed "
-             "| busy cores during the all-reduces |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| vector | bound (s) | median all-reduce (s) | min / max (s) | ratio | target | TCP all-to-all (s) "
+             "| all-reduce / TCP | samples | failed "
+             "| busy cores during the all-reduces | link use up / down | MB sent per peer (payload) "
+             "| packets dropped at the caps per round (up / down) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         limit = target_for(r["size_mb"])
         target = "-" if limit is None else f"≤ {limit}x" + ("" if r["ratio"] is None or r["ratio"] <= limit else " (missed)")
         median = f"{r['median_s']:.2f}" if r["median_s"] is not None else "-"
         spread = f"{r['min_s']:.2f} / {r['max_s']:.2f}" if r["samples"] else "-"
         lines.append(f"| {r['size_mb']:g} MB | {r['bound_s']:.2f} | {median} | {spread} | "
-                     f"{r['ratio'] if r['ratio'] is not None else '-'}x | {target} | {r['samples']} | {r['failed']} "
-                     f"| {busy_cell(r)} |")
+                     f"{r['ratio'] if r['ratio'] is not None else '-'}x | {target} | {tcp_cells(r)} | {r['samples']} "
+                     f"| {r['failed']} "
+                     f"| {busy_cell(r)} | {link_cells(r, args.peers)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -170,6 +209,7 @@ def main() -> int:
     parser.add_argument("--mbit", type=float, default=100.0)
     parser.add_argument("--sizes", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 10.0, 50.0])
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tcp-runs", type=int, default=2, help="plain TCP all-to-alls of each size (0: none)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json of a past run")
     # a peer's own arguments (the driver passes them)
