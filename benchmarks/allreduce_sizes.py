@@ -7,6 +7,12 @@ prepare the same scheduled time and average one vector; the figure is the backen
 ``allreduce_s`` (from the scheduled start, or the trigger if later, to the result), against the
 bound of a butterfly all-reduce, 2(N-1)/N·S/B for S bytes on links of B bytes/s.
 
+Beside each size it reports how full the links were during the all-reduces (sysfs byte counters,
+``netns.LinkTimeline``), the bytes each peer sent against the payload, the drops at the caps, and
+a plain TCP all-to-all of the same bytes between the same namespaces (``netns.tcp_all_to_all``:
+one flow per ordered pair, all at once, no hivemind or p2pd): the transport's own baseline, so a
+gap to the bound can be told apart into what the all-reduce adds and what TCP on these links costs.
+
     sudo .venv/bin/python benchmarks/allreduce_sizes.py            # 4 peers, 100 Mbit/s, 1/10/50 MB
     sudo .venv/bin/python benchmarks/allreduce_sizes.py --mbit 50 --sizes 1,10 --rounds 5
 
