@@ -228,6 +228,15 @@ def default_throttles(peers: int, cores: int) -> list[float]:
     return [round(t * scale, 3) for t in spread]
 
 
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "sync_modes"
+
+
+def out_flag(out: Path) -> str:
+    """``--out`` as the command line needs it (nothing for the default)."""
+    out = Path(out).resolve()
+    return "" if out == DEFAULT_OUT.resolve() else f" --out {out.relative_to(REPO) if out.is_relative_to(REPO) else out}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--peers", type=int, default=4)
@@ -238,7 +247,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "bench.toml")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "sync_modes")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--regimes", type=lambda s: [float(x) for x in s.split(",")], default=None,
                         help="all-reduce bound as fractions of a round, e.g. 0.5,1.5 (sets --mbit per regime)")
     args = parser.parse_args()
@@ -288,7 +297,7 @@ def main() -> int:
         text = (f"# Never idle on slow links: regimes {', '.join(f'{r:g}' for r in args.regimes)}\n\n"
                 f"Command: `sudo .venv/bin/python benchmarks/sync_modes.py --regimes "
                 f"{','.join(f'{r:g}' for r in args.regimes)} --modes {','.join(args.modes)} --throttles "
-                f"{','.join(f'{t:g}' for t in args.throttles)} --budget {args.budget:g}`\n\n"
+                f"{','.join(f'{t:g}' for t in args.throttles)} --budget {args.budget:g}{out_flag(base_out)}`\n\n"
                 + text)
     out.with_suffix(".md").write_text(text)
     print(text)
