@@ -284,7 +284,10 @@ class OuterState:
         with self._lock:
             saved = (self.anchor.clone(), self.momentum.clone(), self.rounds_done, self.last_round,
                      self._scale, self._last_rms, self._claim, list(self._history), list(self._past_claims))
-            reference_rms = max(self._last_rms, work_rms)
+            # Widened by our work, never introduced by it: a peer that applied no step yet (a joiner
+            # that trusted the records) has no size to judge by, as before; one with little work in
+            # its first round would otherwise refuse the swarm's honest first steps.
+            reference_rms = max(self._last_rms, work_rms) if self._last_rms > 0 else 0.0
             if (self._undo(rewind) and self._replay(updates, reference_rms)
                     and _claims_agree(self._current_claim(), reference, self.rel_tol, self.abs_tol)):
                 return True

@@ -304,6 +304,17 @@ def test_after_a_start_up_split_the_pair_with_the_smaller_first_step_replays_the
     assert lost["small"] and lost["big"]  # both ways of the tie were exercised
 
 
+def test_a_peer_that_applied_no_step_yet_replays_the_swarms_first_steps_whatever_its_own_work():
+    """A joiner that trusted the records (every peer at 0 steps) but trained only a few inner steps
+    before its first sync: its tiny work does not bound the swarm's first steps it replays (only a
+    step applied before does), or it would refuse them and download the whole state."""
+    donor, joiner = new_state(), new_state()
+    donor.apply(randn(41, std=1e-3), round=1)
+    update = donor.update_after(0)
+    assert joiner.catch_up([update], donor.claim(), work_rms=1e-6)
+    assert joiner.rounds_done == 1 and (joiner.anchor - donor.anchor).abs().max() < 1e-5
+
+
 def test_fp16_noise_between_peers_is_not_a_divergence():
     states = three_states()
     end_round(states, 1, randn(15, std=1e-3))
