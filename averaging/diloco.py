@@ -66,11 +66,6 @@ MAX_CLAIMED_SCALE_RATIO = 2.0
 MAX_CATCH_UP_TO_LAST_RATIO = 10.0
 
 
-class StateTooFarAhead(MessageError):
-    """A donor's state is two or more outer steps past the reference it must be checked against.
-    Donors only move further ahead, so downloading again against the same reference cannot help."""
-
-
 @dataclass(kw_only=True, slots=True)
 class OuterConfig:
     """Outer optimizer: Nesterov SGD on pseudo-gradients (DiLoCo's defaults)."""
@@ -395,9 +390,8 @@ class OuterState:
             c = self.config
             before = anchor_before_step(tensors[0], step, tensors[1], lr=c.lr, mu=c.momentum, nesterov=c.nesterov)
         else:
-            error = StateTooFarAhead if ahead > 1 else MessageError
-            raise error(f"state from {peer}: {_rounds_apart(ahead)} from the group's reference, "
-                        "so it cannot be checked against it")
+            raise MessageError(f"state from {peer}: {_rounds_apart(ahead)} from the group's reference, "
+                               "so it cannot be checked against it")
         if not self._matches(fingerprint(before), reference):
             raise MessageError(f"state from {peer}: its anchor is not the one the group agreed on (a donor that "
                                "serves another state than the one it reported to the group)")

@@ -46,7 +46,7 @@ import torch
 
 from averaging.backend import AppliedUpdate, DownloadedState, Progress
 from averaging.consistency import AnchorClaim, DivergenceWatch
-from averaging.diloco import Applied, OuterState, RoundConclusion, StateTooFarAhead
+from averaging.diloco import Applied, OuterState, RoundConclusion
 from averaging.flat import FlatLayout
 from averaging.merge import apply_correction_, merge_correction
 from averaging.outer import pseudo_gradient
@@ -713,13 +713,6 @@ class OuterLoop:
             try:
                 adopted = self.outer.adopt(state, require_claim=True, max_round=max(round, self._now_round()),
                                            reference=conclusion.reference, step=step)
-            except StateTooFarAhead as e:
-                # On a slow link the donors stepped twice while we downloaded: retrying against this
-                # round's reference only gets further (seen: 5 attempts holding the sync lane for a
-                # minute, every round meanwhile skipped). The next group's check brings a fresh one.
-                logger.warning(f"round {round}: refused the state of {state.peer}: {e}; the next round's group "
-                               "check will tell us again")
-                break
             except MessageError as e:
                 logger.warning(f"round {round}: refused the state of {state.peer}: {e}")
                 # The first donor held sets which claims the others must match: another leads next.
