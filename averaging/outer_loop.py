@@ -605,8 +605,8 @@ class OuterLoop:
         old_anchor = self.outer.anchor.clone()
         conclusion = self.outer.conclude(outcome, pseudo_grad, round=round, averaged=averaged if outcome.ok else None,
                                          self_id=self.peer_id, alone=self._alone(),
-                                         catch_up=lambda donors, steps, reference, rewind, work_rms: self._catch_up(
-                                             round, donors, steps, reference, rewind, work_rms))
+                                         catch_up=lambda donors, steps, reference, rewind: self._catch_up(
+                                             round, donors, steps, reference, rewind))
         self._report_divergence(round, conclusion)
         resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
         # 4. What the new anchor accounts for: with error feedback only what was sent, so the
@@ -672,8 +672,7 @@ class OuterLoop:
         self._robust_seen = counters
         return {kind: count for kind, count in delta.items() if count}
 
-    def _catch_up(self, round: int, donors: list[str], steps: int, reference: AnchorClaim, rewind: int = 0,
-                  work_rms: float = 0.0) -> bool:
+    def _catch_up(self, round: int, donors: list[str], steps: int, reference: AnchorClaim, rewind: int = 0) -> bool:
         """Replay ``steps`` outer steps fetched from ``donors`` (2 bytes/param each), after undoing
         our own last ``rewind`` (``OuterState.catch_up``)."""
         updates: list[AppliedUpdate] = []
@@ -687,7 +686,7 @@ class OuterLoop:
                 return False
             updates.append(update)
         undone = f" after undoing our last {rewind}" if rewind else ""
-        if not self.outer.catch_up(updates, reference, rewind=rewind, work_rms=work_rms):
+        if not self.outer.catch_up(updates, reference, rewind=rewind):
             logger.warning(f"round {round}: replaying {steps} missed outer step(s){undone} did not reach the "
                            "group's anchor; not caught up")
             return False
