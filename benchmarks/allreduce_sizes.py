@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from harness import BusyTimeline  # noqa: E402
+from harness import BusyTimeline, out_flag  # noqa: E402
 
 from benchmarks import netns  # noqa: E402
 
@@ -157,11 +157,6 @@ def measure(size_mb: float, args, net: netns.Network, root: Path) -> dict:
             if median else []}
 
 
-def out_flag(out: Path) -> str:
-    out = Path(out).resolve()
-    return "" if out == DEFAULT_OUT.resolve() else f" --out {out.relative_to(REPO) if out.is_relative_to(REPO) else out}"
-
-
 def busy_cell(result: dict) -> str:
     if result.get("busy_cores") is None:
         return "-"
@@ -190,7 +185,7 @@ def report(results: list[dict], args) -> str:
     sizes = ",".join(f"{r['size_mb']:g}" for r in results)
     lines = [f"# All-reduce vs bandwidth bound: {args.peers} peers, links capped at {args.mbit:g} Mbit/s, CPU idle", "",
              f"Command: `sudo .venv/bin/python benchmarks/allreduce_sizes.py --peers {args.peers} --mbit {args.mbit:g} "
-             f"--sizes {sizes} --rounds {args.rounds}{out_flag(args.out)}`; fp16 on the wire, "
+             f"--sizes {sizes} --rounds {args.rounds}{out_flag(args.out, DEFAULT_OUT)}`; fp16 on the wire, "
              "robust aggregation on (as shipped); bound 2(N-1)/N·S/B.", "",
              "| vector | bound (s) | median all-reduce (s) | min / max (s) | ratio | target | TCP all-to-all (s) "
              "| all-reduce / TCP | samples | failed "

@@ -120,6 +120,12 @@ def _machine_busy() -> tuple[float, float]:
     return (sum(fields) - idle) / ticks, sum(fields) / ticks
 
 
+def out_flag(out: Path, default: Path) -> str:
+    """``--out`` as a results file's command line needs it: nothing for the script's default."""
+    out = Path(out).resolve()
+    return "" if out == default.resolve() else f" --out {out.relative_to(REPO) if out.is_relative_to(REPO) else out}"
+
+
 class BusyTimeline:
     """The whole machine's busy CPU sampled every ``period`` seconds over a ``with`` block, to read
     how many cores were busy in given windows (an all-reduce's, say: averaged over a whole run, the

@@ -98,19 +98,19 @@ class LinkTimeline:
 
     def __init__(self, net: Network, period: float = 0.1):
         self.net, self.period = net, period
-        # (time.time(), [(upload bytes, 0, download bytes, 0) per host])
-        self.samples: list[tuple[float, list[tuple[int, int, int, int]]]] = []
+        # (time.time(), [(upload bytes, download bytes) per host])
+        self.samples: list[tuple[float, list[tuple[int, int]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> list[tuple[int, int, int, int]]:
+    def _sample(self) -> list[tuple[int, int]]:
         """Bytes from the root namespace's sysfs, no subprocess (sampling must not cost the CPU it
         measures): what the host's end sent arrives at the bridge's end (its upload), and what the
         bridge's end sends is its download. Drops are read with ``tc`` at the ends only (``drops``)."""
         counts = []
         for i in range(len(self.net.hosts)):
             stats = Path(f"/sys/class/net/{PREFIX}v{i}/statistics")
-            counts.append((int((stats / "rx_bytes").read_text()), 0, int((stats / "tx_bytes").read_text()), 0))
+            counts.append((int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())))
         return counts
 
     def drops(self) -> tuple[int, int]:
@@ -137,9 +137,8 @@ class LinkTimeline:
             return None
         (t0, first), (t1, last) = inside[0], inside[-1]
         capacity = self.net.mbit * 1e6 / 8 * (t1 - t0) * len(first)
-        moved = [sum(b[k] - a[k] for a, b in zip(first, last)) for k in range(4)]
-        return {"upload_use": moved[0] / capacity, "download_use": moved[2] / capacity, "upload_bytes": moved[0],
-                "download_bytes": moved[2]}
+        up, down = (sum(b[k] - a[k] for a, b in zip(first, last)) for k in range(2))
+        return {"upload_use": up / capacity, "download_use": down / capacity, "upload_bytes": up, "download_bytes": down}
 
     def _run(self) -> None:
         while True:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import netns  # noqa: E402
-from harness import eval_at, run_ddp_ranks, start_entry_peer, start_shoal_peers  # noqa: E402
+from harness import eval_at, out_flag, run_ddp_ranks, start_entry_peer, start_shoal_peers  # noqa: E402
 
 from examples.swarm_launcher import LocalSwarm, kill_process_group, write_toml  # noqa: E402
 from node.observe.metrics import read_metrics  # noqa: E402
@@ -231,12 +231,6 @@ def default_throttles(peers: int, cores: int) -> list[float]:
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "sync_modes"
 
 
-def out_flag(out: Path) -> str:
-    """``--out`` as the command line needs it (nothing for the default)."""
-    out = Path(out).resolve()
-    return "" if out == DEFAULT_OUT.resolve() else f" --out {out.relative_to(REPO) if out.is_relative_to(REPO) else out}"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--peers", type=int, default=4)
@@ -297,7 +291,7 @@ def main() -> int:
         text = (f"# Never idle on slow links: regimes {', '.join(f'{r:g}' for r in args.regimes)}\n\n"
                 f"Command: `sudo .venv/bin/python benchmarks/sync_modes.py --regimes "
                 f"{','.join(f'{r:g}' for r in args.regimes)} --modes {','.join(args.modes)} --throttles "
-                f"{','.join(f'{t:g}' for t in args.throttles)} --budget {args.budget:g}{out_flag(base_out)}`\n\n"
+                f"{','.join(f'{t:g}' for t in args.throttles)} --budget {args.budget:g}{out_flag(base_out, DEFAULT_OUT)}`\n\n"
                 + text)
     out.with_suffix(".md").write_text(text)
     print(text)
