@@ -238,6 +238,9 @@ class ShoalAverager(DecentralizedAverager):
             self._running.discard(task)
 
     async def _step(self, *, step: StepControl, **kwargs):
+        # A ban counts averaging rounds (one step each), whether or not a group formed: counted in
+        # all-reduces, a ban of our only possible partner never ended (no group, so no all-reduce).
+        self._ban_list.next_round()
         with self._kept_alive():
             try:
                 return await super()._step(step=step, **kwargs)
@@ -344,7 +347,6 @@ class ShoalAverager(DecentralizedAverager):
         if self._robust is None:
             runner = AllReduceRunner(**common)
         else:
-            self._ban_list.next_round()
             runner = RobustAllReduceRunner(robust_config=self._robust, ban_list=self._ban_list,
                                            counters=self.robust_counters, **common)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"

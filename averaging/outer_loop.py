@@ -116,6 +116,12 @@ SYNC_MODES = tuple(mode.value for mode in SyncMode)
 RESYNC_ATTEMPTS = 5
 MAX_OUTSTANDING = 2  # syncs not yet merged: one running, one queued behind it
 LATENESS_ALPHA = 0.3  # EMA weight of the newest sync's lateness (its end minus its round's deadline)
+# A peer that starts training (joined, resumed) with less than this fraction of a round left stays
+# out of that round and brings its work to the next. Its pseudo-gradient would be a sliver of an
+# honest one, and robust aggregation judges a group's parts against our own (``averaging.robust``):
+# seen in a test, a peer resumed 0.6 s before a 6 s round's deadline refused its only partner's part
+# (three folded rounds of work, over 30x ours) and banned it.
+MIN_FIRST_WINDOW_FRACTION = 0.5
 
 
 @dataclass(slots=True)
@@ -263,6 +269,7 @@ class OuterLoop:
         self._device_correction = torch.empty(layout.numel, device=device) if cuda else None
         self._timer = StepTimer()
         self._jobs: deque[_Job] = deque()  # submitted, not yet merged (oldest first)
+        self._stayed_out: dict[int, str] = {}  # rounds we decided to stay out of -> why (for the report)
         self._skipped_tokens = 0  # tokens of rounds we stayed out of, for our next contribution
         self._carried_weight = 0.0  # worker thread: weight of syncs that folded, for the next one
         # Worker thread: what we sent in rounds whose result came back partial (not applied), with
@@ -397,15 +404,28 @@ class OuterLoop:
             return
         if now >= self._schedule().round_end(round) - self.config.prepare_lead:
             self._prepared_round = round
-            if self._can_join(round):
+            if self._started_late(round):
+                reason = (f"this peer started training {self._schedule().round_end(round) - self.window.started:.1f}s "
+                          "before the deadline")
+            elif self._can_join(round):
                 previous = self._jobs[-1].future if self._jobs else None
                 self._prepares[round] = self.worker.submit_prepare(self._prepare, round, previous=previous)
+                return
             elif self._jobs and self.sync_period == 1:
-                logger.info(f"round {round}: staying out, the sync of round {self._jobs[-1].window.round} is still "
-                            "running; this round's work goes into the next contribution")
+                reason = f"the sync of round {self._jobs[-1].window.round} is still running"
             else:
-                logger.info(f"round {round}: staying out, the swarm's syncs take about {self.agreed_lateness:.1f}s "
-                            f"past their deadline, so its peers average in rounds divisible by {self.sync_period}")
+                reason = (f"the swarm's syncs take about {self.agreed_lateness:.1f}s past their deadline, so its "
+                          f"peers average in rounds divisible by {self.sync_period}")
+            self._stayed_out[round] = reason
+            logger.info(f"round {round}: staying out, {reason}; this round's work goes into the next contribution")
+
+    def _started_late(self, round: int) -> bool:
+        """Whether our first window (nothing carried into it) covers less than
+        ``MIN_FIRST_WINDOW_FRACTION`` of ``round``: we joined or resumed near its deadline."""
+        if self.config.mode == SyncMode.BLOCKING or self._jobs or self._skipped_tokens or self.window.round != round:
+            return False  # (blocking mode restarts every window after its wait: lockstep, not late)
+        schedule = self._schedule()
+        return schedule.round_end(round) - self.window.started < MIN_FIRST_WINDOW_FRACTION * schedule.round_seconds
 
     def _can_join(self, round: int) -> bool:
         """Whether our sync of ``round`` can start at its deadline: no more than one sync ahead of
@@ -448,9 +468,12 @@ class OuterLoop:
         for stale in [r for r in self._prepares if r < window.round]:
             self._prepares.pop(stale)
         self.window = _Window(next_round, started=now)
+        reason = self._stayed_out.pop(window.round, "the previous round's sync was still running")
+        for stale in [r for r in self._stayed_out if r < window.round]:
+            self._stayed_out.pop(stale)
         if prepared is None:  # we stayed out of this round: fold its work into the next one
             self._skipped_tokens += window.tokens
-            finished += self._report_later(self._skipped_stats(window))
+            finished += self._report_later(self._skipped_stats(window, reason))
             return finished
         assert len(self._jobs) < MAX_OUTSTANDING, "a round was joined with two syncs outstanding"
         # Buffers: the other pair than the sync still in flight (allocated only if one ever is).
@@ -476,12 +499,12 @@ class OuterLoop:
             return []
         return [stats]
 
-    def _skipped_stats(self, window: _Window) -> RoundStats:
+    def _skipped_stats(self, window: _Window, reason: str) -> RoundStats:
         return RoundStats(
             round=window.round, inner_steps=window.steps, tokens=window.tokens, compute_s=window.compute_s,
             wait_s=window.wait_s, sync_s=0.0, allreduce_s=0.0, wall_s=window.ended - window.started,
             loss=window.loss_sum / window.steps if window.steps else None, group_size=1, group=[],
-            applied=Applied.FOLDED, error="skipped: the previous round's sync was still running", diverged=[],
+            applied=Applied.FOLDED, error=f"skipped: {reason}", diverged=[],
             bad_reports=0, resynced=False, rounds_done=self.outer.rounds_done, skipped=True)
 
     def try_merge(self, wait: bool = False) -> list[RoundStats]:

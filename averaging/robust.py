@@ -233,8 +233,9 @@ def _trimmed_mean(stacked: torch.Tensor, w: torch.Tensor, trim_fraction: float) 
 # -- 4. bans -----------------------------------------------------------------------------------
 
 class BanList:
-    """Peers excluded for a number of all-reduce rounds after they sent or returned something refused.
-    Lives in the averager process (one per averager); not thread-safe (its event loop owns it)."""
+    """Peers excluded for a number of averaging rounds after they sent or returned something refused
+    (``next_round`` once per averaging step, group or not). Lives in the averager process (one per
+    averager); not thread-safe (its event loop owns it)."""
 
     def __init__(self, rounds: int):
         self.rounds = rounds

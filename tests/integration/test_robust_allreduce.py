@@ -109,7 +109,8 @@ def test_a_banned_peer_is_kept_out_of_the_next_groups():
     """Once the honest peers ban a sender, its report is dropped from the round's gather (it has no
     say in the consistency check), and they neither follow it nor accept it as a follower: the
     next groups are the honest peers alone, and they end with the same average (a banned peer kept
-    inside a group is a reducer whose share every member keeps at its local values: apart)."""
+    inside a group is a reducer whose share every member keeps at its local values: apart). The ban
+    lasts ``ban_rounds`` averaging rounds, then the peer (honest by now) is in the group again."""
     generator = torch.Generator().manual_seed(12)
     common = torch.randn(NUMEL, generator=generator)
     vectors = [common + 0.05 * torch.randn(NUMEL, generator=generator) for _ in range(HONEST + 1)]
@@ -120,16 +121,18 @@ def test_a_banned_peer_is_kept_out_of_the_next_groups():
         backend_type = HostileBackend if i == HONEST else HivemindBackend
         return backend_type(dht, numel=NUMEL, prefix=prefix, state_provider=no_state, target_group_size=HONEST + 1,
                             min_group_size=HONEST, min_matchmaking_time=2.0, request_timeout=1.0,
-                            allreduce_timeout=ALLREDUCE_TIMEOUT, robust=RobustConfig(ban_rounds=10))
+                            allreduce_timeout=ALLREDUCE_TIMEOUT, robust=RobustConfig(ban_rounds=2))
 
     ATTACK.value = b"flip"
     with loopback_averagers(HONEST + 1, make) as backends, ThreadPoolExecutor(HONEST + 1) as pool:
         attacker = backends[HONEST].peer_id
-        for round in (1, 2):
+        for round in (1, 2, 3, 4):
+            if round == 4:  # the ban (rounds 2 and 3) is over; the peer now sends honest parts
+                ATTACK.value = b"honest"
             scheduled = time.time() + 4.0
             for backend in backends:  # the attacker, turned away by everyone, gives up sooner
                 backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round},
-                                timeout=10 if backend is backends[HONEST] else 30)
+                                timeout=10 if backend is backends[HONEST] and round < 4 else 30)
             results = [vector.clone() for vector in vectors]
             futures = [pool.submit(backend.average, result, weight=1.0, timeout=60)
                        for backend, result in zip(backends, results)]
@@ -142,6 +145,13 @@ def test_a_banned_peer_is_kept_out_of_the_next_groups():
                 # ... and its report is dropped: it has no say in the round's consistency check.
                 assert all(sorted(o.gathered) == sorted(b.peer_id for b in backends[:HONEST]) for o in honest), \
                     [sorted(o.gathered) for o in honest]
+                continue
+            if round == 4:
+                assert all(attacker in o.group and len(o.group) == HONEST + 1 for o in honest), \
+                    [len(o.group) for o in honest]
+                assert outcomes[HONEST].ok, outcomes[HONEST].error
+                everyone = torch.stack(vectors).double().mean(0)
+                assert all(float((r.double() - everyone).norm() / everyone.norm()) < 1e-3 for r in results)
                 continue
             for i, outcome in enumerate(honest):
                 assert attacker not in outcome.group, f"round {round}: the banned peer is in peer {i}'s group"

@@ -659,6 +659,36 @@ def test_a_sync_longer_than_a_round_never_stalls_training_nor_forces_a_resync(ma
         assert peer.outer.rounds_done == peers[0].outer.rounds_done
 
 
+def test_a_peer_that_starts_late_in_a_round_stays_out_of_it_and_brings_that_work_to_the_next(make_swarm):
+    # peer-b starts with 60% of round 1 left and joins it; peer-c (joined or resumed) starts with 20%
+    # left: its pseudo-gradient would be a sliver next to the others' (which robust aggregation, judging
+    # parts against our own, could refuse), so it stays out, sends round 1's work with round 2's and
+    # replays the outer step it missed.
+    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2)
+    round_seconds, last_round = 0.5, 3
+    peers = make_swarm(config, round_seconds=round_seconds, hub=DecidedHub(PEERS), allreduce_seconds=0.1)
+    a, b, c = peers
+    b.clock.advance(0.4 * round_seconds)
+    c.clock.advance(0.8 * round_seconds)
+    run_on_the_clock(peers, last_round=last_round, step_seconds=OVERLAP_STEPS)
+
+    assert [s.round for s in c.stats] == [1, 2, 3]
+    first = c.stats_of(1)
+    assert first.skipped and first.applied == "folded" and first.tokens > 0, first
+    assert "started training 0.1s before the deadline" in first.error, first.error
+    assert 1 not in c.backend.sent
+    assert c.backend.sent[2][1] == first.tokens + c.stats_of(2).tokens  # round 1's work, sent with round 2's
+    assert a.stats_of(1).group == b.stats_of(1).group == ["peer-a", "peer-b"]
+    for peer in peers:
+        for round in (2, 3):
+            assert peer.stats_of(round).group == list(PEERS), (peer.id, peer.stats_of(round))
+        assert not any(s.resynced for s in peer.stats), peer.stats
+        # The outer step of round 1 that c stayed out of: replayed (2 bytes/param), not downloaded.
+        assert [s.caught_up for s in peer.stats] == ([0, 1, 0] if peer is c else [0, 0, 0]), peer.stats
+        assert_close(peer.outer.anchor, a.outer.anchor, atol=CATCH_UP_ATOL)
+        assert_close(peer.flat_params(), peer.outer.anchor, atol=1e-5)  # every step's work is in the anchor
+
+
 def test_peers_agree_on_the_sync_period_from_everyones_lateness(make_swarm):
     # 12 s rounds, syncs ending 14-34 s late: each peer alone would pick 2 or 3 and meet the
     # others only now and then; from everyone's published lateness they pick one period.
