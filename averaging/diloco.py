@@ -54,12 +54,21 @@ MAX_AVERAGE_TO_LOCAL_RATIO = 100.0
 HISTORY_ROUNDS = 2
 HISTORY_KEPT = HISTORY_ROUNDS + 2
 MAX_CLAIMED_SCALE_RATIO = 2.0
-# A replayed outer step may be at most this many times larger (RMS) than the last one we applied.
-# The replay is also checked against the claimed fingerprint, but whoever claims a fingerprint can
-# craft a step that reaches it from our anchor (our state is public): this bounds what one such
-# step can move us, to the order of what a peer moves the all-reduce's result. Honest steps differ
-# from ours by the group's spread and by rounds folded into them: a few times, not ten.
+# A replayed outer step may be at most this many times larger (RMS) than the larger of the last one
+# we applied and our own pseudo-gradient of the round being concluded (our work: a sample of what an
+# honest round's step is). The replay is also checked against the claimed fingerprint, but whoever
+# claims a fingerprint can craft a step that reaches it from our anchor (our state is public): this
+# bounds what one such step can move us, to the order of what a peer moves the all-reduce's result.
+# Honest steps differ from ours by the group's spread and by rounds folded into them: a few times,
+# not ten. Our last step alone is not enough: after a start-up split, one pair's first step was 11x
+# the other's (its peers had trained a whole round, ours only its end; seen with real peers), and
+# the pair that lost the tie could not replay the winner's step.
 MAX_CATCH_UP_TO_LAST_RATIO = 10.0
+
+
+class StateTooFarAhead(MessageError):
+    """A donor's state is two or more outer steps past the reference it must be checked against.
+    Donors only move further ahead, so downloading again against the same reference cannot help."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,10 +94,11 @@ class Applied(StrEnum):
     FOLDED = "folded"  # nothing applied: the work is folded into our next contribution
 
 
-# catch_up(donors, steps, reference, rewind): bring our anchor to the reference's by undoing our own
-# last ``rewind`` outer steps, then replaying ``steps`` steps fetched from ``donors``; True if it
-# now agrees.
-CatchUp = Callable[[list[str], int, AnchorClaim, int], bool]
+# catch_up(donors, steps, reference, rewind, work_rms): bring our anchor to the reference's by
+# undoing our own last ``rewind`` outer steps, then replaying ``steps`` steps fetched from
+# ``donors``; True if it now agrees. ``work_rms`` is the RMS of our own pseudo-gradient this round
+# (a size a replayed step is judged against, ``MAX_CATCH_UP_TO_LAST_RATIO``).
+CatchUp = Callable[[list[str], int, AnchorClaim, int, float], bool]
 
 
 @dataclass(slots=True)
@@ -165,6 +175,7 @@ class OuterState:
         that cannot catch up re-syncs (``donors``)."""
         # (a partial all-reduce had a group, though its result is not ours to apply)
         conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=max(1, len(outcome.group)), error=outcome.error)
+        work_rms = _rms(local_pseudo_grad)
         if outcome.ok and averaged is not None:
             conclusion.group_size = len(outcome.group)
             conclusion.verdict, conclusion.bad_reports, claims = self._judge(outcome.gathered, round)
@@ -175,16 +186,16 @@ class OuterState:
                 behind = reference.rounds_done - self.rounds_done
                 if behind < 0 and self.agreed_before(reference):
                     pass  # the reference's report predates steps we applied since: we are ahead, not apart
-                elif catch_up is not None and 0 <= behind <= HISTORY_ROUNDS and catch_up(agreeing, behind, reference, 0):
+                elif catch_up is not None and 0 <= behind <= HISTORY_ROUNDS and catch_up(agreeing, behind, reference, 0, work_rms):
                     conclusion.caught_up = behind
-                elif catch_up is not None and 0 <= behind < HISTORY_ROUNDS and catch_up(agreeing, behind + 1, reference, 1):
+                elif catch_up is not None and 0 <= behind < HISTORY_ROUNDS and catch_up(agreeing, behind + 1, reference, 1, work_rms):
                     # We applied a later step without an earlier one (we joined while the reports of a
                     # round predated a step, so nobody saw we lacked it): undo ours, replay both.
                     conclusion.caught_up = behind + 1
                 else:
                     conclusion.donors, conclusion.reference = agreeing, reference
             elif verdict is not None and verdict.contested and self_id in verdict.agreeing and catch_up is not None:
-                conclusion.caught_up = self._catch_up_with_ahead(verdict, claims, catch_up)
+                conclusion.caught_up = self._catch_up_with_ahead(verdict, claims, catch_up, work_rms)
             problem = check_average(averaged, local_pseudo_grad, reference_rms=self._last_rms)
             if problem is None:
                 self.apply(averaged, round=round)
@@ -196,14 +207,15 @@ class OuterState:
             conclusion.applied = Applied.LOCAL
         return conclusion
 
-    def _catch_up_with_ahead(self, verdict: Verdict, claims: dict[str, AnchorClaim], catch_up: CatchUp) -> int:
+    def _catch_up_with_ahead(self, verdict: Verdict, claims: dict[str, AnchorClaim], catch_up: CatchUp,
+                             work_rms: float) -> int:
         """We won a tie, but a diverged member may simply be ahead of us (we folded a round that it
         averaged): replay its steps, verified against its claim, as it would have replayed ours had
         the tie gone the other way. A false claim costs a small fetch and changes nothing."""
         ahead = sorted(((claims[p].rounds_done - self.rounds_done, p) for p in verdict.diverged
                         if 0 < claims[p].rounds_done - self.rounds_done <= HISTORY_ROUNDS), reverse=True)
         for behind, peer in ahead:  # the furthest ahead first
-            if catch_up([peer], behind, claims[peer], 0):
+            if catch_up([peer], behind, claims[peer], 0, work_rms):
                 return behind
         return 0
 
@@ -257,7 +269,8 @@ class OuterState:
         with self._lock:
             return next((u for u in self._history if u.rounds_done == rounds_done + 1), None)
 
-    def catch_up(self, updates: list[AppliedUpdate], reference: AnchorClaim, *, rewind: int = 0) -> bool:
+    def catch_up(self, updates: list[AppliedUpdate], reference: AnchorClaim, *, rewind: int = 0,
+                 work_rms: float = 0.0) -> bool:
         """Replay missed outer steps (fetched from peers, in order), then check that our anchor now
         agrees with the reference's claim; if it does not, nothing changes and False is returned
         (the caller falls back to a full download). The check is what makes a donor's word
@@ -265,11 +278,16 @@ class OuterState:
 
         With ``rewind``, our own last ``rewind`` steps are undone first, from our history (fp16:
         off by its rounding, like a replayed step): for a peer that applied a step on an anchor
-        that lacked the one before it, which replaying alone cannot fix."""
+        that lacked the one before it, which replaying alone cannot fix. ``work_rms`` (the RMS of
+        our own pseudo-gradient this round) widens the size bound on replayed steps
+        (``MAX_CATCH_UP_TO_LAST_RATIO``)."""
         with self._lock:
             saved = (self.anchor.clone(), self.momentum.clone(), self.rounds_done, self.last_round,
                      self._scale, self._last_rms, self._claim, list(self._history), list(self._past_claims))
-            reference_rms = self._last_rms
+            # Widened by our work, never introduced by it: a peer that applied no step yet (a joiner
+            # that trusted the records) has no size to judge by, as before; one with little work in
+            # its first round would otherwise refuse the swarm's honest first steps.
+            reference_rms = max(self._last_rms, work_rms) if self._last_rms > 0 else 0.0
             if (self._undo(rewind) and self._replay(updates, reference_rms)
                     and _claims_agree(self._current_claim(), reference, self.rel_tol, self.abs_tol)):
                 return True
@@ -311,7 +329,7 @@ class OuterState:
             size = _rms(update.update)
             if reference_rms > 0 and size > MAX_CATCH_UP_TO_LAST_RATIO * reference_rms:
                 logger.warning(f"refused outer step {update.rounds_done}: {size / reference_rms:.3g}x larger than "
-                               "the last one we applied")
+                               "the larger of our last applied step and our own work this round")
                 return False
             self._apply(update.update.float(), update.round)
         return True
@@ -377,8 +395,9 @@ class OuterState:
             c = self.config
             before = anchor_before_step(tensors[0], step, tensors[1], lr=c.lr, mu=c.momentum, nesterov=c.nesterov)
         else:
-            raise MessageError(f"state from {peer}: {_rounds_apart(ahead)} from the group's reference, "
-                               "so it cannot be checked against it")
+            error = StateTooFarAhead if ahead > 1 else MessageError
+            raise error(f"state from {peer}: {_rounds_apart(ahead)} from the group's reference, "
+                        "so it cannot be checked against it")
         if not self._matches(fingerprint(before), reference):
             raise MessageError(f"state from {peer}: its anchor is not the one the group agreed on (a donor that "
                                "serves another state than the one it reported to the group)")

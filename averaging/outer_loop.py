@@ -46,7 +46,7 @@ import torch
 
 from averaging.backend import AppliedUpdate, DownloadedState, Progress
 from averaging.consistency import AnchorClaim, DivergenceWatch
-from averaging.diloco import Applied, OuterState, RoundConclusion
+from averaging.diloco import Applied, OuterState, RoundConclusion, StateTooFarAhead
 from averaging.flat import FlatLayout
 from averaging.merge import apply_correction_, merge_correction
 from averaging.outer import pseudo_gradient
@@ -628,8 +628,8 @@ class OuterLoop:
         old_anchor = self.outer.anchor.clone()
         conclusion = self.outer.conclude(outcome, pseudo_grad, round=round, averaged=averaged if outcome.ok else None,
                                          self_id=self.peer_id, alone=self._alone(),
-                                         catch_up=lambda donors, steps, reference, rewind: self._catch_up(
-                                             round, donors, steps, reference, rewind))
+                                         catch_up=lambda donors, steps, reference, rewind, work_rms: self._catch_up(
+                                             round, donors, steps, reference, rewind, work_rms))
         self._report_divergence(round, conclusion)
         resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
         # 4. What the new anchor accounts for: with error feedback only what was sent, so the
@@ -695,7 +695,8 @@ class OuterLoop:
         self._robust_seen = counters
         return {kind: count for kind, count in delta.items() if count}
 
-    def _catch_up(self, round: int, donors: list[str], steps: int, reference: AnchorClaim, rewind: int = 0) -> bool:
+    def _catch_up(self, round: int, donors: list[str], steps: int, reference: AnchorClaim, rewind: int = 0,
+                  work_rms: float = 0.0) -> bool:
         """Replay ``steps`` outer steps fetched from ``donors`` (2 bytes/param each), after undoing
         our own last ``rewind`` (``OuterState.catch_up``)."""
         updates: list[AppliedUpdate] = []
@@ -709,7 +710,7 @@ class OuterLoop:
                 return False
             updates.append(update)
         undone = f" after undoing our last {rewind}" if rewind else ""
-        if not self.outer.catch_up(updates, reference, rewind=rewind):
+        if not self.outer.catch_up(updates, reference, rewind=rewind, work_rms=work_rms):
             logger.warning(f"round {round}: replaying {steps} missed outer step(s){undone} did not reach the "
                            "group's anchor; not caught up")
             return False
@@ -735,6 +736,13 @@ class OuterLoop:
             try:
                 adopted = self.outer.adopt(state, require_claim=True, max_round=max(round, self._now_round()),
                                            reference=conclusion.reference, step=step)
+            except StateTooFarAhead as e:
+                # On a slow link the donors stepped twice while we downloaded: retrying against this
+                # round's reference only gets further (seen: 5 attempts holding the sync lane for a
+                # minute, every round meanwhile skipped). The next group's check brings a fresh one.
+                logger.warning(f"round {round}: refused the state of {state.peer}: {e}; the next round's group "
+                               "check will tell us again")
+                break
             except MessageError as e:
                 logger.warning(f"round {round}: refused the state of {state.peer}: {e}")
                 # The first donor held sets which claims the others must match: another leads next.

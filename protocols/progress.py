@@ -186,16 +186,19 @@ def read_records(found: Any, now: float) -> tuple[dict[str, ProgressRecord], int
     return records, malformed
 
 
-def before_first_step(records: Iterable[ProgressRecord], *, first_round_left_s: float, heard_within_s: float) -> bool:
-    """True if a joiner has nothing to download: the run's first round still has more than
-    ``heard_within_s`` to go (a step needs a round to end, and a lone peer that steps alone at its
-    end must hear of the joiner's record first) and every one of ``records`` (at least one) says
-    its peer has applied no outer step. The shared model is then the run's initial weights, which
-    a joiner builds from the run's seed. Records alone are not enough: one published just before
-    its peer's first step says 0 for another heartbeat (a joiner trusting it started a step behind).
+def before_first_step(records: Iterable[ProgressRecord]) -> bool:
+    """True if a joiner has nothing to download: every one of ``records`` (at least one) says its
+    peer has applied no outer step. The shared model is then the run's initial weights, which a
+    joiner builds from the run's seed. A record may be a heartbeat old (its peer has just stepped),
+    and a lone peer steps alone at the end of its round before it hears of us: a joiner that trusts
+    the records may start one or two steps behind. Its first averaged round then replays those
+    steps from its group, checked against the group's fingerprint (``OuterState.catch_up``, 2
+    bytes a parameter a step), instead of a download now (8 bytes a parameter: 45 s of a 3.3 Mbit/s
+    link in ``benchmarks/sync_modes.py``, where peers that started a few seconds late missed five
+    rounds downloading the initial weights plus one step). Further behind, it re-syncs then.
     A record that says otherwise, or does not say (an older peer), is enough for False."""
     records = list(records)
-    return first_round_left_s > heard_within_s and bool(records) and all(r.rounds_done == 0 for r in records)
+    return bool(records) and all(r.rounds_done == 0 for r in records)
 
 
 @dataclass(frozen=True, slots=True)

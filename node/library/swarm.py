@@ -47,7 +47,6 @@ from protocols.version import shoal_version
 
 logger = logging.getLogger(__name__)
 
-RECORD_MARGIN_S = 1.0  # beyond one heartbeat period, for a new record to reach the others' monitors
 ALONE_AFTER_ROUNDS = 2  # rounds without a joiner or another live record before a peer steps alone (_alone)
 
 __all__ = ["DiLoCoSwarm", "Heartbeat", "LiveRound", "Resumed", "RoundStats"]
@@ -349,15 +348,13 @@ class DiLoCoSwarm:
                         key=lambda p: -self._monitor.peers[p].round)
         if not donors:
             return None
-        # Our record (published by the tick above) reaches the others within a heartbeat period.
-        if before_first_step((self._monitor.peers[p] for p in donors),
-                             first_round_left_s=self._monitor.schedule.round_end(1) - self._directory.now(),
-                             heard_within_s=self._monitor.period + RECORD_MARGIN_S):
+        if before_first_step(self._monitor.peers[p] for p in donors):
             # Nobody has applied an outer step: the swarm's shared model is the run's initial
             # weights, which we built from the run's seed too. Downloading them cost minutes on
             # slow links (92 s at 1.1 Mbit/s in benchmarks/sync_modes.py, shared with the donor's
-            # all-reduce traffic), and the donors' state had moved on by then. A claim is a peer's
-            # word: if it was wrong, our first averaged round finds us behind and catches up.
+            # all-reduce traffic), and the donors' state had moved on by then. A record is a peer's
+            # word, and may be a heartbeat old: if we are behind, our first averaged round finds it
+            # and replays the steps we lack (before_first_step).
             logger.info("the swarm has not applied an outer step yet: starting from the run's initial weights, "
                         "as every peer does (nothing to download)")
             return None

@@ -126,9 +126,10 @@ def test_a_peer_that_heard_another_lately_folds_instead_of_stepping_alone():
         peer.close()
 
 
-def test_a_joiner_downloads_the_state_only_once_the_swarm_may_have_stepped():
-    # In the run's first round, with every record at 0 outer steps, the shared model is the run's
-    # initial weights, which the joiner builds itself: nothing to download (minutes on a slow link).
+def test_a_joiner_downloads_the_state_only_once_the_swarm_has_stepped():
+    # With every record at 0 outer steps, the shared model is the run's initial weights, which the
+    # joiner builds itself: nothing to download (minutes on a slow link), however late in the
+    # round (a step it misses meanwhile is replayed at its first averaged round: the next test).
     # After a step it downloads.
     hub = LocalSwarmHub()
     long_rounds = RoundConfig(seconds=600.0)
@@ -140,17 +141,14 @@ def test_a_joiner_downloads_the_state_only_once_the_swarm_may_have_stepped():
 
     try:
         first._monitor.tick()  # publishes its record, as its monitor thread will
-        early = swarm(hub, "early", rounds=long_rounds, initial_peers=["first"])
-        joiners.append(early)
-        early._loop.initial_sync = no_download
-        assert early.start() is None and early.rounds_done == 0
-        assert any(record.rounds_done == 0 for record in early.peers if record.peer_id == first.peer_id)
-        # Too late in round 1 for the others to hear of us before it ends (a lone peer then steps
-        # alone, and we would start a step behind): download, as later.
-        unheard = swarm(hub, "unheard", rounds=long_rounds, initial_peers=["first"])
-        joiners.append(unheard)
-        unheard._monitor.period = 1e4
-        assert unheard.start() is not None
+        for name, period in (("early", None), ("unheard", 1e4)):  # the latter too late to be heard in round 1
+            joiner = swarm(hub, name, rounds=long_rounds, initial_peers=["first"])
+            joiners.append(joiner)
+            joiner._loop.initial_sync = no_download
+            if period is not None:
+                joiner._monitor.period = period
+            assert joiner.start() is None and joiner.rounds_done == 0
+        assert any(record.rounds_done == 0 for record in joiners[0].peers if record.peer_id == first.peer_id)
         first._outer.apply(torch.full_like(first._outer.anchor, 0.01), round=1)  # as a lone peer's round 1
         first._monitor.tick()
         late = swarm(hub, "late", rounds=long_rounds, initial_peers=["first"])
@@ -161,6 +159,36 @@ def test_a_joiner_downloads_the_state_only_once_the_swarm_may_have_stepped():
     finally:
         for peer in (*joiners, first):
             peer.close()
+
+
+def test_a_joiner_that_trusted_a_stale_record_replays_the_step_it_missed():
+    """The first peer's record still says 0 outer steps when it has just stepped alone: the joiner
+    starts from the initial weights, one step behind, and its first averaged round replays that
+    step from its group instead of downloading the state."""
+    hub = LocalSwarmHub()
+    first = swarm(hub, "first")
+    joiner = None
+    try:
+        first._monitor.tick()  # its record: 0 outer steps
+        first._outer.apply(torch.full_like(first._outer.anchor, 0.01), round=1)  # stepped alone since
+        joiner = swarm(hub, "joiner", initial_peers=["first"])
+        downloads = []
+        joiner._loop.initial_sync = lambda *args, **kwargs: downloads.append(args)
+        # The first peer publishes its new record only once the joiner has decided (else a race).
+        decided, start_joiner, start_first = threading.Event(), joiner.start, first.start
+        joiner.start = lambda: (start_joiner(), decided.set())[0]
+        first.start = lambda: (decided.wait(30), start_first())[1]
+        finished_joiner, finished_first = run_together([joiner, first], rounds=3)
+        assert not downloads and not any(s.resynced for s in (*finished_first, *finished_joiner))
+        assert any(s.applied == Applied.AVERAGED for s in finished_joiner), [(s.round, s.applied, s.error)
+                                                                              for s in finished_joiner]
+        assert joiner.rounds_done == first.rounds_done >= 2
+        anchor_first, anchor_joiner = first.anchor_params(), joiner.anchor_params()
+        assert all((anchor_first[k] - anchor_joiner[k]).abs().max() < 1e-4 for k in anchor_first)  # fp16 replay
+    finally:
+        for peer in (first, joiner):
+            if peer is not None:
+                peer.close()
 
 
 def test_an_incompatible_run_is_refused_naming_the_field():

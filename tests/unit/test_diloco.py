@@ -169,10 +169,10 @@ def test_a_peer_whose_anchor_diverged_gets_the_others_as_donors():
 
 def catch_up_from(states: dict[str, OuterState], me: str, serve=None):
     """A ``CatchUp`` that fetches the missed steps from the donors' histories (or ``serve``)."""
-    def catch_up(donors, steps, reference, rewind):
+    def catch_up(donors, steps, reference, rewind, work_rms):
         start = states[me].rounds_done - rewind
         updates = [(serve or states[donors[0]].update_after)(start + i) for i in range(steps)]
-        return None not in updates and states[me].catch_up(updates, reference, rewind=rewind)
+        return None not in updates and states[me].catch_up(updates, reference, rewind=rewind, work_rms=work_rms)
     return catch_up
 
 
@@ -279,6 +279,40 @@ def test_a_tie_is_repaired_by_replaying_the_winners_step():
         assert conclusions[loser].donors == [] and conclusions[loser].caught_up == 1
         assert conclusions[verdict.reference].donors == [] and conclusions[verdict.reference].caught_up == 0
         assert (states["peer-a"].anchor - states["peer-b"].anchor).abs().max() < 1e-5
+
+
+def test_after_a_start_up_split_the_pair_with_the_smaller_first_step_replays_the_others():
+    """Four peers split into two pairs at start-up: one pair's first step is 11x the other's (its
+    peers trained the whole round, the other pair only its end; seen with real peers). When they
+    meet, whichever pair loses the tie undoes its step and replays the winners' (2 bytes/param):
+    the size bound judges the replayed step against our own work this round too, not only against
+    our last step, so the smaller pair is not sent to a full download."""
+    lost = {"small": 0, "big": 0}
+    for round in range(2, 14):
+        states = {peer: new_state() for peer in ("a1", "a2", "b1", "b2")}
+        small, big = randn(31, std=1e-4), randn(32, std=11e-4)
+        for peer, state in states.items():
+            state.apply(small if peer.startswith("a") else big, round=1)
+        conclusions = end_round(states, round, randn(33, std=1e-3), catching_up=True)
+        verdict = conclusions["a1"].verdict
+        assert verdict.contested and len(verdict.diverged) == 2
+        lost["small" if "a1" in verdict.diverged else "big"] += 1
+        for peer in verdict.diverged:
+            assert conclusions[peer].donors == [] and conclusions[peer].caught_up == 1
+        anchors = [state.anchor for state in states.values()]
+        assert all((anchor - anchors[0]).abs().max() < 1e-5 for anchor in anchors)
+    assert lost["small"] and lost["big"]  # both ways of the tie were exercised
+
+
+def test_a_peer_that_applied_no_step_yet_replays_the_swarms_first_steps_whatever_its_own_work():
+    """A joiner that trusted the records (every peer at 0 steps) but trained only a few inner steps
+    before its first sync: its tiny work does not bound the swarm's first steps it replays (only a
+    step applied before does), or it would refuse them and download the whole state."""
+    donor, joiner = new_state(), new_state()
+    donor.apply(randn(41, std=1e-3), round=1)
+    update = donor.update_after(0)
+    assert joiner.catch_up([update], donor.claim(), work_rms=1e-6)
+    assert joiner.rounds_done == 1 and (joiner.anchor - donor.anchor).abs().max() < 1e-5
 
 
 def test_fp16_noise_between_peers_is_not_a_divergence():

@@ -764,6 +764,32 @@ def test_a_resyncs_retry_accepts_the_rounds_its_donor_reached_during_the_failed_
     assert torch.equal(peer.outer.anchor, donor.outer.anchor) and peer.outer.last_round == 10
 
 
+def test_a_resync_whose_donor_stepped_twice_during_the_download_stops_instead_of_retrying(make_swarm):
+    # On a slow link the download outlasts two of the donor's outer steps: its state can no longer
+    # be checked against the group's reference, and every retry would find it further ahead (seen
+    # in sync_modes' 0.5 regime: five attempts held the sync lane for a minute, every round
+    # skipped). One attempt, then the peer keeps training; the next group's check tells it again.
+    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2, download_timeout=60.0)
+    peer, donor, _ = make_swarm(config, round_seconds=12.0)
+    reference = donor.outer.claim()  # what the group agreed on in round 3
+    peer.clock.advance(2.5 * 12.0)  # in round 3
+    plain, attempts = peer.backend.download_state, []
+
+    def slow(peers, **kwargs):
+        attempts.append(1)
+        peer.clock.advance(24.0)  # the download took two rounds (now in round 5)
+        for r in (4, 5):  # the donor's steps meanwhile
+            donor.outer.apply(torch.full_like(donor.outer.anchor, 0.01), round=r + 2 * (len(attempts) - 1))
+        return plain(peers, **kwargs)
+
+    peer.backend.download_state = slow
+    anchor = peer.outer.anchor.clone()
+    conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=2, donors=[donor.id], reference=reference)
+    assert not peer.loop._resync(3, conclusion, None)
+    assert len(attempts) == 1
+    assert torch.equal(peer.outer.anchor, anchor) and peer.outer.rounds_done == 0  # nothing adopted
+
+
 class DecidedHub(LocalHub):
     """The group of round r is every peer that prepared it, known once each peer has decided about r
     (prepared r or a later round, or left): which thread runs first in real time decides nothing."""
