@@ -81,7 +81,7 @@ def sparkline(values: Sequence[float], width: int = HISTORY) -> str:
 
 
 def sync_state(status: NodeStatus) -> str:
-    """averaging (in flight) / merged (the last round's average landed) / missed / alone."""
+    """averaging (in flight) / merged (the last round's average landed) / stayed out / missed / alone."""
     if "averaging" in status.phase:
         return "averaging"
     if status.finished_round == 0:
@@ -90,6 +90,8 @@ def sync_state(status: NodeStatus) -> str:
         return "merged"
     if status.peers <= 1:
         return "alone (own update)"
+    if status.last_sync.endswith("(stayed out)"):
+        return "stayed out (work carried over)"
     return "missed (own update)"
 
 

@@ -294,7 +294,8 @@ class Peer:
     def _report_problems(self, stats: RoundStats) -> None:
         if stats.error:
             alone = self.swarm.peer_count <= 1  # nobody to average with: expected, not a warning
-            logger.log(logging.INFO if alone else logging.WARNING,
+            # Staying out of a round is a decision (the loop logged why), not a failure.
+            logger.log(logging.INFO if alone or stats.skipped else logging.WARNING,
                        f"round {stats.round}: {'alone in the swarm, kept the local update' if alone else stats.error}")
             self.metrics.write("error", round=stats.round, kind="averaging", message=stats.error)
         if stats.resynced:
@@ -312,7 +313,8 @@ class Peer:
         if stats.compute_s > 0:  # the finished round's rate (the live figure restarts with the next window)
             status.tokens_per_s = stats.tokens / stats.compute_s
         status.rounds_done, status.finished_round = stats.rounds_done, stats.round
-        status.last_sync = stats.applied if not stats.error else f"{stats.applied} (failed)"
+        status.last_sync = (stats.applied if not stats.error else
+                            f"{stats.applied} (stayed out)" if stats.skipped else f"{stats.applied} (failed)")
         self.view.round_done(status)
 
     def _eval_fits(self) -> bool:

@@ -105,6 +105,7 @@ def test_joining_shows_the_download_progress():
 def test_averaging_and_missed_sync_states():
     assert sync_state(status(phase="training + averaging")) == "averaging"
     assert sync_state(status(last_sync="local (failed)")) == "missed (own update)"
+    assert sync_state(status(last_sync="folded (stayed out)")) == "stayed out (work carried over)"
     assert sync_state(status(finished_round=0)) == "-"
 
 
