@@ -186,19 +186,23 @@ def read_records(found: Any, now: float) -> tuple[dict[str, ProgressRecord], int
     return records, malformed
 
 
-def before_first_step(records: Iterable[ProgressRecord]) -> bool:
-    """True if a joiner has nothing to download: every one of ``records`` (at least one) says its
-    peer has applied no outer step. The shared model is then the run's initial weights, which a
-    joiner builds from the run's seed. A record may be a heartbeat old (its peer has just stepped),
-    and a lone peer steps alone at the end of its round before it hears of us: a joiner that trusts
-    the records may start one or two steps behind. Its first averaged round then replays those
-    steps from its group, checked against the group's fingerprint (``OuterState.catch_up``, 2
-    bytes a parameter a step), instead of a download now (8 bytes a parameter: 45 s of a 3.3 Mbit/s
-    link in ``benchmarks/sync_modes.py``, where peers that started a few seconds late missed five
-    rounds downloading the initial weights plus one step). Further behind, it re-syncs then.
-    A record that says otherwise, or does not say (an older peer), is enough for False."""
+def before_first_step(records: Iterable[ProgressRecord], *, first_round_left_s: float) -> bool:
+    """True if a joiner has nothing to download: the run's first round is not over yet and every
+    one of ``records`` (at least one) says its peer has applied no outer step. The shared model is
+    then the run's initial weights, which a joiner builds from the run's seed: no download (8 bytes
+    a parameter: 45 s of a 3.3 Mbit/s link in ``benchmarks/sync_modes.py``, where peers that
+    started a few seconds before round 1's deadline missed five rounds downloading the initial
+    weights plus one step).
+
+    Within round 1 nobody can have stepped (the first step is at its deadline). A lone peer may
+    step alone at that deadline before it hears of us; we are then one step behind, which our first
+    averaged round finds and replays (``OuterState.catch_up``, 2 bytes a parameter), unless that
+    lone peer is outvoted by several such joiners (it then re-syncs, losing one lone step). Once
+    round 1 is over, a record at 0 may be a heartbeat old: two joiners that trusted a lone peer's
+    stale record in round 2 outvoted it and made it re-sync (tests/integration/test_swarm.py), so
+    we download. A record that says otherwise, or does not say (an older peer), is enough for False."""
     records = list(records)
-    return bool(records) and all(r.rounds_done == 0 for r in records)
+    return first_round_left_s > 0 and bool(records) and all(r.rounds_done == 0 for r in records)
 
 
 @dataclass(frozen=True, slots=True)

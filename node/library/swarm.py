@@ -348,13 +348,14 @@ class DiLoCoSwarm:
                         key=lambda p: -self._monitor.peers[p].round)
         if not donors:
             return None
-        if before_first_step(self._monitor.peers[p] for p in donors):
+        if before_first_step((self._monitor.peers[p] for p in donors),
+                             first_round_left_s=self._monitor.schedule.round_end(1) - self._directory.now()):
             # Nobody has applied an outer step: the swarm's shared model is the run's initial
             # weights, which we built from the run's seed too. Downloading them cost minutes on
             # slow links (92 s at 1.1 Mbit/s in benchmarks/sync_modes.py, shared with the donor's
-            # all-reduce traffic), and the donors' state had moved on by then. A record is a peer's
-            # word, and may be a heartbeat old: if we are behind, our first averaged round finds it
-            # and replays the steps we lack (before_first_step).
+            # all-reduce traffic), and the donors' state had moved on by then. A lone peer that
+            # steps alone at round 1's deadline before it hears of us leaves us a step behind: our
+            # first averaged round finds it and replays that step (before_first_step).
             logger.info("the swarm has not applied an outer step yet: starting from the run's initial weights, "
                         "as every peer does (nothing to download)")
             return None

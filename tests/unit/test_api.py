@@ -127,10 +127,10 @@ def test_a_peer_that_heard_another_lately_folds_instead_of_stepping_alone():
 
 
 def test_a_joiner_downloads_the_state_only_once_the_swarm_has_stepped():
-    # With every record at 0 outer steps, the shared model is the run's initial weights, which the
-    # joiner builds itself: nothing to download (minutes on a slow link), however late in the
-    # round (a step it misses meanwhile is replayed at its first averaged round: the next test).
-    # After a step it downloads.
+    # In round 1, with every record at 0 outer steps, the shared model is the run's initial weights,
+    # which the joiner builds itself: nothing to download (minutes on a slow link), however late in
+    # the round (a lone step it misses at the deadline is replayed at its first averaged round: the
+    # next test). After a step it downloads, and after round 1 too (a record may be stale).
     hub = LocalSwarmHub()
     long_rounds = RoundConfig(seconds=600.0)
     first = swarm(hub, "first", rounds=long_rounds)
@@ -159,6 +159,21 @@ def test_a_joiner_downloads_the_state_only_once_the_swarm_has_stepped():
     finally:
         for peer in (*joiners, first):
             peer.close()
+    # Round 2, every record still at 0: one may predate its peer's lone step at round 1's deadline.
+    hub = LocalSwarmHub()
+    short_rounds = RoundConfig(seconds=1.0)
+    first = swarm(hub, "first", rounds=short_rounds)
+    joiner = swarm(hub, "round-2", rounds=short_rounds, initial_peers=["first"])
+    downloads = []
+    joiner._loop.initial_sync = lambda *args, **kwargs: downloads.append(args)
+    try:
+        first._monitor.tick()
+        time.sleep(max(0.0, first.schedule.round_end(1) - time.time()) + 0.1)
+        joiner.start()
+        assert len(downloads) == 1
+    finally:
+        for peer in (joiner, first):
+            peer.close()
 
 
 def test_a_joiner_that_trusted_a_stale_record_replays_the_step_it_missed():
@@ -166,19 +181,20 @@ def test_a_joiner_that_trusted_a_stale_record_replays_the_step_it_missed():
     starts from the initial weights, one step behind, and its first averaged round replays that
     step from its group instead of downloading the state."""
     hub = LocalSwarmHub()
-    first = swarm(hub, "first")
+    rounds = RoundConfig(seconds=3.0)  # the joiner decides in round 1 (it would download in round 2)
+    first = swarm(hub, "first", rounds=rounds)
     joiner = None
     try:
         first._monitor.tick()  # its record: 0 outer steps
         first._outer.apply(torch.full_like(first._outer.anchor, 0.01), round=1)  # stepped alone since
-        joiner = swarm(hub, "joiner", initial_peers=["first"])
+        joiner = swarm(hub, "joiner", rounds=rounds, initial_peers=["first"])
         downloads = []
         joiner._loop.initial_sync = lambda *args, **kwargs: downloads.append(args)
         # The first peer publishes its new record only once the joiner has decided (else a race).
         decided, start_joiner, start_first = threading.Event(), joiner.start, first.start
         joiner.start = lambda: (start_joiner(), decided.set())[0]
         first.start = lambda: (decided.wait(30), start_first())[1]
-        finished_joiner, finished_first = run_together([joiner, first], rounds=3)
+        finished_joiner, finished_first = run_together([joiner, first], rounds=2)
         assert not downloads and not any(s.resynced for s in (*finished_first, *finished_joiner))
         assert any(s.applied == Applied.AVERAGED for s in finished_joiner), [(s.round, s.applied, s.error)
                                                                               for s in finished_joiner]

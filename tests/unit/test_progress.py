@@ -258,9 +258,11 @@ def test_a_malformed_outer_step_count_is_refused(bad):
         decode(ED25519_ID, value)
 
 
-def test_a_swarm_is_before_its_first_step_only_if_every_record_says_so():
+def test_a_swarm_is_before_its_first_step_only_in_its_first_round_and_if_every_record_says_so():
     fresh = [record(rounds_done=0), record(RSA_ID, rounds_done=0)]
-    assert before_first_step(fresh)
-    assert not before_first_step([*fresh, record("12D3KooWB", rounds_done=1)])  # one that stepped
-    assert not before_first_step([*fresh, record("12D3KooWB")])  # an older peer does not say
-    assert not before_first_step([])  # nobody to ask
+    assert before_first_step(fresh, first_round_left_s=8.0)
+    assert before_first_step(fresh, first_round_left_s=0.5)  # late in round 1: a missed lone step is replayed
+    assert not before_first_step(fresh, first_round_left_s=-4.0)  # round 2: a record may predate its peer's first step
+    assert not before_first_step([*fresh, record("12D3KooWB", rounds_done=1)], first_round_left_s=8.0)  # one that stepped
+    assert not before_first_step([*fresh, record("12D3KooWB")], first_round_left_s=8.0)  # an older peer does not say
+    assert not before_first_step([], first_round_left_s=8.0)  # nobody to ask
