@@ -166,6 +166,7 @@ class _Window:
     wait_s: float = 0.0
     loss_sum: float = 0.0
     ended: float = 0.0
+    stayed_out: str | None = None  # why we stay out of this round's sync, once decided
 
 
 @dataclass(slots=True)
@@ -269,7 +270,6 @@ class OuterLoop:
         self._device_correction = torch.empty(layout.numel, device=device) if cuda else None
         self._timer = StepTimer()
         self._jobs: deque[_Job] = deque()  # submitted, not yet merged (oldest first)
-        self._stayed_out: dict[int, str] = {}  # rounds we decided to stay out of -> why (for the report)
         self._skipped_tokens = 0  # tokens of rounds we stayed out of, for our next contribution
         self._carried_weight = 0.0  # worker thread: weight of syncs that folded, for the next one
         # Worker thread: what we sent in rounds whose result came back partial (not applied), with
@@ -416,7 +416,7 @@ class OuterLoop:
             else:
                 reason = (f"the swarm's syncs take about {self.agreed_lateness:.1f}s past their deadline, so its "
                           f"peers average in rounds divisible by {self.sync_period}")
-            self._stayed_out[round] = reason
+            self.window.stayed_out = reason
             logger.info(f"round {round}: staying out, {reason}; this round's work goes into the next contribution")
 
     def _started_late(self, round: int) -> bool:
@@ -468,12 +468,9 @@ class OuterLoop:
         for stale in [r for r in self._prepares if r < window.round]:
             self._prepares.pop(stale)
         self.window = _Window(next_round, started=now)
-        reason = self._stayed_out.pop(window.round, "the previous round's sync was still running")
-        for stale in [r for r in self._stayed_out if r < window.round]:
-            self._stayed_out.pop(stale)
         if prepared is None:  # we stayed out of this round: fold its work into the next one
             self._skipped_tokens += window.tokens
-            finished += self._report_later(self._skipped_stats(window, reason))
+            finished += self._report_later(self._skipped_stats(window))
             return finished
         assert len(self._jobs) < MAX_OUTSTANDING, "a round was joined with two syncs outstanding"
         # Buffers: the other pair than the sync still in flight (allocated only if one ever is).
@@ -499,7 +496,8 @@ class OuterLoop:
             return []
         return [stats]
 
-    def _skipped_stats(self, window: _Window, reason: str) -> RoundStats:
+    def _skipped_stats(self, window: _Window) -> RoundStats:
+        reason = window.stayed_out or "the previous round's sync was still running"
         return RoundStats(
             round=window.round, inner_steps=window.steps, tokens=window.tokens, compute_s=window.compute_s,
             wait_s=window.wait_s, sync_s=0.0, allreduce_s=0.0, wall_s=window.ended - window.started,
