@@ -276,6 +276,7 @@ class OuterLoop:
         # its weight, until a later round tells whether the group applied that step (see _settle_partial).
         self._unconfirmed: list[tuple[torch.Tensor, float]] = []
         self._prepared_round = 0  # the last round we decided about (joined or skipped)
+        self._first_round = 0  # the round start() began in (our first window, nothing carried into it)
         self._prepares: dict[int, Future] = {}  # round -> its matchmaking job (prepare lane)
         self._lateness: float | None = None  # EMA of how long after its deadline a sync ends
         self._robust_seen: dict[str, int] = {}  # worker thread: the backend's counters at the last sync
@@ -330,6 +331,7 @@ class OuterLoop:
     def start(self) -> None:
         now = self.clock.now()
         self.window = _Window(max(1, self._schedule().round_at(now)), started=now)
+        self._first_round = self.window.round
         self._maybe_prepare(now)
 
     def initial_sync(self, donors: list[str], *, newer_than: int = -1, progress: Progress | None = None) -> int | None:
@@ -405,25 +407,36 @@ class OuterLoop:
         if now >= self._schedule().round_end(round) - self.config.prepare_lead:
             self._prepared_round = round
             if self._started_late(round):
-                reason = (f"this peer started training {self._schedule().round_end(round) - self.window.started:.1f}s "
-                          "before the deadline")
+                self._stay_out(self._late_reason(round))
             elif self._can_join(round):
                 previous = self._jobs[-1].future if self._jobs else None
                 self._prepares[round] = self.worker.submit_prepare(self._prepare, round, previous=previous)
                 return
             elif self._jobs and self.sync_period == 1:
-                reason = f"the sync of round {self._jobs[-1].window.round} is still running"
+                self._stay_out(f"the sync of round {self._jobs[-1].window.round} is still running")
             else:
-                reason = (f"the swarm's syncs take about {self.agreed_lateness:.1f}s past their deadline, so its "
-                          f"peers average in rounds divisible by {self.sync_period}")
-            self.window.stayed_out = reason
-            logger.info(f"round {round}: staying out, {reason}; this round's work goes into the next contribution")
+                self._stay_out(f"the swarm's syncs take about {self.agreed_lateness:.1f}s past their deadline, "
+                               f"so its peers average in rounds divisible by {self.sync_period}")
+
+    def _stay_out(self, reason: str) -> None:
+        self.window.stayed_out = reason
+        logger.info(f"round {self.window.round}: staying out, {reason}; this round's work goes into the next "
+                    "contribution")
+
+    def _late_reason(self, round: int) -> str:
+        return f"this peer started training {self._schedule().round_end(round) - self.window.started:.1f}s before the deadline"
 
     def _started_late(self, round: int) -> bool:
-        """Whether our first window (nothing carried into it) covers less than
-        ``MIN_FIRST_WINDOW_FRACTION`` of ``round``: we joined or resumed near its deadline."""
-        if self.config.mode == SyncMode.BLOCKING or self._jobs or self._skipped_tokens or self.window.round != round:
-            return False  # (blocking mode restarts every window after its wait: lockstep, not late)
+        """Whether our first window (since ``start``) covers less than ``MIN_FIRST_WINDOW_FRACTION``
+        of ``round``: we joined or resumed near its deadline. Both modes: a blocking joiner with a
+        few steps, met by a partner with a full round, is as likely to refuse the partner's part
+        (over 30x its own) and ban it. Only the first window: blocking mode restarts every window
+        after its wait, and that is lockstep, not lateness; nor is a blocking window that did its
+        ``inner_steps`` (a full contribution, however little time was left)."""
+        if round != self._first_round or self.window.round != round or self._jobs or self._skipped_tokens:
+            return False
+        if self.config.mode == SyncMode.BLOCKING and self.window.steps >= self.config.inner_steps:
+            return False
         schedule = self._schedule()
         return schedule.round_end(round) - self.window.started < MIN_FIRST_WINDOW_FRACTION * schedule.round_seconds
 
@@ -461,9 +474,12 @@ class OuterLoop:
         next_round = max(window.round + 1, self._schedule().round_at(now))
         if self._prepared_round < window.round:  # blocking mode can finish its steps early
             self._prepared_round = window.round
-            deadline = self._schedule().round_end(window.round)
-            self._prepares[window.round] = self.worker.submit_prepare(
-                self._prepare, window.round, not_before=deadline - self.config.prepare_lead)
+            if self._started_late(window.round):
+                self._stay_out(self._late_reason(window.round))
+            else:
+                deadline = self._schedule().round_end(window.round)
+                self._prepares[window.round] = self.worker.submit_prepare(
+                    self._prepare, window.round, not_before=deadline - self.config.prepare_lead)
         prepared = self._prepares.pop(window.round, None)
         for stale in [r for r in self._prepares if r < window.round]:
             self._prepares.pop(stale)

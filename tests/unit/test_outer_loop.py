@@ -690,6 +690,40 @@ def test_a_peer_that_starts_late_in_a_round_stays_out_of_it_and_brings_that_work
         assert_close(peer.outer.anchor, a.outer.anchor, atol=CATCH_UP_ATOL)
 
 
+@pytest.mark.parametrize("c_steps", [1, 5], ids=["sliver", "full-round"])
+def test_a_blocking_peer_that_starts_late_stays_out_unless_it_did_its_inner_steps(make_swarm, c_steps):
+    # Blocking mode restarts its window after every wait, so only the first window since start() can
+    # be late. peer-c starts with 20% of round 1 left: with 1 of its 5 steps done by then it stays out
+    # (a sliver next to the others' full rounds) and sends round 1's work with round 2's; when its 5
+    # steps fit, that is a full contribution and it joins.
+    inner_steps, round_seconds = 5, 0.5
+    config = LoopConfig(mode="blocking", inner_steps=inner_steps, matchmaking_seconds=0.1, prepare_lead=0.05)
+    peers = make_swarm(config, round_seconds=round_seconds, hub=DecidedHub(PEERS), allreduce_seconds=0.0)
+    a, b, c = peers
+    c.clock.advance(0.8 * round_seconds)
+    # c's steps: 1 or 5 of them before deadline - prepare_lead (0.05 s), when it decides; a's and b's all fit.
+    step_seconds = {"peer-a": 0.011, "peer-b": 0.023, "peer-c": 0.009 if c_steps == 5 else 0.03}
+    run_on_the_clock(peers, last_round=3, step_seconds=step_seconds)
+
+    first = c.stats_of(1)
+    if c_steps == 1:
+        assert first.skipped and first.applied == "folded" and "started training 0.1s before" in first.error, first
+        assert 1 not in c.backend.sent
+        assert c.backend.sent[2][1] == first.tokens + c.stats_of(2).tokens  # round 1's work, with round 2's
+        assert a.stats_of(1).group == b.stats_of(1).group == ["peer-a", "peer-b"]
+        assert [s.caught_up for s in c.stats] == [0, 1, 0], c.stats  # the missed step replayed
+    else:
+        assert not first.skipped and first.inner_steps == inner_steps, first
+        assert all(p.stats_of(1).group == list(PEERS) for p in peers), [p.stats_of(1) for p in peers]
+    for peer in peers:
+        assert [s.round for s in peer.stats] == [1, 2, 3], peer.stats
+        for round in (2, 3):  # windows after a wait are never late, however the wait ended
+            assert peer.stats_of(round).group == list(PEERS), (peer.id, peer.stats_of(round))
+        assert not any(s.resynced for s in peer.stats), peer.stats
+    for peer in (b, c):
+        assert_close(peer.outer.anchor, a.outer.anchor, atol=CATCH_UP_ATOL)
+
+
 def test_peers_agree_on_the_sync_period_from_everyones_lateness(make_swarm):
     # 12 s rounds, syncs ending 14-34 s late: each peer alone would pick 2 or 3 and meet the
     # others only now and then; from everyone's published lateness they pick one period.
