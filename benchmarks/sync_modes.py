@@ -18,7 +18,8 @@ the same config, data, throttles and wall-clock budget:
 - ``ceiling``: the same processes, throttles and data training alone, no communication at all.
 
 Writes ``benchmarks/results/sync_modes.md`` (table), ``.json`` (raw) and ``.png`` (eval loss vs
-wall-clock; utilization per peer), the PNG if matplotlib is installed (``pip install -e '.[bench]'``).
+wall-clock; utilization per peer), the PNG if matplotlib is installed (``pip install -e '.[bench]'``);
+``--report-only`` (with the run's other flags) redraws them from the ``.json``.
 """
 
 from __future__ import annotations
@@ -147,10 +148,18 @@ def peer_details(results: dict) -> list[str]:
     return lines
 
 
+def equal_wall_clock(results: dict, modes: list[str]) -> float | None:
+    """The latest time every mode in ``modes`` has evaluated by. A mode's last curve point often
+    has no eval (evals run every few rounds): read there, blocking had no value at all."""
+    lasts = [max((p[0] for p in results[m]["curve"] if p[2] is not None), default=None) for m in modes]
+    return None if not lasts or None in lasts else min(lasts)
+
+
 def report(results: dict, args, capped: bool, numel: int) -> str:
     ceiling = results["ceiling"]["tokens_per_s"] if "ceiling" in results else None
     synced = [m for m in ("overlap", "blocking", "ddp") if m in results and results[m]["curve"]]
     equal_tokens = min((max(p[1] for p in results[m]["curve"]) for m in synced), default=0.0)
+    equal_wall = equal_wall_clock(results, synced)
     lines = [
         f"# Sync modes: {args.peers} peers, throttles {', '.join(map(str, args.throttles))}, "
         + (f"links capped at {args.mbit} Mbit/s (tc tbf, network namespaces)" if capped else "loopback, NO bandwidth cap (not root)"),
@@ -163,7 +172,7 @@ def report(results: dict, args, capped: bool, numel: int) -> str:
     for mode in (m for m in MODES if m in results):
         r = results[mode]
         utils = " / ".join(f"{p['utilization']:.0%}" for p in r["per_peer"].values())
-        final = r["curve"][-1][2] if r["curve"] else None
+        final = eval_at(r["curve"], 0, equal_wall) if r["curve"] and equal_wall is not None else None
         at_tokens = eval_at(r["curve"], 1, equal_tokens) if r["curve"] else None
         sync = f"{r['sync_median_s']:.2f}" if r.get("sync_median_s") else "-"
         share = f"{r['tokens_per_s'] / ceiling:.0%}" if ceiling else "-"
@@ -174,7 +183,9 @@ def report(results: dict, args, capped: bool, numel: int) -> str:
     lines += ["", f"All-reduce bandwidth bound 2(N-1)/N·S/B with S = {numel * 2:,} bytes (fp16): "
               + (f"{bound:.2f} s; overlap's median all-reduce is {measured:.2f} s ({measured / bound:.2f}x)."
                  if capped and bound and measured else "n/a (no cap, or no overlap run)."),
-              f"Equal tokens: {equal_tokens:,.0f} swarm tokens (the fewest any synced mode processed).",
+              "Equal wall-clock: " + ("-" if equal_wall is None else f"{equal_wall:.0f} s after the mode's start, the "
+                                      "latest time every synced mode has an eval point for (interpolated between them).")
+              + f" Equal tokens: {equal_tokens:,.0f} swarm tokens (the fewest any synced mode processed).",
               "Utilization = compute_s / wall_s per peer (DDP: calibrated step compute x steps / wall).",
               f"CPU demand of training alone: sum of 1/throttle = {sum(1 / t for t in args.throttles):.2f} cores of "
               f"{os.cpu_count()} (one torch thread per peer): the rest is headroom for the network and the sync.", "",
@@ -244,6 +255,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--regimes", type=lambda s: [float(x) for x in s.split(",")], default=None,
                         help="all-reduce bound as fractions of a round, e.g. 0.5,1.5 (sets --mbit per regime)")
+    parser.add_argument("--report-only", action="store_true", help="redraw the tables and plots from the .json")
     args = parser.parse_args()
     if args.throttles is None:
         args.throttles = default_throttles(args.peers, os.cpu_count() or 1)
@@ -252,7 +264,7 @@ def main() -> int:
     if demand >= (os.cpu_count() or 1):
         print(f"warning: training alone needs {demand:.2f} cores of {os.cpu_count()}: the figures will measure CPU "
               "starvation, not the design; raise --throttles", file=sys.stderr)
-    capped = netns.available()
+    capped = args.report_only or netns.available()
     if not capped:
         print("not root (or no ip/tc): running on loopback WITHOUT bandwidth caps", file=sys.stderr)
     from node.process.config import load_config
@@ -267,24 +279,29 @@ def main() -> int:
     texts, everything = [], {}
     base_out = args.out
     base_out.parent.mkdir(parents=True, exist_ok=True)
+    out = base_out.with_name(base_out.name + "_regimes") if args.regimes else base_out
+    saved = json.loads(out.with_suffix(".json").read_text()) if args.report_only else None
     for regime in regimes:
         if regime is not None:
             args.mbit = mbit_for(regime, numel, args.peers, round_seconds)
             print(f"== regime {regime:g}: all-reduce bound {regime:g} x {round_seconds:g} s -> {args.mbit:.2f} Mbit/s",
                   file=sys.stderr, flush=True)
-        results = run_modes(args, capped, root / (f"regime-{regime:g}" if regime is not None else "run"), numel)
-        everything[f"{regime:g}" if regime is not None else "run"] = results
+        key = f"{regime:g}" if regime is not None else "run"
+        if saved is not None:
+            results = saved[key] if args.regimes else saved
+        else:
+            results = run_modes(args, capped, root / (f"regime-{regime:g}" if regime is not None else "run"), numel)
+        everything[key] = results
         text = report(results, args, capped, numel)
         if regime is not None:
             text = (f"## Regime {regime:g}: a blocking all-reduce's bandwidth bound is {regime:g} x the "
                     f"{round_seconds:g} s round ({args.mbit:.2f} Mbit/s)\n\n" + text)
-            args.out = base_out.with_name(f"{base_out.name}_regime_{regime:g}")
+            # "0p5", not "0.5": with_suffix would take ".5" for the suffix and write "..._regime_0.png".
+            args.out = base_out.with_name(f"{base_out.name}_regime_{regime:g}".replace(".", "p"))
         if plot(results, args.out.with_suffix(".png"), args.throttles):
             text += f"\n![eval loss and utilization]({args.out.with_suffix('.png').name})\n"
         texts.append(text)
     signal.signal(signal.SIGINT, previous)
-    out = base_out.with_name(base_out.name + "_regimes") if args.regimes else base_out
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(everything if args.regimes else everything["run"], indent=1))
     text = "\n\n".join(texts)
     if args.regimes:
