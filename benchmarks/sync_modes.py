@@ -271,7 +271,7 @@ def main() -> int:
     from node.training.model import build_model, count_parameters
 
     numel = count_parameters(build_model(load_config(args.config).model, seed=0))
-    root = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
+    root = Path(tempfile.mkdtemp(prefix="shoal-bench-")) if not args.report_only else Path("/nonexistent")
     os.environ.setdefault("SHOAL_CACHE_DIR", str(root / "cache"))
     previous = signal.getsignal(signal.SIGINT)
     round_seconds = load_config(args.config).round.seconds
