@@ -424,7 +424,8 @@ class OuterLoop:
                     "contribution")
 
     def _late_reason(self, round: int) -> str:
-        return f"this peer started training {self._schedule().round_end(round) - self.window.started:.1f}s before the deadline"
+        left = self._schedule().round_end(round) - self.window.started
+        return f"this peer started training {left:.1f}s before the deadline"
 
     def _started_late(self, round: int) -> bool:
         """Whether our first window (since ``start``) covers less than ``MIN_FIRST_WINDOW_FRACTION``
