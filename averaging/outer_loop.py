@@ -402,21 +402,25 @@ class OuterLoop:
         A peer that cannot be ready to average at the deadline stays out of the round instead: in a
         group it would hold everyone's all-reduce back (``_can_join``)."""
         round = self.window.round
-        if self._prepared_round >= round:
-            return
-        if now >= self._schedule().round_end(round) - self.config.prepare_lead:
-            self._prepared_round = round
-            if self._started_late(round):
-                self._stay_out(self._late_reason(round))
-            elif self._can_join(round):
-                previous = self._jobs[-1].future if self._jobs else None
-                self._prepares[round] = self.worker.submit_prepare(self._prepare, round, previous=previous)
-                return
-            elif self._jobs and self.sync_period == 1:
-                self._stay_out(f"the sync of round {self._jobs[-1].window.round} is still running")
-            else:
-                self._stay_out(f"the swarm's syncs take about {self.agreed_lateness:.1f}s past their deadline, "
-                               f"so its peers average in rounds divisible by {self.sync_period}")
+        if self._prepared_round < round and now >= self._schedule().round_end(round) - self.config.prepare_lead:
+            self._decide(round)
+
+    def _decide(self, round: int, *, not_before: float = 0.0) -> None:
+        """Join ``round`` (its matchmaking queued on the prepare lane, not before ``not_before``) or
+        stay out of it. Once per round: at its prepare time, or in ``begin_sync`` if the window ends
+        before that (blocking mode's early steps; steps longer than ``prepare_lead``), by the same rules."""
+        self._prepared_round = round
+        if self._started_late(round):
+            self._stay_out(self._late_reason(round))
+        elif self._can_join(round):
+            previous = self._jobs[-1].future if self._jobs else None
+            self._prepares[round] = self.worker.submit_prepare(self._prepare, round, not_before=not_before,
+                                                               previous=previous)
+        elif self._jobs and self.sync_period == 1:
+            self._stay_out(f"the sync of round {self._jobs[-1].window.round} is still running")
+        else:
+            self._stay_out(f"the swarm's syncs take about {self.agreed_lateness:.1f}s past their deadline, "
+                           f"so its peers average in rounds divisible by {self.sync_period}")
 
     def _stay_out(self, reason: str) -> None:
         self.window.stayed_out = reason
@@ -473,14 +477,8 @@ class OuterLoop:
         window, now = self.window, self.clock.now()
         window.ended = now
         next_round = max(window.round + 1, self._schedule().round_at(now))
-        if self._prepared_round < window.round:  # blocking mode can finish its steps early
-            self._prepared_round = window.round
-            if self._started_late(window.round):
-                self._stay_out(self._late_reason(window.round))
-            else:
-                deadline = self._schedule().round_end(window.round)
-                self._prepares[window.round] = self.worker.submit_prepare(
-                    self._prepare, window.round, not_before=deadline - self.config.prepare_lead)
+        if self._prepared_round < window.round:  # the window ended before its prepare time
+            self._decide(window.round, not_before=self._schedule().round_end(window.round) - self.config.prepare_lead)
         prepared = self._prepares.pop(window.round, None)
         for stale in [r for r in self._prepares if r < window.round]:
             self._prepares.pop(stale)

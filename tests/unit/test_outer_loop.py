@@ -222,7 +222,8 @@ def run_on_the_clock(peers: list[Peer], *, last_round: int, step_seconds: dict[s
             overlapped += peer.loop.syncing
             peer.train_step(step_seconds[peer.id])
         if isinstance(peer.backend.hub, DecidedHub):
-            peer.worker.submit_prepare(lambda: None).result(timeout=WAIT)  # our last decision is in
+            # Our last decision is in (in fake time: a prepare decided early sleeps until its prepare time).
+            peer.clock.wait(peer.worker.submit_prepare(lambda: None))
             peer.backend.hub.leave(peer.id)
         peer.stats += peer.loop.finish()
         return overlapped
@@ -623,11 +624,14 @@ def test_a_replayed_step_that_does_not_reach_the_groups_anchor_falls_back_to_a_d
 
 
 # -- a sync longer than a round: never a stall, never a re-sync ---------------------------------
-def test_a_sync_longer_than_a_round_never_stalls_training_nor_forces_a_resync(make_swarm):
+@pytest.mark.parametrize("prepare_lead", [0.2, 0.02], ids=["lead-longer-than-a-step", "steps-longer-than-the-lead"])
+def test_a_sync_longer_than_a_round_never_stalls_training_nor_forces_a_resync(make_swarm, prepare_lead):
     # Every all-reduce ends 1.5 rounds after its deadline. The loop never waits: a peer whose
     # previous sync will still run at the next deadline stays out of that round (its work is folded
-    # into its next contribution), and the outer step it missed is replayed, not downloaded.
-    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2)
+    # into its next contribution), and the outer step it missed is replayed, not downloaded. With
+    # steps longer than prepare_lead a round often ends before its prepare time: the decision is
+    # then taken in begin_sync, by the same rules.
+    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=prepare_lead)
     round_seconds, last_round = 0.5, 8
     peers = make_swarm(config, round_seconds=round_seconds, hub=DecidedHub(PEERS),
                        allreduce_seconds=1.5 * round_seconds)
