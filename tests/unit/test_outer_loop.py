@@ -196,7 +196,6 @@ def make_swarm():
             peers.append(Peer(peer_id, model, layout, outer, backend, worker, clock, loop, TOKENS[peer_id],
                               loss=2.0 + index, generator=torch.Generator().manual_seed(100 + index),
                               work=layout.new_buffer(), schedule=schedule))
-        assert all(torch.equal(p.outer.anchor, peers[0].outer.anchor) for p in peers)
         return peers
 
     yield make
