@@ -264,15 +264,16 @@ def main() -> int:
     if demand >= (os.cpu_count() or 1):
         print(f"warning: training alone needs {demand:.2f} cores of {os.cpu_count()}: the figures will measure CPU "
               "starvation, not the design; raise --throttles", file=sys.stderr)
-    capped = args.report_only or netns.available()
-    if not capped:
+    capped = netns.available()
+    if not capped and not args.report_only:
         print("not root (or no ip/tc): running on loopback WITHOUT bandwidth caps", file=sys.stderr)
     from node.process.config import load_config
     from node.training.model import build_model, count_parameters
 
     numel = count_parameters(build_model(load_config(args.config).model, seed=0))
-    root = Path(tempfile.mkdtemp(prefix="shoal-bench-")) if not args.report_only else Path("/nonexistent")
-    os.environ.setdefault("SHOAL_CACHE_DIR", str(root / "cache"))
+    root = None if args.report_only else Path(tempfile.mkdtemp(prefix="shoal-bench-"))
+    if root is not None:
+        os.environ.setdefault("SHOAL_CACHE_DIR", str(root / "cache"))
     previous = signal.getsignal(signal.SIGINT)
     round_seconds = load_config(args.config).round.seconds
     regimes = args.regimes or [None]
@@ -291,8 +292,9 @@ def main() -> int:
             results = saved[key] if args.regimes else saved
         else:
             results = run_modes(args, capped, root / (f"regime-{regime:g}" if regime is not None else "run"), numel)
+            results["capped"] = capped  # for --report-only: whether the links were capped
         everything[key] = results
-        text = report(results, args, capped, numel)
+        text = report(results, args, results.get("capped", False), numel)
         if regime is not None:
             text = (f"## Regime {regime:g}: a blocking all-reduce's bandwidth bound is {regime:g} x the "
                     f"{round_seconds:g} s round ({args.mbit:.2f} Mbit/s)\n\n" + text)
