@@ -61,7 +61,7 @@ def worker(args) -> int:
     import hivemind
     import torch
 
-    from averaging.hivemind_backend import HivemindBackend
+    from averaging.network.hivemind.backend import HivemindBackend
 
     torch.set_num_threads(1)
     dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.address}/tcp/0"],

@@ -15,7 +15,7 @@ round uses:
   parameters through ``accounted_for`` + ``merge_correction``, exactly as the round engine does;
   fp16 sends are rounded to fp16 as hivemind's codec does);
 - the weighted mean of what was sent (equal weights: equal steps);
-- returns: ``averaging.wire.returned``: fp16 returns give each member ``own + fp16(avg - own)``
+- returns: ``averaging.math.wire.returned``: fp16 returns give each member ``own + fp16(avg - own)``
   (hivemind's deltas), int8/int4 returns give every member the quantized average;
 - each peer applies the Nesterov outer step to its own anchor and momentum (``outer_step_``).
 
@@ -44,11 +44,11 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from averaging import codecs  # noqa: E402
-from averaging.flat import FlatLayout  # noqa: E402
-from averaging.merge import merge_correction  # noqa: E402
-from averaging.outer import outer_step_, pseudo_gradient  # noqa: E402
-from averaging.wire import WireFormat, accounted_for, returned  # noqa: E402
+from averaging.math import codecs  # noqa: E402
+from averaging.math.flat import FlatLayout  # noqa: E402
+from averaging.math.merge import merge_correction  # noqa: E402
+from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
+from averaging.math.wire import WireFormat, accounted_for, returned  # noqa: E402
 from node.process.config import load_config  # noqa: E402
 from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus  # noqa: E402
 from node.training.model import build_model  # noqa: E402

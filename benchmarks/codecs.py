@@ -1,5 +1,5 @@
 """Codec speed and accuracy, side by side in one run: shoal's fp16 / int8 / int4 / int2 codecs
-(``averaging.codecs``) and hivemind's ``Float16Compression`` (what shoal sends today).
+(``averaging.math.codecs``) and hivemind's ``Float16Compression`` (what shoal sends today).
 
     .venv/bin/python benchmarks/codecs.py [--numel 1048576] [--repeats 15] [--threads 1]
 
@@ -12,7 +12,7 @@ all alike); on CUDA also ``quantize`` (no bytes, no host copy). Accuracy is the 
 ``||x - decode(encode(x))|| / ||x||`` on Gaussian and Student-t(3) vectors. Upload per value is
 what a full member of a butterfly all-reduce sends per value of the vector and per (n - 1) / n:
 its parts in the send code plus what it returns as a reducer, in the code ``return_compression =
-"auto"`` picks (``averaging.wire.AUTO_RETURN``: int8 for int8, int4 for int4 and int2; fp16 deltas
+"auto"`` picks (``averaging.math.wire.AUTO_RETURN``: int8 for int8, int4 for int4 and int2; fp16 deltas
 for fp16).
 
 Writes ``benchmarks/results/codecs.md`` and ``.json``.
@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from hivemind.compression import CompressionInfo, Float16Compression  # noqa: E402
 
-from averaging import codecs  # noqa: E402
-from averaging.wire import AUTO_RETURN  # noqa: E402
+from averaging.math import codecs  # noqa: E402
+from averaging.math.wire import AUTO_RETURN  # noqa: E402
 
 CODES = ("fp16", "int8", "int4", "int2")
 HIVEMIND_FP16 = "hivemind fp16"

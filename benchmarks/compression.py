@@ -185,7 +185,7 @@ def report(results: dict, args, capped: bool, numel: int, load: tuple[float, flo
               f"wall-clock: {equal_wall:.0f} s after the last peer started. Eval loss is peer-0's held-out loss of the "
               "shared model (linear interpolation between rounds).",
               "Bytes are this peer's all-reduce payload per full-group round as the round records count them "
-              "(`averaging.traffic.round_payload`: sends in the codec, returns in the return code, headers excluded).",
+              "(`averaging.math.traffic.round_payload`: sends in the codec, returns in the return code, headers excluded).",
               "CPU cores used: all peer processes with their DHT, averager and p2pd, over the training window.", ""]
     return "\n".join(lines)
 

@@ -43,12 +43,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from averaging.diloco import OuterState  # noqa: E402
-from averaging.flat import FlatLayout  # noqa: E402
-from averaging.local_backend import LocalBackend, LocalHub  # noqa: E402
-from averaging.merge import apply_correction_  # noqa: E402
-from averaging.outer_loop import LoopConfig, OuterLoop  # noqa: E402
-from averaging.sync import SyncWorker  # noqa: E402
+from averaging.engine.loop import LoopConfig, OuterLoop  # noqa: E402
+from averaging.engine.worker import SyncWorker  # noqa: E402
+from averaging.math.flat import FlatLayout  # noqa: E402
+from averaging.math.merge import apply_correction_  # noqa: E402
+from averaging.network.local import LocalBackend, LocalHub  # noqa: E402
+from averaging.state.shared_state import OuterState  # noqa: E402
 from examples.swarm_launcher import LocalSwarm, write_toml  # noqa: E402
 from node.api import AveragingConfig, DiLoCoSwarm, RoundConfig  # noqa: E402
 from node.library.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402

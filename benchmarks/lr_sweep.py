@@ -12,7 +12,7 @@ with its config's inner and outer rates, untuned. A fair comparison tunes both, 
   ``ddp_baseline.py`` seeds its ranks), clipped, one AdamW step: what DDP computes, minus the fp16
   rounding of its comm hook. ``rounds x inner-steps`` steps, so the same tokens as the swarm.
 - ``blocking`` DiLoCo: every peer takes ``--inner-steps`` steps, the fp16 pseudo-gradients are
-  averaged (fp16 sends and returns, ``averaging.wire``), the Nesterov outer step (``outer_step_``),
+  averaged (fp16 sends and returns, ``averaging.math.wire``), the Nesterov outer step (``outer_step_``),
   every peer restarts from the new anchor.
 - ``overlap``: as shoal's overlap mode: the round's snapshot is averaged while the peers go on
   training; ``--delay`` of the next round's steps later the result is merged exactly as the round
@@ -44,11 +44,11 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from averaging import codecs  # noqa: E402
-from averaging.flat import FlatLayout  # noqa: E402
-from averaging.merge import apply_correction_, merge_correction  # noqa: E402
-from averaging.outer import outer_step_, pseudo_gradient  # noqa: E402
-from averaging.wire import returned  # noqa: E402
+from averaging.math import codecs  # noqa: E402
+from averaging.math.flat import FlatLayout  # noqa: E402
+from averaging.math.merge import apply_correction_, merge_correction  # noqa: E402
+from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
+from averaging.math.wire import returned  # noqa: E402
 from node.process.config import load_config  # noqa: E402
 from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus  # noqa: E402
 from node.training.model import build_model  # noqa: E402

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from averaging.hivemind_backend import HivemindBackend  # noqa: E402
-from averaging.robust import RobustConfig  # noqa: E402
+from averaging.math.robust import RobustConfig  # noqa: E402
+from averaging.network.hivemind.backend import HivemindBackend  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "robust_aggregation.md"
 VARIANTS: dict[str, RobustConfig | None] = {

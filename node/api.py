@@ -19,8 +19,8 @@ Everything here is the public surface: ``shoal run`` itself uses nothing else of
 
 from __future__ import annotations
 
-from averaging.diloco import Applied, OuterConfig
-from averaging.outer_loop import RoundStats, SyncMode, round_advice
+from averaging.engine.loop import RoundStats, SyncMode, round_advice
+from averaging.state.shared_state import Applied, OuterConfig
 from node.library.bootstrap import expand_initial_peers
 from node.library.config import AveragingConfig, RoundConfig
 from node.library.network import Network

@@ -6,7 +6,7 @@ elsewhere can still be called directly (join its group, download its state or an
 So every such request carries a proof, ``HMAC(key, "shoal admit" + caller's peer id)``, and the
 callee checks it against the caller's libp2p-authenticated peer id: a proof is useless to any
 other peer, and proves the key without revealing it. A public swarm (no key) asks for nothing.
-Pure functions; the averager wires them (``averaging.hivemind_backend``).
+Pure functions; the averager wires them (``averaging.network.hivemind.backend``).
 """
 
 from __future__ import annotations

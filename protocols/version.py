@@ -9,7 +9,7 @@ from importlib import metadata
 # Carried in every round report and run manifest; a joiner with another version is refused.
 PROTOCOL_VERSION = 5  # 2: balanced fp16/fp32 parts, the outer-update RPC (catch-up); 3: claims in state metadata;
 # 4: state slices cut at the anchor's fingerprint chunks (download.slice_bounds with slice_alignment);
-# 5: int8 returns carry the quantized average, not a delta (averaging.hivemind_codecs), int4 returns
+# 5: int8 returns carry the quantized average, not a delta (averaging.network.hivemind.codecs), int4 returns
 
 
 @cache

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from averaging.diloco import Applied
-from averaging.outer_loop import RoundStats
+from averaging.engine.loop import RoundStats
+from averaging.state.shared_state import Applied
 from node.observe.metrics import RoundRecord
 
 

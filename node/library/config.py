@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from averaging.consistency import DEFAULT_ABS_TOL, DEFAULT_REL_TOL
-from averaging.diloco import OuterConfig
-from averaging.outer_loop import SyncMode, validate_sync
-from averaging.robust import AGGREGATIONS, RobustConfig
-from averaging.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat
+from averaging.engine.loop import SyncMode, validate_sync
+from averaging.math.fingerprints import DEFAULT_ABS_TOL, DEFAULT_REL_TOL
+from averaging.math.robust import AGGREGATIONS, RobustConfig
+from averaging.math.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat
+from averaging.state.shared_state import OuterConfig
 from protocols.errors import ConfigError
 
 
@@ -53,7 +53,7 @@ class AveragingConfig:
     allreduce_timeout: float = 60.0
     rel_tol: float = DEFAULT_REL_TOL  # anchors agree within rel_tol x RMS of the last pseudo-gradient
     abs_tol: float = DEFAULT_ABS_TOL
-    # How a reducer combines its senders' parts (averaging/robust.py): centered_clip equals the weighted
+    # How a reducer combines its senders' parts (averaging/math/robust.py): centered_clip equals the weighted
     # mean when nobody is an outlier, and bounds what one stranger can move; "mean" is hivemind's.
     aggregation: str = "centered_clip"  # mean | centered_clip | trimmed_mean
     ban_rounds: int = 10  # a peer whose part or returned average was refused sits out this many rounds

@@ -1,7 +1,7 @@
 """Peers as threads of one process: the in-process ``Network`` for fast tests of the library and
 of ``shoal run``'s process.
 
-A ``LocalSwarmHub`` is the "internet": an exact averaging hub (``averaging.local_backend``) and a
+A ``LocalSwarmHub`` is the "internet": an exact averaging hub (``averaging.network.local``) and a
 record store with expiry per run. Records go through the same encoding and validation as over the
 DHT (``protocols.progress``, ``protocols.manifest``). Peer ids are real libp2p ids (sha256
 multihashes of the peer's name), so everything that validates a peer id accepts them. Integration
@@ -20,8 +20,8 @@ from typing import Any
 import base58
 from hivemind.p2p import PeerID
 
-from averaging.backend import AveragingBackend
-from averaging.local_backend import LocalBackend, LocalHub
+from averaging.network.interface import AveragingBackend
+from averaging.network.local import LocalBackend, LocalHub
 from node.library.config import AveragingConfig
 from node.library.network import StateProvider, UpdateProvider
 from node.library.run_record import RunDirectory, decode_manifests

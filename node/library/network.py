@@ -17,8 +17,8 @@ from typing import Protocol
 import torch
 from hivemind import DHT
 
-from averaging.backend import AppliedUpdate, AveragingBackend
-from averaging.hivemind_backend import HivemindBackend
+from averaging.network.hivemind.backend import HivemindBackend
+from averaging.network.interface import AppliedUpdate, AveragingBackend
 from node.library.config import AveragingConfig
 from node.library.dht import Reachability, RecordRules, start_dht, stop_dht
 from node.library.run_record import DhtDirectory, RunDirectory

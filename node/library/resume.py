@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from averaging.backend import DownloadedState
-from averaging.flat import FlatLayout
+from averaging.math.flat import FlatLayout
+from averaging.network.interface import DownloadedState
 from node.library.checkpoint import Checkpoint, list_checkpoints, load_latest_valid, save_checkpoint
 from protocols.errors import CheckpointError, ConfigError
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from averaging.backend import DownloadedState, Progress
-from averaging.diloco import Applied, OuterConfig, OuterState
-from averaging.flat import FlatLayout
-from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
-from averaging.sync import SyncWorker
-from averaging.traffic import STATE_BYTES_PER_VALUE, Traffic, round_payload
+from averaging.engine.loop import LoopConfig, OuterLoop, RoundStats
+from averaging.engine.worker import SyncWorker
+from averaging.math.flat import FlatLayout
+from averaging.math.traffic import STATE_BYTES_PER_VALUE, Traffic, round_payload
+from averaging.network.interface import DownloadedState, Progress
+from averaging.state.shared_state import Applied, OuterConfig, OuterState
 from node.library.cleanup import close_hivemind, hivemind_sockets
 from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.library.dht import Reachability, RecordRules

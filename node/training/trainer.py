@@ -1,7 +1,7 @@
 """Inner training on the device: AdamW steps on local batches and eval of the shared model.
 
 The model lives on the device; the anchor and outer momentum never leave the CPU (the round
-engine, ``averaging.outer_loop``, moves data between the two).
+engine, ``averaging.engine.loop``, moves data between the two).
 """
 
 from __future__ import annotations

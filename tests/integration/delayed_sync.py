@@ -16,7 +16,7 @@ def main() -> None:
     delay, *miss = sys.argv[1:separator]
     command = sys.argv[separator + 1:]
     assert command[1:3] == ["-m", "node.cli"], sys.argv
-    from averaging import hivemind_backend
+    from averaging.network.hivemind import backend as hivemind_backend
 
     original_average = hivemind_backend.HivemindBackend.average
     original_prepare = hivemind_backend.HivemindBackend.prepare

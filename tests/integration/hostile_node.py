@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from averaging.consistency import AnchorClaim, claim_to_gather, fingerprint
-from averaging.diloco import OuterState
+from averaging.math.fingerprints import AnchorClaim, claim_to_gather, fingerprint
+from averaging.state.shared_state import OuterState
 from node import cli
 from node.library import network
 from tests.integration.hostile_peer import ATTACK, ATTACKS, HostileBackend

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from averaging.backend import PARTIAL_ERROR
+from averaging.network.interface import PARTIAL_ERROR
 from examples.swarm_launcher import LocalPeer, LocalSwarm, session_members, shoal_command
 from node.library.checkpoint import load_checkpoint, round_dir_name
 from node.observe.metrics import read_metrics

@@ -1,6 +1,6 @@
 """Three real hivemind averagers (``ShoalAverager``) on loopback average error-fed int4 (fp16
 returns: hivemind's deltas) and int8 (int4 returns: the quantized average, shoal's runner)
-pseudo-gradients through ``averaging.hivemind_codecs``: every peer ends
+pseudo-gradients through ``averaging.network.hivemind.codecs``: every peer ends
 within the return code's bound of the exact weighted mean of what was sent (with int4 returns, all
 at the same values), and shared counters (forked into the averager processes) show our codec
 encoded every part sent and every delta or average returned."""
@@ -18,11 +18,12 @@ import pytest
 import torch
 from hivemind.compression import serialization
 
-from averaging import codecs, hivemind_codecs
-from averaging.error_feedback import balanced_part_size, compensate
-from averaging.hivemind_backend import PARTIAL_KEY, ShoalAverager
-from averaging.hivemind_codecs import ReturnCodec, ShoalCodec
-from averaging.robust import RobustConfig
+from averaging.math import codecs
+from averaging.math.error_feedback import balanced_part_size, compensate
+from averaging.math.robust import RobustConfig
+from averaging.network.hivemind import codecs as hivemind_codecs
+from averaging.network.hivemind.backend import PARTIAL_KEY, ShoalAverager
+from averaging.network.hivemind.codecs import ReturnCodec, ShoalCodec
 from tests.integration.averagers import loopback_averagers
 
 pytestmark = pytest.mark.integration

@@ -14,9 +14,9 @@ import hivemind
 import pytest
 import torch
 
-from averaging import hivemind_backend
-from averaging.download import slice_alignment, slice_bounds
-from averaging.hivemind_backend import MAX_SERVES_PER_PEER, STATE_COPY_REUSE_S, HivemindBackend
+from averaging.network.hivemind import backend as hivemind_backend
+from averaging.network.hivemind.backend import MAX_SERVES_PER_PEER, STATE_COPY_REUSE_S, HivemindBackend
+from averaging.network.slices import slice_alignment, slice_bounds
 from tests.integration.averagers import loopback_averagers
 
 pytestmark = pytest.mark.integration

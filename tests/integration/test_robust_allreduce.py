@@ -16,9 +16,9 @@ import hivemind
 import pytest
 import torch
 
-from averaging.backend import PARTIAL_ERROR
-from averaging.hivemind_backend import HivemindBackend
-from averaging.robust import RobustConfig
+from averaging.math.robust import RobustConfig
+from averaging.network.hivemind.backend import HivemindBackend
+from averaging.network.interface import PARTIAL_ERROR
 from tests.integration import hostile_peer
 from tests.integration.averagers import loopback_averagers
 from tests.integration.hostile_peer import ATTACK, HostileBackend
@@ -40,8 +40,8 @@ def test_honest_peers_survive_every_attack(tmp_path):
     log_path = tmp_path / "robust.log"
     handler = logging.FileHandler(log_path)
     handler.setFormatter(logging.Formatter("%(process)d %(name)s %(levelname)s %(message)s"))
-    loggers = [logging.getLogger(name) for name in ("averaging.robust", "averaging.robust_allreduce",
-                                                    "averaging.hivemind_backend")]
+    loggers = [logging.getLogger(name) for name in ("averaging.math.robust", "averaging.network.hivemind.allreduce",
+                                                    "averaging.network.hivemind.backend")]
     for logger in loggers:  # before the averagers fork: they inherit the handler
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

@@ -19,8 +19,8 @@ import pytest
 import torch
 from hivemind.proto import averaging_pb2
 
-from averaging.hivemind_backend import HivemindBackend
-from averaging.wire import WireFormat
+from averaging.math.wire import WireFormat
+from averaging.network.hivemind.backend import HivemindBackend
 from node.library.cleanup import hivemind_sockets, remove_stale
 from protocols.messages import MessageError
 

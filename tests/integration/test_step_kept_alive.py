@@ -18,8 +18,8 @@ import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
 
-from averaging.hivemind_backend import HivemindBackend, ShoalAverager
-from averaging.wire import WireFormat
+from averaging.math.wire import WireFormat
+from averaging.network.hivemind.backend import HivemindBackend, ShoalAverager
 from tests.integration.averagers import loopback_averagers
 
 pytestmark = pytest.mark.integration

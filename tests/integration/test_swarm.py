@@ -12,8 +12,8 @@ import subprocess
 import pytest
 import torch
 
-from averaging.traffic import round_payload
-from averaging.wire import WireFormat
+from averaging.math.traffic import round_payload
+from averaging.math.wire import WireFormat
 from node.library.checkpoint import load_latest_valid
 from node.observe.metrics import read_metrics
 from node.process.config import load_config

@@ -1,4 +1,4 @@
-"""A fake ``averaging.outer_loop.Clock`` for unit tests: time moves only when the test says so.
+"""A fake ``averaging.engine.loop.Clock`` for unit tests: time moves only when the test says so.
 
 One ``FakeClock`` per peer (each machine has its own clock; peers share only the schedule), used by
 that peer's training thread and its sync worker's thread. Three things move its time, and nothing

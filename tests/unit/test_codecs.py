@@ -1,4 +1,4 @@
-"""averaging.codecs: error bounds, idempotence, sizes, hostile bytes; and the hivemind registration."""
+"""averaging.math.codecs: error bounds, idempotence, sizes, hostile bytes; and the hivemind registration."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from averaging import codecs, hivemind_codecs
-from averaging.codecs import CODES, HEADER, MAGIC, decode, encode, encoded_size, quantize
+from averaging.math import codecs
+from averaging.math.codecs import CODES, HEADER, MAGIC, decode, encode, encoded_size, quantize
+from averaging.network.hivemind import codecs as hivemind_codecs
 from protocols.messages import MessageError
 
 INT_CODES = ("int8", "int4")

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from averaging.consistency import (
+from averaging.math.fingerprints import (
     NUM_PROJECTIONS,
     PERSISTENT_DIVERGENCE,
     REPEAT_WARNING_EVERY,
@@ -24,7 +24,7 @@ from averaging.consistency import (
     rms_difference,
     tie_rank,
 )
-from averaging.outer import outer_step_
+from averaging.math.outer_step import outer_step_
 from protocols.messages import RoundGather
 
 NUM_CHUNKS = 40

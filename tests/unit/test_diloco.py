@@ -5,12 +5,12 @@ import struct
 import pytest
 import torch
 
-from averaging.backend import AverageOutcome, DownloadedState
-from averaging.consistency import SIGN_PERIOD
-from averaging.diloco import STATE_VERSION, AppliedUpdate, OuterConfig, OuterState, check_average
-from averaging.download import slice_alignment, slice_bounds, slice_units
-from averaging.flat import FlatLayout
-from averaging.outer import outer_step_
+from averaging.math.fingerprints import SIGN_PERIOD
+from averaging.math.flat import FlatLayout
+from averaging.math.outer_step import outer_step_
+from averaging.network.interface import AverageOutcome, DownloadedState
+from averaging.network.slices import slice_alignment, slice_bounds, slice_units
+from averaging.state.shared_state import STATE_VERSION, AppliedUpdate, OuterConfig, OuterState, check_average
 from protocols.messages import MessageError
 
 LAYOUT = FlatLayout.of([("w", torch.zeros(3, SIGN_PERIOD)), ("b", torch.zeros(100))])  # 4 chunks, the last partial

@@ -1,4 +1,4 @@
-"""The sliced state download (averaging.download) against fake donors: no network, no processes."""
+"""The sliced state download (averaging.network.slices) against fake donors: no network, no processes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import torch
 
-from averaging.download import (
+from averaging.network.slices import (
     choose_round,
     choose_state,
     default_slice_count,

@@ -1,4 +1,4 @@
-"""averaging.error_feedback: what is sent adds up to what was meant, and parts are block-aligned and even."""
+"""averaging.math.error_feedback: what is sent adds up to what was meant, and parts are block-aligned and even."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from hivemind.averaging.partition import TensorPartContainer
 
-from averaging import codecs
-from averaging.error_feedback import balanced_part_size, compensate
-from averaging.hivemind_codecs import ShoalCodec
+from averaging.math import codecs
+from averaging.math.error_feedback import balanced_part_size, compensate
+from averaging.network.hivemind.codecs import ShoalCodec
 
 ROUNDS = 200
 

@@ -80,8 +80,8 @@ def test_every_import_follows_the_arrows():
     ("node.library.swarm", "from node.process.config import RunConfig"),  # library → process
     ("node.library.monitor", "def f():\n    from node.observe.ui import CONSOLE"),  # lazy, still counted
     ("node.training.trainer", "from node.observe import metrics"),  # sibling layers
-    ("averaging.sync", "import node.api"),
-    ("protocols.keys", "from averaging.flat import FlatLayout"),
+    ("averaging.engine.worker", "import node.api"),
+    ("protocols.keys", "from averaging.math.flat import FlatLayout"),
     ("node.observe.ui", "from ..process import peer"),  # relative
 ])
 def test_an_import_against_the_arrows_is_caught(module, source):
@@ -90,4 +90,4 @@ def test_an_import_against_the_arrows_is_caught(module, source):
 
 def test_imports_along_the_arrows_pass():
     assert not violations("from node.api import DiLoCoSwarm\nfrom node.training.model import GPT", "node.process.peer")
-    assert not violations("from protocols.errors import ConfigError", "averaging.diloco")
+    assert not violations("from protocols.errors import ConfigError", "averaging.state.shared_state")

@@ -2,8 +2,8 @@
 
 import torch
 
-from averaging.merge import apply_correction_, merge_correction
-from averaging.outer import outer_step_, pseudo_gradient
+from averaging.math.merge import apply_correction_, merge_correction
+from averaging.math.outer_step import outer_step_, pseudo_gradient
 
 
 def test_merge_keeps_progress_made_after_the_snapshot():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from averaging.flat import FlatLayout
-from averaging.outer import anchor_before_step, outer_step_, pseudo_gradient
+from averaging.math.flat import FlatLayout
+from averaging.math.outer_step import anchor_before_step, outer_step_, pseudo_gradient
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -49,7 +49,7 @@ def test_pseudo_gradient_is_anchor_minus_params():
 
 
 def test_an_error_in_one_pseudo_gradient_moves_the_anchor_by_lr_over_1_minus_mu():
-    # The bound the consistency tolerance is derived from (averaging/consistency.py).
+    # The bound the consistency tolerance is derived from (averaging/math/fingerprints.py).
     a, b = torch.zeros(1), torch.zeros(1)
     ma, mb = torch.zeros(1), torch.zeros(1)
     for step in range(400):

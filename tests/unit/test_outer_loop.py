@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from averaging.backend import AppliedUpdate, AverageOutcome
-from averaging.diloco import Applied, OuterConfig, OuterState, RoundConclusion
-from averaging.flat import FlatLayout
-from averaging.local_backend import LocalBackend, LocalHub
-from averaging.outer import outer_step_
-from averaging.outer_loop import LoopConfig, OuterLoop, RoundStats
-from averaging.sync import SyncWorker
+from averaging.engine.loop import LoopConfig, OuterLoop, RoundStats
+from averaging.engine.worker import SyncWorker
+from averaging.math.flat import FlatLayout
+from averaging.math.outer_step import outer_step_
+from averaging.network.interface import AppliedUpdate, AverageOutcome
+from averaging.network.local import LocalBackend, LocalHub
+from averaging.state.shared_state import Applied, OuterConfig, OuterState, RoundConclusion
 from protocols.schedule import RoundSchedule
 from tests.unit.fake_clock import WALL_START, FakeClock
 

@@ -1,10 +1,10 @@
-"""The all-reduce's part timeouts follow the all-reduces measured (averaging.part_timeouts)."""
+"""The all-reduce's part timeouts follow the all-reduces measured (averaging.network.hivemind.parts)."""
 
 from __future__ import annotations
 
 import pytest
 
-from averaging.part_timeouts import part_timeouts
+from averaging.network.hivemind.parts import part_timeouts
 
 
 def test_fast_all_reduces_keep_the_configured_timeouts():
@@ -32,7 +32,7 @@ def test_the_averager_runs_each_all_reduce_with_the_hosts_latest_timeouts(monkey
     from hivemind.averaging.group_info import GroupInfo
     from hivemind.p2p import PeerID
 
-    from averaging import hivemind_backend
+    from averaging.network.hivemind import backend as hivemind_backend
 
     built: list[dict] = []
 

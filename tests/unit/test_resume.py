@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from averaging.diloco import OuterConfig, OuterState
-from averaging.flat import FlatLayout
+from averaging.math.flat import FlatLayout
+from averaging.state.shared_state import OuterConfig, OuterState
 from node.library.checkpoint import save_checkpoint
 from node.library.resume import MOMENTUM_PREFIX, find_resume_point, outer_meta, state_from_checkpoint
 from protocols.errors import CheckpointError, ConfigError

@@ -1,4 +1,4 @@
-"""Robust aggregation math (``averaging.robust``) on tensors alone: outliers, NaN, sign flips,
+"""Robust aggregation math (``averaging.math.robust``) on tensors alone: outliers, NaN, sign flips,
 scaled parts, huge weights, and parity with the weighted mean when everyone is honest."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from averaging import robust
-from averaging.robust import BanList, RobustConfig, aggregate, bound_weights
+from averaging.math import robust
+from averaging.math.robust import BanList, RobustConfig, aggregate, bound_weights
 from protocols.errors import ConfigError
 
 N = 4096

@@ -17,9 +17,10 @@ from hivemind.averaging.partition import BannedException, TensorPartContainer
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from averaging import codecs, robust_allreduce
-from averaging.robust import RobustConfig
-from averaging.robust_allreduce import (
+from averaging.math import codecs
+from averaging.math.robust import RobustConfig
+from averaging.network.hivemind import allreduce as robust_allreduce
+from averaging.network.hivemind.allreduce import (
     CheckedPartContainer,
     GroupRefused,
     RobustAllReduceRunner,
@@ -213,7 +214,7 @@ def test_a_failed_reducer_is_named_in_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(AllReduceRunner, "_communicate_with_peer", cut_short)
     runner = RobustAllReduceRunner.__new__(RobustAllReduceRunner)
     runner.excluded_peers, runner.group_id = [], bytes.fromhex("b783fae9") * 2
-    with caplog.at_level("WARNING", logger="averaging.robust_allreduce"), pytest.raises(AllreduceException):
+    with caplog.at_level("WARNING", logger="averaging.network.hivemind.allreduce"), pytest.raises(AllreduceException):
         asyncio.run(runner._communicate_with_peer(PEERS[1]))
     assert f"group b783fae9: reducer {PEERS[1]} failed" in caplog.text
     assert "sent 2 parts, but we expected 3" in caplog.text
@@ -246,7 +247,7 @@ def test_a_peer_that_does_not_run_the_group_is_not_waited_for_as_a_sender(monkey
             with pytest.raises(AllreduceException):
                 await runner._communicate_with_peer(peer)
 
-    with caplog.at_level("WARNING", logger="averaging.robust_allreduce"):
+    with caplog.at_level("WARNING", logger="averaging.network.hivemind.allreduce"):
         asyncio.run(both())
     assert Reducer.failed == [1] and runner.banned_senders == {PEERS[1]}  # a short stream says nothing of that
     assert f"{PEERS[1]} does not run this group" in caplog.text

@@ -8,9 +8,9 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from averaging.backend import AverageOutcome
-from averaging.local_backend import LocalBackend, LocalHub
-from averaging.sync import SyncWorker
+from averaging.engine.worker import SyncWorker
+from averaging.network.interface import AverageOutcome
+from averaging.network.local import LocalBackend, LocalHub
 
 pytestmark = pytest.mark.timeout(60)  # a deadlock fails the test instead of hanging the suite
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import threading
 
-from averaging.traffic import Traffic, allreduce_payload
+from averaging.math.traffic import Traffic, allreduce_payload
 
 
 def test_butterfly_payload_per_member():

@@ -1,4 +1,4 @@
-"""averaging.wire: error feedback with the residual in the live parameters is exact through folds,
+"""averaging.math.wire: error feedback with the residual in the live parameters is exact through folds,
 local rounds and re-syncs; fp16 returns keep anchors within the consistency tolerance over 100
 rounds and int8/int4 returns (the quantized average) keep them identical; balanced block-aligned parts inside hivemind; honest per-round byte counts."""
 
@@ -11,17 +11,17 @@ import torch
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import Float16Compression, NoCompression
 
-from averaging import codecs
-from averaging.consistency import consensus
-from averaging.diloco import OuterConfig, OuterState
-from averaging.error_feedback import compensate
-from averaging.flat import FlatLayout
-from averaging.hivemind_backend import averager_compression
-from averaging.hivemind_codecs import ShoalCodec
-from averaging.merge import merge_correction
-from averaging.outer import outer_step_
-from averaging.traffic import allreduce_payload, bytes_per_value, round_payload
-from averaging.wire import OPEN_GROUP_PARTS, WireFormat, accounted_for, returned
+from averaging.math import codecs
+from averaging.math.error_feedback import compensate
+from averaging.math.fingerprints import consensus
+from averaging.math.flat import FlatLayout
+from averaging.math.merge import merge_correction
+from averaging.math.outer_step import outer_step_
+from averaging.math.traffic import allreduce_payload, bytes_per_value, round_payload
+from averaging.math.wire import OPEN_GROUP_PARTS, WireFormat, accounted_for, returned
+from averaging.network.hivemind.backend import averager_compression
+from averaging.network.hivemind.codecs import ShoalCodec
+from averaging.state.shared_state import OuterConfig, OuterState
 from node.library.config import AveragingConfig, sync_shared_fields
 from node.library.local_network import LocalNetwork, LocalSwarmHub
 from protocols.errors import ConfigError
@@ -54,7 +54,7 @@ def test_int_codec_settings_join_the_manifest_and_fp16_runs_keep_theirs():
     assert AveragingConfig(compression="int2").wire.return_code == "int4"
     assert AveragingConfig(compression="int8").wire.return_code == "int8"
     # error feedback is per peer, never on the wire: not something peers must agree on
-    assert "averaging.error_feedback" not in int4
+    assert "averaging.math.error_feedback" not in int4
 
 
 def _rounds():

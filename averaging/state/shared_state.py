@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from averaging.backend import AppliedUpdate, AverageOutcome, CheckSlice, DownloadedState
-from averaging.consistency import (
+from averaging.math.fingerprints import (
     DEFAULT_ABS_TOL,
     DEFAULT_REL_TOL,
     NUM_PROJECTIONS,
@@ -35,8 +34,9 @@ from averaging.consistency import (
     consensus,
     fingerprint,
 )
-from averaging.flat import FlatLayout
-from averaging.outer import anchor_before_step, outer_step_
+from averaging.math.flat import FlatLayout
+from averaging.math.outer_step import anchor_before_step, outer_step_
+from averaging.network.interface import AppliedUpdate, AverageOutcome, CheckSlice, DownloadedState
 from protocols.errors import ConfigError
 from protocols.messages import MAX_ROUND, MessageError, RoundGather, bounded_int, floats
 

@@ -24,7 +24,7 @@ the last averaged pseudo-gradient on that chunk, plus ``abs_tol`` for float32 no
 needs thousands of rounds to reach it (and a resync then resets it), a failed part crosses it at
 once.
 
-With shoal's int codecs (``averaging.wire``) the same tolerance holds: error-fed sends are on the
+With shoal's int codecs (``averaging.math.wire``) the same tolerance holds: error-fed sends are on the
 codec's grid, so every reducer averages identical values; fp16 returns are the bound above, and
 int8/int4 returns carry the quantized average itself, the same for every member (no drift).
 """

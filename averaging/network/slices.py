@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from averaging.backend import CheckSlice, Progress
-from averaging.consistency import chunk_length
-from averaging.traffic import STATE_BYTES_PER_VALUE
+from averaging.math.fingerprints import chunk_length
+from averaging.math.traffic import STATE_BYTES_PER_VALUE
+from averaging.network.interface import CheckSlice, Progress
 from protocols.messages import MAX_ROUND, MessageError, bounded_int
 from protocols.state_slices import MAX_SLICES
 

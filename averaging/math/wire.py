@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from averaging import codecs
-from averaging.error_feedback import balanced_part_size
+from averaging.math import codecs
+from averaging.math.error_feedback import balanced_part_size
 
 FLOAT_CODES = ("fp32", "fp16")
 QUANTIZED_CODES = ("int8", "int4", "int2")

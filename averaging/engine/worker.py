@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from averaging.backend import AveragingBackend
+from averaging.network.interface import AveragingBackend
 
 T = TypeVar("T")
 

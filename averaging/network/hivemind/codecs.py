@@ -1,4 +1,4 @@
-"""shoal's codecs (``averaging.codecs``) inside hivemind's butterfly all-reduce.
+"""shoal's codecs (``averaging.math.codecs``) inside hivemind's butterfly all-reduce.
 
 What hivemind 1.1.12 does with a compression (``check_hivemind`` verifies each of these facts):
 1. A sender compresses each part with the averager's ``compression`` object; the message carries
@@ -29,7 +29,7 @@ Return precision (``return_code``):
   pseudo-gradients, correlation 0 / 0.9), RMS disagreement between two peers relative to
   RMS(avg) after one round: 0.0005 / 0.0001. Anchors drift apart as ``7 d sqrt(rounds)`` (an
   error moves the anchor up to ``lr / (1 - mu)`` = 7x over later Nesterov steps, lr 0.7, mu 0.9):
-  ``averaging.consistency`` would flag 0.25 after ~5000 rounds.
+  ``averaging.math.fingerprints`` would flag 0.25 after ~5000 rounds.
 - int8 and int4 (``AVERAGE_RETURN_CODES``) return the *average itself*, quantized once by its
   reducer: every member receives the same bytes and ends with the same values (up to one fp32
   rounding of ``q_j + (a - q_j)``), so anchors do not drift at all. Quantized deltas would not do:
@@ -37,10 +37,10 @@ Return precision (``return_code``):
   int4 deltas by 0.35 / 0.09 (at once). What the quantization of the average drops is dropped
   for every member alike (no error feedback on the return path: nobody but the reducer knows
   the average): per element at most ``(0.5 + 2**-11) / L * max|avg|`` over the block of 64.
-  This needs shoal's runner (``averaging.robust_allreduce``: the reducer sends the average and
+  This needs shoal's runner (``averaging.network.hivemind.allreduce``: the reducer sends the average and
   the member turns it into its delta); hivemind's own runner would re-encode deltas, so
   ``ReturnCodec.compress`` refuses to encode for these codes.
-Sends are error-fed and drift-free (``averaging.error_feedback``).
+Sends are error-fed and drift-free (``averaging.math.error_feedback``).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.compression import CompressionBase, CompressionInfo, serialization
 from hivemind.proto import runtime_pb2
 
-from averaging import codecs
-from averaging.wire import AVERAGE_RETURN_CODES, QUANTIZED_CODES, RETURN_CODES  # noqa: F401 - re-exported
+from averaging.math import codecs
+from averaging.math.wire import AVERAGE_RETURN_CODES, QUANTIZED_CODES, RETURN_CODES  # noqa: F401 - re-exported
 from protocols.messages import MessageError
 
 SEND_CODES = QUANTIZED_CODES
@@ -209,7 +209,7 @@ def check_hivemind() -> None:
     for what, owner, attribute, line in RELIED_ON:
         if squash(line) not in squash(_source(owner, attribute)):
             raise HivemindChanged(f"hivemind changed: {what} (expected `{line}` in {attribute}); "
-                                  "re-check averaging/hivemind_codecs.py before upgrading")
+                                  "re-check averaging/network/hivemind/codecs.py before upgrading")
     if not isinstance(getattr(serialization, "_BASE_COMPRESSION_TYPES", None), dict):
         raise HivemindChanged("hivemind changed: compression._BASE_COMPRESSION_TYPES is no longer a dict")
     enum = runtime_pb2.CompressionType

@@ -9,7 +9,7 @@ unless it must:
   CUDA) and calls ``begin_sync``; the worker thread computes the pseudo-gradient, runs the
   all-reduce and the outer step, and prepares matchmaking for the next round, while the loop
   keeps training. ``try_merge`` at a later step boundary adds the result in one fused pass
-  (``averaging.merge``). The loop never waits for the network: a sync may outlast its round.
+  (``averaging.math.merge``). The loop never waits for the network: a sync may outlast its round.
   Matchmaking for the next round then runs beside it (the worker's prepare lane), and if the
   running sync is expected to end before the next deadline the next round's sync is queued behind
   it (its snapshot taken at its own deadline, its pseudo-gradient corrected for the merge that had
@@ -44,15 +44,15 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from averaging.backend import AppliedUpdate, DownloadedState, Progress
-from averaging.consistency import AnchorClaim, DivergenceWatch
-from averaging.diloco import Applied, OuterState, RoundConclusion, StateTooFarAhead
-from averaging.flat import FlatLayout
-from averaging.merge import apply_correction_, merge_correction
-from averaging.outer import pseudo_gradient
-from averaging.sync import SyncWorker
-from averaging.traffic import round_payload
-from averaging.wire import WireFormat, accounted_for
+from averaging.engine.worker import SyncWorker
+from averaging.math.fingerprints import AnchorClaim, DivergenceWatch
+from averaging.math.flat import FlatLayout
+from averaging.math.merge import apply_correction_, merge_correction
+from averaging.math.outer_step import pseudo_gradient
+from averaging.math.traffic import round_payload
+from averaging.math.wire import WireFormat, accounted_for
+from averaging.network.interface import AppliedUpdate, DownloadedState, Progress
+from averaging.state.shared_state import Applied, OuterState, RoundConclusion, StateTooFarAhead
 from protocols.errors import ConfigError
 from protocols.messages import MessageError
 from protocols.schedule import RoundSchedule
@@ -118,7 +118,7 @@ MAX_OUTSTANDING = 2  # syncs not yet merged: one running, one queued behind it
 LATENESS_ALPHA = 0.3  # EMA weight of the newest sync's lateness (its end minus its round's deadline)
 # A peer that starts training (joined, resumed) with less than this fraction of a round left stays
 # out of that round and brings its work to the next. Its pseudo-gradient would be a sliver of an
-# honest one, and robust aggregation judges a group's parts against our own (``averaging.robust``):
+# honest one, and robust aggregation judges a group's parts against our own (``averaging.math.robust``):
 # seen in a test, a peer resumed 0.6 s before a 6 s round's deadline refused its only partner's part
 # (three folded rounds of work, over 30x ours) and banned it.
 MIN_FIRST_WINDOW_FRACTION = 0.5
@@ -145,7 +145,7 @@ class RoundStats:
     bad_reports: int
     resynced: bool
     rounds_done: int
-    bytes_sent: int = 0  # this round's all-reduce payload (``averaging.traffic.round_payload``); 0 if none ran
+    bytes_sent: int = 0  # this round's all-reduce payload (``averaging.math.traffic.round_payload``); 0 if none ran
     bytes_received: int = 0
     caught_up: int = 0  # outer steps we had missed and replayed from the group (instead of a re-sync)
     skipped: bool = False  # we stayed out of this round: our previous sync was still running
@@ -251,7 +251,7 @@ class OuterLoop:
                  swarm_lateness: Callable[[], Sequence[float]] | None = None):
         self.outer, self.worker, self.layout = outer, worker, layout
         # The payload's codec (error feedback: the residual lives in the live parameters, see
-        # averaging.wire) and, for the byte counts, whether we reduce nothing (client mode).
+        # averaging.math.wire) and, for the byte counts, whether we reduce nothing (client mode).
         self.wire, self.client_mode = wire or WireFormat(), client_mode
         self._params, self._schedule, self.config = params, schedule, config
         self.peer_id, self._alone, self.device = peer_id, alone, device
@@ -646,7 +646,7 @@ class OuterLoop:
         self._report_divergence(round, conclusion)
         resynced = bool(conclusion.donors) and self._resync(round, conclusion, averaged if outcome.ok else None)
         # 4. What the new anchor accounts for: with error feedback only what was sent, so the
-        #    residual stays in the parameters for the next round (averaging.wire). A partial result
+        #    residual stays in the parameters for the next round (averaging.math.wire). A partial result
         #    is not applied, but our contribution is in the step the others applied, which we replay
         #    next round: it leaves the parameters as if averaged, held until that is confirmed.
         accounted = accounted_for(pseudo_grad, sent, averaged=conclusion.applied == Applied.AVERAGED or outcome.partial > 0,

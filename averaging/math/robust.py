@@ -1,6 +1,6 @@
 """Robust aggregation of one all-reduce part: the math a reducer applies to its senders' parts, and
 the checks a sender applies to what a reducer returns. Pure functions on tensors; the hivemind
-wiring is ``averaging.robust_allreduce``.
+wiring is ``averaging.network.hivemind.allreduce``.
 
 Threat: a public swarm admits strangers. Without these rules one sender decides the average (a
 weight of 1e30, a part scaled ×1000, a sign flip) or destroys it (NaN, a part of the wrong shape).

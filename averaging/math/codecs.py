@@ -2,7 +2,7 @@
 
 Why our own: hivemind's 8-bit codecs break on numpy 2, its blockwise one needs bitsandbytes, and
 the all-reduce needs two properties nobody else promises: *idempotence* (re-quantizing a quantized
-vector returns it bit-exactly, which makes error feedback exact, ``averaging.error_feedback``) and
+vector returns it bit-exactly, which makes error feedback exact, ``averaging.math.error_feedback``) and
 *hostile-input safety* (``decode`` raises ``MessageError`` and nothing else).
 
 Format (little-endian), ``HEADER`` then per-block scales then the packed levels::

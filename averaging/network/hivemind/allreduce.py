@@ -1,4 +1,4 @@
-"""Robust aggregation inside hivemind's butterfly all-reduce (the rules are ``averaging.robust``).
+"""Robust aggregation inside hivemind's butterfly all-reduce (the rules are ``averaging.math.robust``).
 
 What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any of this code moves):
 - ``TensorPartReducer`` sums ``weight × part`` as parts arrive, with the weight each message
@@ -6,7 +6,7 @@ What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any o
   counted, so honest senders wait for the reducer timeout. ``RobustPartReducer`` keeps every
   sender's part until the part index is complete, checks each on arrival (a failing sender is
   failed at once: ``on_sender_failed`` before its part is counted, so nobody waits for it), fixes
-  each sender's weight to the one it declared first, and aggregates with ``averaging.robust``.
+  each sender's weight to the one it declared first, and aggregates with ``averaging.math.robust``.
 - ``AllReduceRunner`` builds its reducer and part container in ``__init__`` and uses neither
   there; ``RobustAllReduceRunner`` replaces the reducer after ``super().__init__`` and gives the
   container the class ``CheckedPartContainer`` (same state, one method more), whose
@@ -19,7 +19,7 @@ What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any o
   instead of hivemind's, which re-encodes each member's delta); the container turns the average
   into the member's delta before its check. Every member, the reducer too, then ends with the same
   values, so quantized returns do not make anchors drift apart.
-- A peer on the ban list (``averaging.robust.BanList``, one per averager process) is kept out of
+- A peer on the ban list (``averaging.math.robust.BanList``, one per averager process) is kept out of
   our groups (``ShoalMatchmaking``: we do not ask it to lead us, and as a leader we turn it away);
   in a group that holds it anyway (another leader's), it is treated as failed from the start of
   the round: its parts are not counted and ours are not sent to it.
@@ -27,7 +27,7 @@ What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any o
   declared leaders at most once per ``REFETCH_S``: hivemind's search refetches in a loop once every
   leader has turned it away (docs/hivemind.md, "Matchmaking and steps").
 - hivemind has no hook for either class (the averager constructs them by name), so
-  ``ShoalAverager._run_allreduce_inplace_`` (``averaging.hivemind_backend``) is a copy of
+  ``ShoalAverager._run_allreduce_inplace_`` (``averaging.network.hivemind.backend``) is a copy of
   hivemind's that constructs ``RobustAllReduceRunner``.
 
 Everything here runs in the averager process, on its event loop. Counters live in shared memory
@@ -58,8 +58,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS, TimedStorage
 
-from averaging import hivemind_codecs, robust
-from averaging.robust import BanList, RobustConfig
+from averaging.math import robust
+from averaging.math.robust import BanList, RobustConfig
+from averaging.network.hivemind import codecs as hivemind_codecs
 from protocols.admission import admitted
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class RobustCounters:
 
 class RobustPartReducer(TensorPartReducer):
     """A ``TensorPartReducer`` that keeps each sender's part until the part index is complete, then
-    aggregates with ``averaging.robust``. ``refuse(sender_index, reason)`` fails a sender at once.
+    aggregates with ``averaging.math.robust``. ``refuse(sender_index, reason)`` fails a sender at once.
     With ``return_code`` (int8/int4) each part's average is quantized once: ``returns[part_index]``
     holds the bytes every member receives, and the part's result is what they decode to."""
 

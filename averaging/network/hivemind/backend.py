@@ -8,8 +8,8 @@ Hazards this module owns (docs/hivemind.md):
   before triggering the all-reduce and read it only after the step's future resolves; nothing
   else touches it (the loop never sees this buffer).
 - A "successful" step can leave parts un-averaged; the gather carries anchor fingerprints so the
-  next round can detect that (``averaging.consistency``).
-- A state download runs one host thread per donor (``averaging.download``), each blocked on an
+  next round can detect that (``averaging.math.fingerprints``).
+- A state download runs one host thread per donor (``averaging.network.slices``), each blocked on an
   MPFuture while the averager process receives its slice; donors serve slices from their averager
   process, which asks the host's state-fetcher thread for a full copy of the state per request.
 - That fetcher thread takes no arguments: to ask the host for something else (a past outer update,
@@ -56,28 +56,11 @@ from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
 
-from averaging.backend import (
-    PARTIAL_ERROR,
-    AppliedUpdate,
-    AverageOutcome,
-    CheckSlice,
-    DownloadedState,
-    Progress,
-)
-from averaging.download import (
-    SameState,
-    default_slice_count,
-    download_slices,
-    flat_slice,
-    slice_alignment,
-    slice_bounds,
-    slice_deadline_s,
-)
-from averaging.error_feedback import balanced_part_size
-from averaging.hivemind_codecs import AVERAGE_RETURN_CODES, ShoalCodec
-from averaging.part_timeouts import REDUCER_SHARE, SENDER_SHARE, part_timeouts
-from averaging.robust import BanList, RobustConfig
-from averaging.robust_allreduce import (
+from averaging.math.error_feedback import balanced_part_size
+from averaging.math.robust import BanList, RobustConfig
+from averaging.math.traffic import STATE_BYTES_PER_VALUE
+from averaging.math.wire import OPEN_GROUP_PARTS, WireFormat
+from averaging.network.hivemind.allreduce import (
     GroupRefused,
     RobustAllReduceRunner,
     RobustCounters,
@@ -86,9 +69,26 @@ from averaging.robust_allreduce import (
     gathered_proof,
     vet_group,
 )
-from averaging.robust_allreduce import check_hivemind as check_robust_hooks
-from averaging.traffic import STATE_BYTES_PER_VALUE
-from averaging.wire import OPEN_GROUP_PARTS, WireFormat
+from averaging.network.hivemind.allreduce import check_hivemind as check_robust_hooks
+from averaging.network.hivemind.codecs import AVERAGE_RETURN_CODES, ShoalCodec
+from averaging.network.hivemind.parts import REDUCER_SHARE, SENDER_SHARE, part_timeouts
+from averaging.network.interface import (
+    PARTIAL_ERROR,
+    AppliedUpdate,
+    AverageOutcome,
+    CheckSlice,
+    DownloadedState,
+    Progress,
+)
+from averaging.network.slices import (
+    SameState,
+    default_slice_count,
+    download_slices,
+    flat_slice,
+    slice_alignment,
+    slice_bounds,
+    slice_deadline_s,
+)
 from protocols.admission import admitted, make_proof
 from protocols.messages import MAX_ROUND
 from protocols.state_slices import (
@@ -106,7 +106,7 @@ FLOAT_COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {"fp16": Float16C
 def averager_compression(wire: WireFormat, *, numel: int, target_group_size: int | None) -> CompressionBase:
     """The averager's ``compression``: hivemind's own for fp16/fp32, else shoal's codec with parts
     balanced for the target group and cut on block boundaries (``WireFormat.part_values``), so the
-    reducers' re-encoding of an error-fed send is lossless. Importing ``averaging.hivemind_codecs``
+    reducers' re-encoding of an error-fed send is lossless. Importing ``averaging.network.hivemind.codecs``
     (above) registered the codecs in this process; the averager forks after, and inherits them."""
     if not wire.quantized:
         return FLOAT_COMPRESSIONS[wire.code]()
@@ -139,7 +139,7 @@ PARTIAL_KEY = "shoal:partial"
 DISTRUSTED_KEY = "shoal:distrusted"
 UPDATE_VERSION = 1
 # What a donor serves at once (state slices and outer updates), so that requests cannot exhaust
-# its host: an honest joiner has one fetch in flight per donor (averaging.download); one more
+# its host: an honest joiner has one fetch in flight per donor (averaging.network.slices); one more
 # covers a retry racing the end of the previous stream. Beyond these, a request gets an empty
 # answer (the joiner moves to another donor) and the refusal is logged once a minute per peer.
 MAX_SERVES_PER_PEER = 2
@@ -153,8 +153,8 @@ BUSY_LOG_PERIOD_S = 60.0
 
 class ShoalAverager(DecentralizedAverager):
     """hivemind's averager plus what it lacks: a pluggable state provider, a state download cut
-    into slices that several donors serve at once (``averaging.download``), and robust aggregation
-    (``averaging.robust_allreduce``; ``robust=None`` keeps hivemind's plain weighted mean)."""
+    into slices that several donors serve at once (``averaging.network.slices``), and robust aggregation
+    (``averaging.network.hivemind.allreduce``; ``robust=None`` keeps hivemind's plain weighted mean)."""
 
     # Hazard: hivemind caches the RPC table per class but finds the cache through the MRO, so a
     # plain DecentralizedAverager set up earlier in this process would lend us a table without
@@ -189,7 +189,7 @@ class ShoalAverager(DecentralizedAverager):
         self._busy_logged: dict[str, float] = {}
         if changed := check_robust_hooks():
             raise RuntimeError(f"hivemind changed {', '.join(changed)} since shoal's robust all-reduce was "
-                               "written; re-check averaging/robust_allreduce.py against it before running")
+                               "written; re-check averaging/network/hivemind/allreduce.py against it before running")
         self._robust = robust
         # The ban list lives in the averager process (this object is forked with it); the counters
         # are shared memory, for the host.
@@ -259,7 +259,7 @@ class ShoalAverager(DecentralizedAverager):
             del self._ended_groups[next(iter(self._ended_groups))]
 
     def set_part_timeouts(self, sender_timeout: float, reducer_timeout: float) -> None:
-        """Host: the timeouts the next all-reduces use (``averaging.part_timeouts``)."""
+        """Host: the timeouts the next all-reduces use (``averaging.network.hivemind.parts``)."""
         self._part_timeouts.copy_(torch.tensor([sender_timeout, reducer_timeout], dtype=torch.float64))
 
     def get_current_state(self):
@@ -340,7 +340,7 @@ class ShoalAverager(DecentralizedAverager):
         (hivemind's own with ``robust=None``), and what part of the result never arrived."""
         group_id = group_info.group_id if group_id is None else group_id
         sender_timeout, reducer_timeout = self._part_timeouts.tolist()
-        if reducer_timeout > 0:  # the host's scaled timeouts (averaging.part_timeouts), once it measured any
+        if reducer_timeout > 0:  # the host's scaled timeouts (averaging.network.hivemind.parts), once it measured any
             kwargs.update(sender_timeout=sender_timeout, reducer_timeout=reducer_timeout)
         common = dict(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
                       ordered_peer_ids=group_info.peer_ids, **kwargs)
@@ -658,7 +658,7 @@ class HivemindBackend:
             min_matchmaking_time=min_matchmaking_time,
             request_timeout=request_timeout,
             allreduce_timeout=allreduce_timeout,
-            # Until all-reduces are measured (then averaging.part_timeouts scales them); hivemind
+            # Until all-reduces are measured (then averaging.network.hivemind.parts scales them); hivemind
             # requires sender < reducer timeout.
             sender_timeout=allreduce_timeout * SENDER_SHARE,
             reducer_timeout=allreduce_timeout * REDUCER_SHARE,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from averaging import codecs
-from averaging.wire import canonical
+from averaging.math import codecs
+from averaging.math.wire import canonical
 
 STATE_BYTES_PER_VALUE = 4  # the shared state is stored and downloaded as fp32
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from averaging.codecs import quantize
+from averaging.math.codecs import quantize
 
 HIVEMIND_PART_BYTES = 2**19  # hivemind's default part size (512 KiB after compression)
 

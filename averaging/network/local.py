@@ -3,7 +3,7 @@
 It averages exactly (weighted mean) and gathers every member's report, like a healthy
 butterfly all-reduce without compression, so tests of the worker and of round logic run in
 milliseconds. With ``return_code`` each member gets ``own + R(mean - own)`` instead, as from
-hivemind's reducers returning deltas in that code (``averaging.wire.returned``): the per-member
+hivemind's reducers returning deltas in that code (``averaging.math.wire.returned``): the per-member
 error that makes anchors drift apart. Sends arrive as given (the round engine quantizes them).
 Integration tests always use the real hivemind backend.
 """
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from averaging.backend import AppliedUpdate, AverageOutcome, CheckSlice, DownloadedState, Progress
-from averaging.wire import returned
+from averaging.math.wire import returned
+from averaging.network.interface import AppliedUpdate, AverageOutcome, CheckSlice, DownloadedState, Progress
 from protocols.messages import MAX_ROUND
 
 logger = logging.getLogger(__name__)
