@@ -43,12 +43,13 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from averaging.engine.loop import LoopConfig, OuterLoop  # noqa: E402
+from averaging.engine.config import LoopConfig  # noqa: E402
+from averaging.engine.loop import RoundEngine  # noqa: E402
 from averaging.engine.worker import SyncWorker  # noqa: E402
 from averaging.math.flat import FlatLayout  # noqa: E402
 from averaging.math.merge import apply_correction_  # noqa: E402
 from averaging.network.local import LocalBackend, LocalHub  # noqa: E402
-from averaging.state.shared_state import OuterState  # noqa: E402
+from averaging.state.shared_state import SharedState  # noqa: E402
 from examples.swarm_launcher import LocalSwarm, write_toml  # noqa: E402
 from node.api import AveragingConfig, DiLoCoSwarm, RoundConfig  # noqa: E402
 from node.library.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
@@ -220,13 +221,13 @@ def peers_on_one_device(config_path: Path, device: str, *, peers: int, rounds: i
 
 
 # -- 3. the engine's snapshot and merge on the device vs the CPU ------------------------------------
-def _engine(params: dict[str, torch.Tensor], device: torch.device) -> OuterLoop:
+def _engine(params: dict[str, torch.Tensor], device: torch.device) -> RoundEngine:
     named = [(n, p.detach().cpu()) for n, p in params.items()]
     layout = FlatLayout.of(named)
-    outer = OuterState(layout, layout.pack(dict(named), layout.new_buffer()), RunConfig().outer)
+    outer = SharedState(layout, layout.pack(dict(named), layout.new_buffer()), RunConfig().outer)
     worker = SyncWorker(LocalBackend(LocalHub(), "check", outer.shared_state), allreduce_timeout=1.0,
                         matchmaking_grace=1.0)
-    return OuterLoop(outer=outer, worker=worker, layout=layout, params=lambda: params,
+    return RoundEngine(state=outer, worker=worker, layout=layout, params=lambda: params,
                      schedule=lambda: RoundSchedule(time.time(), 60.0), config=LoopConfig(), peer_id="check",
                      alone=lambda: True, device=device)
 

@@ -19,8 +19,11 @@ Everything here is the public surface: ``shoal run`` itself uses nothing else of
 
 from __future__ import annotations
 
-from averaging.engine.loop import RoundStats, SyncMode, round_advice
-from averaging.state.shared_state import Applied, OuterConfig
+from averaging.engine.config import SyncMode
+from averaging.engine.policy import round_advice
+from averaging.engine.stats import RoundStats
+from averaging.math.outer_step import OuterConfig
+from averaging.state.verdict import Applied
 from node.library.bootstrap import expand_initial_peers
 from node.library.config import AveragingConfig, RoundConfig
 from node.library.network import Network

@@ -1,7 +1,7 @@
 """What peers tell each other inside an all-reduce round, and its validation.
 
-Every group member attaches a ``RoundGather`` to its averaging step (hivemind's ``gather``
-carries it to all members). Nothing received is trusted: ``RoundGather.decode`` checks types,
+Every group member attaches a ``ClaimMessage`` to its averaging step (hivemind's ``gather``
+carries it to all members). Nothing received is trusted: ``ClaimMessage.decode`` checks types,
 sizes, bounds and finiteness and raises ``MessageError`` so a malformed or hostile peer is
 ignored, never crashes the receiver.
 """
@@ -44,8 +44,9 @@ def bounded_int(obj: dict, key: str, low: int, high: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class RoundGather:
-    """One member's round report, fixed when matchmaking starts: its round and a fingerprint of its anchor."""
+class ClaimMessage:
+    """One member's claim about its anchor as it crosses the network (in hivemind's ``gather``), fixed
+    when matchmaking starts: its round, its outer-step count and a fingerprint of its anchor."""
 
     round: int
     rounds_done: int
@@ -72,10 +73,10 @@ class RoundGather:
         }
 
     @classmethod
-    def decode(cls, obj: Any, *, numel: int, chunk_len: int, num_projections: int) -> RoundGather:
-        """Validate a received report against the layout this peer expects."""
+    def decode(cls, obj: Any, *, numel: int, chunk_len: int, num_projections: int) -> ClaimMessage:
+        """Validate a received claim against the layout this peer expects."""
         if not isinstance(obj, dict):
-            raise MessageError("round report is not a map")
+            raise MessageError("claim is not a map")
         if obj.get("v") != PROTOCOL_VERSION:
             raise MessageError(f"protocol version {obj.get('v')!r:.20}, expected {PROTOCOL_VERSION}")
         if (obj.get("numel"), obj.get("chunk_len"), obj.get("k")) != (numel, chunk_len, num_projections):

@@ -196,7 +196,7 @@ def before_first_step(records: Iterable[ProgressRecord], *, first_round_left_s: 
 
     Within round 1 nobody can have stepped (the first step is at its deadline). A lone peer may
     step alone at that deadline before it hears of us; we are then one step behind, which our first
-    averaged round finds and replays (``OuterState.catch_up``, 2 bytes a parameter), unless that
+    averaged round finds and replays (``SharedState.catch_up``, 2 bytes a parameter), unless that
     lone peer is outvoted by several such joiners (it then re-syncs, losing one lone step). Once
     round 1 is over, a record at 0 may be a heartbeat old: two joiners that trusted a lone peer's
     stale record in round 2 outvoted it and made it re-sync (tests/integration/test_swarm.py), so

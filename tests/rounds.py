@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from averaging.engine.loop import RoundStats
-from averaging.state.shared_state import Applied
+from averaging.engine.stats import RoundStats
+from averaging.state.verdict import Applied
 from node.observe.metrics import RoundRecord
 
 

@@ -1,6 +1,6 @@
 """The sync worker: the one owner of the averaging backend, on its own thread.
 
-The training loop never calls the network. It submits jobs (``OuterLoop``'s round sync, a state
+The training loop never calls the network. It submits jobs (``RoundEngine``'s round sync, a state
 download) and gets ``Future``s; it may block on one (blocking mode, start-up) or poll it at step
 boundaries while it keeps training (overlap mode). Those jobs run serially on one thread (torchft's
 quorum thread, hivemind's StepControl). Matchmaking for the next round has a lane of its own

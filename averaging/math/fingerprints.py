@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocols.messages import RoundGather
+from protocols.messages import ClaimMessage
 
 SIGN_PERIOD = 4093
 NUM_PROJECTIONS = 4
@@ -157,7 +157,7 @@ class AnchorClaim:
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class Consensus:
     """The group's view of who holds the reference anchor; every member computes the same one.
 
     ``contested``: another set of members, as large as the reference's, agrees on another anchor,
@@ -176,7 +176,7 @@ def tie_rank(peer: str, salt: str) -> bytes:
 
 
 def consensus(claims: dict[str, AnchorClaim], *, rel_tol: float = DEFAULT_REL_TOL, abs_tol: float = DEFAULT_ABS_TOL,
-              salt: str = "") -> Verdict:
+              salt: str = "") -> Consensus:
     """Pick the reference anchor: the one most members agree with; a tie goes to the smallest
     ``tie_rank`` (``salt``: the round, the same on every member).
 
@@ -196,13 +196,13 @@ def consensus(claims: dict[str, AnchorClaim], *, rel_tol: float = DEFAULT_REL_TO
     agreeing = frozenset(agrees_with[reference])
     diverged = frozenset(peers) - agreeing
     contested = any(len(agrees_with[p]) == len(agreeing) for p in diverged)
-    return Verdict(reference, agreeing, diverged, contested)
+    return Consensus(reference, agreeing, diverged, contested)
 
 
-def claim_to_gather(claim: AnchorClaim, *, round: int) -> RoundGather:
-    """Encode this peer's claim as the round report it attaches to the all-reduce."""
+def encode_claim(claim: AnchorClaim, *, round: int) -> ClaimMessage:
+    """This peer's claim as the message it attaches to the all-reduce."""
     fp = claim.fingerprint
-    return RoundGather(
+    return ClaimMessage(
         round=round,
         rounds_done=claim.rounds_done,
         numel=fp.numel,
@@ -213,13 +213,13 @@ def claim_to_gather(claim: AnchorClaim, *, round: int) -> RoundGather:
     )
 
 
-def claim_from_gather(report: RoundGather) -> AnchorClaim:
-    """The inverse of ``claim_to_gather`` for a report that ``RoundGather.decode`` validated."""
-    projections = torch.tensor(report.projections, dtype=torch.float64).view(report.num_chunks, report.num_projections)
+def claim_of(message: ClaimMessage) -> AnchorClaim:
+    """The inverse of ``encode_claim`` for a message that ``ClaimMessage.decode`` validated."""
+    projections = torch.tensor(message.projections, dtype=torch.float64).view(message.num_chunks, message.num_projections)
     return AnchorClaim(
-        fingerprint=Fingerprint(report.numel, report.chunk_len, projections),
-        scale=torch.tensor(report.scale, dtype=torch.float64),
-        rounds_done=report.rounds_done,
+        fingerprint=Fingerprint(message.numel, message.chunk_len, projections),
+        scale=torch.tensor(message.scale, dtype=torch.float64),
+        rounds_done=message.rounds_done,
     )
 
 
@@ -250,7 +250,7 @@ class DivergenceWatch:
     def __init__(self):
         self._streaks: dict[str, int] = {}
 
-    def observe(self, verdict: Verdict | None, self_id: str) -> list[DivergenceReport]:
+    def observe(self, verdict: Consensus | None, self_id: str) -> list[DivergenceReport]:
         """What to report after this group's verdict: a member's first divergence, when it becomes
         persistent, and every ``REPEAT_WARNING_EVERY`` groups after that."""
         if verdict is None or verdict.contested or self_id not in verdict.agreeing:

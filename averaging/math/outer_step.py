@@ -8,7 +8,26 @@ threads and sockets lets the tests check them against ``torch.optim.SGD(nesterov
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from protocols.errors import ConfigError
+
+
+@dataclass(kw_only=True, slots=True)
+class OuterConfig:
+    """Outer optimizer: Nesterov SGD on pseudo-gradients (DiLoCo's defaults)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self):
+        if not 0 < self.lr <= 10:
+            raise ConfigError(f"outer.lr ({self.lr}) must be in (0, 10]; DiLoCo uses 0.7")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"outer.momentum ({self.momentum}) must be in [0, 1); DiLoCo uses 0.9")
 
 
 def pseudo_gradient(anchor: torch.Tensor, params: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

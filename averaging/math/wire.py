@@ -1,16 +1,19 @@
-"""What goes on the wire each round: the codec settings of a run, and the pseudo-gradient made
-ready for them (error feedback).
+"""What goes on the wire each round: the codec settings of a run, the pseudo-gradient made ready
+for them (error feedback), and what one all-reduce costs in bytes.
 
 ``WireFormat`` is what every peer of a run shares about the all-reduce payload (``averaging.compression``,
 its block size and return code; ``node.library.config.sync_shared_fields`` puts them in the run
 manifest) plus one per-peer switch, ``error_feedback``.
 
-Where the error-feedback residual lives: in the live parameters, not in a buffer. A peer sends
-``q = Q(g)`` of its pseudo-gradient ``g = anchor - params``; when that round is really averaged,
-the merge moves the parameters to ``new_anchor - (g - q)`` plus the work done since the snapshot
-(``accounted_for`` returns ``q`` instead of ``g`` for ``merge_correction``), so the next
-pseudo-gradient is ``(g - q) + new work``: exactly ``compensate(g', r)`` with ``r = g - q``. We
-pick that over a residual buffer committed on success because every case is then exact with no
+Error feedback. A quantized send drops up to half a quantization step per element; fed back, what
+a round drops re-enters the next one instead of being lost, so over ``T`` rounds the group receives
+``sum g_t - r_T``, off by one residual however long the run, where plain quantization errors add up.
+
+Where the residual lives: in the live parameters, not in a buffer. A peer sends ``q = Q(g)`` of its
+pseudo-gradient ``g = anchor - params``; when that round is really averaged, the merge moves the
+parameters to ``new_anchor - (g - q)`` plus the work done since the snapshot (``accounted_for``
+returns ``q`` instead of ``g`` for ``merge_correction``), so the next pseudo-gradient is
+``(g - q) + new work``: the residual ``r = g - q`` rides along. Every case is then exact with no
 state of its own:
 
 - a **folded** round (failed, or averaged without us) accounts for nothing: the parameters keep
@@ -20,14 +23,19 @@ state of its own:
 - a **re-sync** replaces the anchor; the parameters keep their offset from it, residual included,
   as they keep any local progress;
 - a **checkpoint** holds the shared state only (anchor, momentum), byte-identical on every peer
-  and independent of the codec. Like the progress made since the last round, the residual
-  (at most half a quantization step per element) is this peer's unsynced work and is not in it;
+  and independent of the codec. Like the progress made since the last round, the residual is this
+  peer's unsent work and is not in it;
 - the residual is per peer and never sent: a state download carries anchor and momentum only.
 
-A buffer would need all of these as separate code paths (commit on success only, kept through a
-re-sync, saved in checkpoints, which would then differ between peers). The cost of our choice:
-the inner optimizer trains from ``new_anchor - r`` instead of ``new_anchor``, an offset of at most
-half a quantization step, which the next round sends anyway.
+A buffer would need each of these as a code path of its own (commit on success only, kept through
+a re-sync, saved in checkpoints, which would then differ between peers). The cost: the inner
+optimizer trains from ``new_anchor - r`` instead of ``new_anchor``, an offset of at most half a
+quantization step, which the next round sends anyway.
+
+Exactness needs what the peer quantizes to be exactly what goes on the wire: ``q`` is on the
+codec's grid and the codec is idempotent (``averaging.math.codecs``), so re-encoding a part returns
+``q`` bit-exactly *if every part starts on a block boundary*; the network seam cuts parts that way
+(``averaging.network.hivemind.parts.balanced_part_size``).
 
 fp16 and fp32 keep hivemind's own codecs (no error feedback: fp16's rounding is ~2**-11 relative).
 """
@@ -39,7 +47,6 @@ from dataclasses import dataclass
 import torch
 
 from averaging.math import codecs
-from averaging.math.error_feedback import balanced_part_size
 
 FLOAT_CODES = ("fp32", "fp16")
 QUANTIZED_CODES = ("int8", "int4", "int2")
@@ -51,9 +58,7 @@ AVERAGE_RETURN_CODES = ("int8", "int4")
 AUTO_RETURN = {"int8": "int8", "int4": "int4", "int2": "int4"}
 # ``averaging.compression`` values; "none" is the older spelling of fp32.
 COMPRESSIONS = (*FLOAT_CODES, "none", *QUANTIZED_CODES)
-# Parts are balanced for this many members when the group size is open: a multiple of 12 near-equal
-# parts splits evenly over groups of 2, 3, 4, 6 and 12.
-OPEN_GROUP_PARTS = 12
+STATE_BYTES_PER_VALUE = 4  # the shared state is stored and downloaded as fp32
 
 
 def canonical(compression: str) -> str:
@@ -103,12 +108,6 @@ class WireFormat:
     def return_bytes_per_value(self) -> float:
         return codecs.bytes_per_value(self.return_code)
 
-    def part_values(self, numel: int, target_group_size: int | None) -> int:
-        """Values per hivemind part: balanced and block-aligned (``error_feedback.balanced_part_size``).
-        Depends only on what peers share (the layout, the codec, ``target_group_size``)."""
-        assert self.quantized
-        return balanced_part_size(numel, target_group_size or OPEN_GROUP_PARTS, self.block_size,
-                                  bytes_per_value=self.send_bytes_per_value())
 
     @torch.no_grad()
     def to_send(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
@@ -145,3 +144,20 @@ def returned(average: torch.Tensor, own: torch.Tensor, return_code: str) -> torc
     if code in AVERAGE_RETURN_CODES:
         return codecs.quantize(average, code)
     return own + codecs.quantize(average - own, code)
+
+
+def round_payload(numel: int, group_size: int, *, send_bytes_per_value: float, return_bytes_per_value: float,
+                  client_mode: bool = False) -> tuple[int, int]:
+    """(sent, received) bytes of one member's all-reduce payload, sends and returns each in their code.
+
+    A full member reduces 1/n of the vector: it sends the other (n-1)/n to their reducers in the send
+    code and returns the averaged deltas of its 1/n to the n-1 others in the return code; it
+    receives the same amounts. A client (it reduces nothing) sends its whole vector in the send code
+    and receives the whole average back in the return code. Message headers (24 bytes a part for
+    shoal's codecs) are not counted."""
+    if group_size <= 1:
+        return 0, 0
+    if client_mode:
+        return round(numel * send_bytes_per_value), round(numel * return_bytes_per_value)
+    each_way = round((group_size - 1) * numel * (send_bytes_per_value + return_bytes_per_value) / group_size)
+    return each_way, each_way

@@ -1,8 +1,8 @@
-""""Average these tensors": the one interface the sync worker needs from the network.
+""""Average these tensors": the one interface the round engine needs from the network.
 
-Two implementations: ``HivemindBackend`` (butterfly all-reduce over the DHT, for real runs and
-integration tests) and ``LocalBackend`` (threads in one process, for fast unit tests of the
-worker and the loop). The backend owns the buffer the network writes into; callers hand it a
+Two implementations: ``averaging.network.hivemind.backend.HivemindBackend`` (butterfly all-reduce
+over the DHT, for real runs and integration tests) and ``averaging.network.local.LocalBackend``
+(threads in one process, for fast unit tests of the engine and the library). The backend owns the buffer the network writes into; callers hand it a
 vector and get the average back only when the round succeeded, so a failed or half-finished
 all-reduce can never leak into the model.
 """
@@ -15,14 +15,15 @@ from typing import Any, Protocol
 
 import torch
 
+from averaging.state.served import AppliedUpdate, CheckSlice, DownloadedState
 from protocols.messages import MAX_ROUND
 
 # progress(done_bytes, total_bytes) of a state download; called in the thread that downloads.
 Progress = Callable[[int, int], None]
-# check(start, stop, metadata, values): why a valid-looking slice of values [start, stop) of a
-# downloaded state must not be used (it does not match the fingerprint it should:
-# ``OuterState.slice_check``), or None.
-CheckSlice = Callable[[int, int, Any, torch.Tensor], "str | None"]
+# What a donor serves: its shared state (``SharedState.shared_state``) and a past outer step
+# (``SharedState.update_after``). Called on the averager's host-side fetcher thread.
+StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
+UpdateProvider = Callable[[int], AppliedUpdate | None]
 
 
 PARTIAL_ERROR = "partial all-reduce"
@@ -42,25 +43,6 @@ class AverageOutcome:
     # own values on the missing share would put our anchor where no other member's is. Its
     # ``error`` (the round record's) starts with PARTIAL_ERROR.
     partial: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class AppliedUpdate:
-    """One outer step as applied: what a peer that missed it needs to replay it."""
-
-    round: int  # the global round it ended
-    rounds_done: int  # the peer's outer-step count after it
-    update: torch.Tensor  # the pseudo-gradient the step used, fp16 (flat, CPU)
-
-
-@dataclass(slots=True)
-class DownloadedState:
-    """State fetched from other peers, not yet validated."""
-
-    peer: str  # the donors, comma-joined (for log lines)
-    metadata: Any
-    tensors: list[torch.Tensor]
-    donors: tuple[str, ...] = ()  # every peer that served part of this state
 
 
 class AveragingBackend(Protocol):
@@ -84,15 +66,15 @@ class AveragingBackend(Protocol):
         None if no consistent state could be had. ``progress(done_bytes, total_bytes)`` is called
         in the calling thread, never backwards, ending at total_bytes on success. With
         ``same_state(metadata_a, metadata_b)``, parts of the state come only from donors whose
-        metadata it says describe one state (``OuterState.same_state``); none that claims a round
+        metadata it says describe one state (``averaging.state.accept.same_state``); none that claims a round
         past ``max_round`` (the schedule's round: a claimed round is not trusted); none whose
         values ``[start, stop)`` of the flat state ``check(start, stop, metadata, values)``
-        refuses (``OuterState.slice_check``: they do not match the fingerprint they should)."""
+        refuses (``averaging.state.accept.slice_check``: they do not match the fingerprint they should)."""
 
     def fetch_update(self, peers: list[str], *, rounds_done: int, numel: int,
                      timeout: float) -> AppliedUpdate | None:
         """The outer step that took the run from ``rounds_done`` to ``rounds_done + 1`` steps, from
-        the first of ``peers`` that still holds it (``OuterState.update_after``); None if none does.
+        the first of ``peers`` that still holds it (``SharedState.update_after``); None if none does.
         Validated as a message (shape, dtype, finite, the step asked for), not yet as a state."""
 
     def robustness(self) -> dict[str, int]:

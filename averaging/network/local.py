@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from averaging.math.wire import returned
-from averaging.network.interface import AppliedUpdate, AverageOutcome, CheckSlice, DownloadedState, Progress
+from averaging.network.interface import AverageOutcome, Progress
+from averaging.state.served import AppliedUpdate, CheckSlice, DownloadedState
 from protocols.messages import MAX_ROUND
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class LocalBackend:
                        check: CheckSlice | None = None,
                        ) -> DownloadedState | None:
         # Whole state from the first known peer whose state passes ``check`` as one slice (one
-        # donor: nothing to mix, same_state unused; the round is checked by OuterState.adopt);
+        # donor: nothing to mix, same_state unused; the round is checked by SharedState.adopt);
         # slicing is the hivemind backend's.
         for peer in peers:
             if peer != self.peer_id and peer in self.hub.state_providers:

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from averaging.math.fingerprints import chunk_length
-from averaging.math.traffic import STATE_BYTES_PER_VALUE
-from averaging.network.interface import CheckSlice, Progress
+from averaging.math.wire import STATE_BYTES_PER_VALUE
+from averaging.network.interface import Progress
+from averaging.state.served import CheckSlice
 from protocols.messages import MAX_ROUND, MessageError, bounded_int
 from protocols.state_slices import MAX_SLICES
 

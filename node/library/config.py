@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from averaging.engine.loop import SyncMode, validate_sync
+from averaging.engine.config import SyncMode, validate_sync
 from averaging.math.fingerprints import DEFAULT_ABS_TOL, DEFAULT_REL_TOL
+from averaging.math.outer_step import OuterConfig
 from averaging.math.robust import AGGREGATIONS, RobustConfig
 from averaging.math.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat
-from averaging.state.shared_state import OuterConfig
 from protocols.errors import ConfigError
 
 

@@ -18,7 +18,8 @@ import torch
 from hivemind import DHT
 
 from averaging.network.hivemind.backend import HivemindBackend
-from averaging.network.interface import AppliedUpdate, AveragingBackend
+from averaging.network.interface import AveragingBackend
+from averaging.state.served import AppliedUpdate
 from node.library.config import AveragingConfig
 from node.library.dht import Reachability, RecordRules, start_dht, stop_dht
 from node.library.run_record import DhtDirectory, RunDirectory
@@ -26,7 +27,7 @@ from protocols.admission import admission_key
 from protocols.keys import averager_prefix
 
 StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
-UpdateProvider = Callable[[int], AppliedUpdate | None]  # OuterState.update_after
+UpdateProvider = Callable[[int], AppliedUpdate | None]  # SharedState.update_after
 
 
 class Network(Protocol):

@@ -2,7 +2,7 @@
 
 A checkpoint holds the anchor (by parameter name), the outer momentum and the outer state's
 counters; turning it back into the flat state goes through the same validation as a state
-downloaded from a peer (``OuterState.adopt``), so a checkpoint can never inject NaNs or a
+downloaded from a peer (``SharedState.adopt``), so a checkpoint can never inject NaNs or a
 different layout. A checkpoint of another run or config is refused, not silently mixed in.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from averaging.math.flat import FlatLayout
-from averaging.network.interface import DownloadedState
+from averaging.state.served import DownloadedState
 from node.library.checkpoint import Checkpoint, list_checkpoints, load_latest_valid, save_checkpoint
 from protocols.errors import CheckpointError, ConfigError
 
@@ -37,7 +37,7 @@ def outer_meta(metadata: dict) -> dict:
 
 def save_shared_state(checkpoint_dir: Path, layout: FlatLayout, state: tuple[dict, list[torch.Tensor]], *,
                       meta: dict, local_state: dict[str, torch.Tensor] | None = None) -> tuple[Path, int]:
-    """Write one consistent copy of the shared state (``OuterState.shared_state()``: metadata,
+    """Write one consistent copy of the shared state (``SharedState.shared_state()``: metadata,
     [anchor, momentum]) as a checkpoint, with the peer's own ``local_state`` if given; returns its
     path and round."""
     metadata, (anchor, momentum) = state
@@ -69,7 +69,7 @@ def legacy_config_hash(fields: dict[str, Any]) -> str:
 
 def state_from_checkpoint(checkpoint: Checkpoint, layout: FlatLayout, *, run_id: str,
                           config_hash: str | None, also_accept: tuple[str, ...] = ()) -> DownloadedState:
-    """The checkpoint as a shared state for ``OuterState.adopt`` (which validates values)."""
+    """The checkpoint as a shared state for ``SharedState.adopt`` (which validates values)."""
     meta = checkpoint.meta
     if meta.get("run_id") != run_id:
         raise ConfigError(f"checkpoint {checkpoint.path} belongs to run {meta.get('run_id')!r}, not {run_id!r}; "

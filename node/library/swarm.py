@@ -20,12 +20,17 @@ from typing import Any
 
 import torch
 
-from averaging.engine.loop import LoopConfig, OuterLoop, RoundStats
+from averaging.engine.config import LoopConfig
+from averaging.engine.loop import RoundEngine
+from averaging.engine.stats import RoundStats, Traffic
 from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
-from averaging.math.traffic import STATE_BYTES_PER_VALUE, Traffic, round_payload
-from averaging.network.interface import DownloadedState, Progress
-from averaging.state.shared_state import Applied, OuterConfig, OuterState
+from averaging.math.outer_step import OuterConfig
+from averaging.math.wire import STATE_BYTES_PER_VALUE, round_payload
+from averaging.network.interface import Progress
+from averaging.state.served import DownloadedState
+from averaging.state.shared_state import SharedState
+from averaging.state.verdict import Applied
 from node.library.cleanup import close_hivemind, hivemind_sockets
 from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.library.dht import Reachability, RecordRules
@@ -157,7 +162,7 @@ class DiLoCoSwarm:
         self._layout = FlatLayout.of(named)
         anchor = self._layout.pack(dict(named), self._layout.new_buffer())
         avg = self.averaging
-        self._outer = OuterState(self._layout, anchor, self.outer_config, rel_tol=avg.rel_tol, abs_tol=avg.abs_tol)
+        self._shared = SharedState(self._layout, anchor, self.outer_config, rel_tol=avg.rel_tol, abs_tol=avg.abs_tol)
         self.shared = {
             **shared,
             **sync_shared_fields(outer=self.outer_config, rounds=self.rounds, averaging=avg),
@@ -181,7 +186,7 @@ class DiLoCoSwarm:
         backend = self._network.backend(run_id=self.run_id, numel=self._layout.numel,
                                         state_provider=self._serve_state, averaging=avg,
                                         client_mode=self.reachability.client_mode,
-                                        update_provider=self._outer.update_after)
+                                        update_provider=self._shared.update_after)
         self._worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
                                   matchmaking_grace=avg.matchmaking_seconds)
         self._closers.insert(0, self._worker.close)
@@ -191,8 +196,8 @@ class DiLoCoSwarm:
         self._closers.insert(0, self._monitor.stop)
         self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
         named_now = lambda: dict(self.model.named_parameters())  # noqa: E731 - follows .to(device)
-        self._loop = OuterLoop(
-            outer=self._outer, worker=self._worker, layout=self._layout, params=named_now,
+        self._loop = RoundEngine(
+            state=self._shared, worker=self._worker, layout=self._layout, params=named_now,
             schedule=lambda: self._monitor.schedule,
             config=LoopConfig(mode=self.rounds.sync_mode, inner_steps=self.rounds.inner_steps,
                               matchmaking_seconds=avg.matchmaking_seconds, download_timeout=avg.allreduce_timeout,
@@ -205,7 +210,7 @@ class DiLoCoSwarm:
     def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
         """Our shared state for a peer downloading it (hivemind's fetcher thread, in this process)."""
         self._served_at = time.time()
-        return self._outer.shared_state()
+        return self._shared.shared_state()
 
     def _alone(self) -> bool:
         """Whether a round that found no group applies our own pseudo-gradient (we define the shared
@@ -251,7 +256,7 @@ class DiLoCoSwarm:
         """Write the shared state (anchor, outer momentum, counters) as an atomic, verified checkpoint,
         with this peer's own ``local_state`` tensors if given (e.g. ``Trainer.inner_state()``);
         returns (path, round). Safe while a sync is in flight: the state is copied under its lock."""
-        return save_shared_state(Path(checkpoint_dir), self._layout, self._outer.shared_state(),
+        return save_shared_state(Path(checkpoint_dir), self._layout, self._shared.shared_state(),
                                  meta={"run_id": self.run_id, "peer": self.peer_id,
                                        "config_hash": self.manifest.config_hash, **(meta or {})},
                                  local_state=local_state)
@@ -304,12 +309,12 @@ class DiLoCoSwarm:
     @property
     def rounds_done(self) -> int:
         """Outer steps applied to the shared model since the run began."""
-        return self._outer.rounds_done
+        return self._shared.rounds_done
 
     @property
     def last_round(self) -> int:
         """Global round of the last outer step applied."""
-        return self._outer.last_round
+        return self._shared.last_round
 
     @property
     def bytes_sent(self) -> int:
@@ -324,7 +329,7 @@ class DiLoCoSwarm:
     def anchor_params(self) -> dict[str, torch.Tensor]:
         """A consistent CPU copy of the shared model (the anchor) by parameter name, e.g. for eval:
         the live parameters also hold this peer's unsynced progress."""
-        return self._layout.views(self._outer.anchor_copy())
+        return self._layout.views(self._shared.anchor_copy())
 
     def finish(self) -> list[RoundStats]:
         """Let a sync in flight land before leaving."""
@@ -425,5 +430,5 @@ class DiLoCoSwarm:
             round_bytes_sent=self.last_stats.bytes_sent if self.last_stats else None,
             round_bytes_received=self.last_stats.bytes_received if self.last_stats else None,
             time=self._directory.now(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
-            shard=beat.shard, sync_late_s=self._loop.sync_lateness, rounds_done=self._outer.rounds_done,
+            shard=beat.shard, sync_late_s=self._loop.sync_lateness, rounds_done=self._shared.rounds_done,
         )

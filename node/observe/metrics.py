@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch loads only where rounds are produced, not for `shoal plot`
-    from averaging.engine.loop import RoundStats
+    from averaging.engine.stats import RoundStats
 
 ROUND_FIELDS = (
     "round",

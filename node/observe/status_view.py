@@ -8,7 +8,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from averaging.engine.loop import round_advice
+from averaging.engine.policy import round_advice
 from node.library.snapshot import SwarmSnapshot
 from node.observe.fmt import number, short_id
 from node.observe.ui import peer_table

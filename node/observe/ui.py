@@ -23,7 +23,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from averaging.state.shared_state import Applied
+from averaging.state.verdict import Applied
 from node.observe.fmt import human_bytes, number, short_id
 from protocols.progress import ProgressRecord, SwarmSummary
 

@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from averaging.state.shared_state import OuterConfig
+from averaging.math.outer_step import OuterConfig
 from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.training.config import InnerConfig, TrainConfig
 from node.training.data import DataConfig

@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from averaging.math.fingerprints import AnchorClaim, claim_to_gather, fingerprint
-from averaging.state.shared_state import OuterState
+from averaging.math.fingerprints import AnchorClaim, encode_claim, fingerprint
+from averaging.state.shared_state import SharedState
 from node import cli
 from node.library import network
 from tests.integration.hostile_peer import ATTACK, ATTACKS, HostileBackend
@@ -28,22 +28,22 @@ def poisoned(anchor: torch.Tensor) -> torch.Tensor:
 
 
 def lie_about_the_anchor() -> None:
-    """Patch ``OuterState`` (this process only) so that its claims and shared state describe a
+    """Patch ``SharedState`` (this process only) so that its claims and shared state describe a
     poisoned anchor, one outer step ahead."""
-    def claim(self: OuterState) -> AnchorClaim:  # never cached: OuterState caches the honest one
+    def claim(self: SharedState) -> AnchorClaim:  # never cached: SharedState caches the honest one
         return AnchorClaim(fingerprint(poisoned(self.anchor)), self._scale.clone(), self.rounds_done + 1)
 
-    honest_shared_state = OuterState.shared_state
+    honest_shared_state = SharedState.shared_state
 
-    def shared_state(self: OuterState):
+    def shared_state(self: SharedState):
         metadata, (anchor, momentum) = honest_shared_state(self)
         lie = claim(self)
         metadata = {**metadata, "rounds_done": lie.rounds_done,
-                    "claim": claim_to_gather(lie, round=metadata["round"]).encode()}
+                    "claim": encode_claim(lie, round=metadata["round"]).encode()}
         return metadata, [poisoned(anchor), momentum]
 
-    OuterState._current_claim = claim
-    OuterState.shared_state = shared_state
+    SharedState._current_claim = claim
+    SharedState.shared_state = shared_state
 
 
 def main(argv: list[str]) -> None:

@@ -22,7 +22,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
-from averaging.network.hivemind.backend import HivemindBackend, ShoalAverager
+from averaging.network.hivemind.averager import ShoalAverager
+from averaging.network.hivemind.backend import HivemindBackend
 
 ATTACKS = ("scale", "flip", "noise", "nan", "shape", "weight", "lie")
 ATTACK = mp.Array("c", 16)

@@ -14,8 +14,8 @@ import hivemind
 import pytest
 import torch
 
-from averaging.network.hivemind import backend as hivemind_backend
-from averaging.network.hivemind.backend import MAX_SERVES_PER_PEER, STATE_COPY_REUSE_S, HivemindBackend
+from averaging.network.hivemind.averager import MAX_SERVES_PER_PEER, STATE_COPY_REUSE_S
+from averaging.network.hivemind.backend import HivemindBackend
 from averaging.network.slices import slice_alignment, slice_bounds
 from tests.integration.averagers import loopback_averagers
 
@@ -44,7 +44,7 @@ def test_a_donor_bounds_requests_per_peer_and_copies_its_state_once_per_period(t
     log_path = tmp_path / "donor.log"
     handler = logging.FileHandler(log_path)
     handler.setFormatter(logging.Formatter("%(process)d %(levelname)s %(message)s"))
-    logger = logging.getLogger(hivemind_backend.__name__)
+    logger = logging.getLogger("averaging.network.hivemind")  # the averager and its backend
     logger.addHandler(handler)  # before the averagers fork: they inherit it
     prefix = f"limits-{uuid.uuid4().hex[:8]}"
 

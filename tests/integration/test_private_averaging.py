@@ -19,7 +19,7 @@ from hivemind.proto import averaging_pb2
 
 from averaging.math.wire import WireFormat
 from averaging.network.hivemind.backend import HivemindBackend
-from averaging.network.interface import AppliedUpdate
+from averaging.state.served import AppliedUpdate
 from protocols.admission import admission_key
 from tests.integration.averagers import loopback_averagers
 
@@ -66,7 +66,7 @@ def join_answer(leader: HivemindBackend, joiner: HivemindBackend) -> int:
 def test_only_peers_proving_the_swarm_key_get_the_state_an_update_or_a_group(tmp_path):
     log_path = tmp_path / "donor.log"
     handler = logging.FileHandler(log_path)
-    backend_logger = logging.getLogger("averaging.network.hivemind.backend")
+    backend_logger = logging.getLogger("averaging.network.hivemind")  # the averager and its backend
     backend_logger.addHandler(handler)  # before the averagers fork: they inherit it
     backend_logger.setLevel(logging.INFO)
     prefix = f"private-{uuid.uuid4().hex[:6]}"

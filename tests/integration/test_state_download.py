@@ -32,7 +32,7 @@ SLICES = 8
 
 
 def donor_state() -> tuple[dict, list[torch.Tensor]]:
-    """What every donor serves (like OuterState.shared_state): anchor and momentum of one round."""
+    """What every donor serves (like SharedState.shared_state): anchor and momentum of one round."""
     generator = torch.Generator().manual_seed(2024)
     anchor, momentum = torch.randn(NUMEL, generator=generator), torch.randn(NUMEL, generator=generator)
     return {"v": 1, "numel": NUMEL, "round": ROUND, "rounds_done": ROUND}, [anchor, momentum]

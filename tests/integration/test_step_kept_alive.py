@@ -19,7 +19,8 @@ import torch
 from hivemind.averaging.control import AveragingStage
 
 from averaging.math.wire import WireFormat
-from averaging.network.hivemind.backend import HivemindBackend, ShoalAverager
+from averaging.network.hivemind.averager import ShoalAverager
+from averaging.network.hivemind.backend import HivemindBackend
 from tests.integration.averagers import loopback_averagers
 
 pytestmark = pytest.mark.integration

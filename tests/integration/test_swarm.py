@@ -12,8 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from averaging.math.traffic import round_payload
-from averaging.math.wire import WireFormat
+from averaging.math.wire import WireFormat, round_payload
 from node.library.checkpoint import load_latest_valid
 from node.observe.metrics import read_metrics
 from node.process.config import load_config

@@ -149,7 +149,7 @@ def test_a_joiner_downloads_the_state_only_once_the_swarm_has_stepped():
                 joiner._monitor.period = period
             assert joiner.start() is None and joiner.rounds_done == 0
         assert any(record.rounds_done == 0 for record in joiners[0].peers if record.peer_id == first.peer_id)
-        first._outer.apply(torch.full_like(first._outer.anchor, 0.01), round=1)  # as a lone peer's round 1
+        first._shared.apply(torch.full_like(first._shared.anchor, 0.01), round=1)  # as a lone peer's round 1
         first._monitor.tick()
         late = swarm(hub, "late", rounds=long_rounds, initial_peers=["first"])
         joiners.append(late)
@@ -186,7 +186,7 @@ def test_a_joiner_that_trusted_a_stale_record_replays_the_step_it_missed():
     joiner = None
     try:
         first._monitor.tick()  # its record: 0 outer steps
-        first._outer.apply(torch.full_like(first._outer.anchor, 0.01), round=1)  # stepped alone since
+        first._shared.apply(torch.full_like(first._shared.anchor, 0.01), round=1)  # stepped alone since
         joiner = swarm(hub, "joiner", rounds=rounds, initial_peers=["first"])
         downloads = []
         joiner._loop.initial_sync = lambda *args, **kwargs: downloads.append(args)

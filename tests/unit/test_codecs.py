@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 from averaging.math import codecs
 from averaging.math.codecs import CODES, HEADER, MAGIC, decode, encode, encoded_size, quantize
 from averaging.network.hivemind import codecs as hivemind_codecs
+from averaging.network.hivemind.pins import HivemindChanged
 from protocols.messages import MessageError
 
 INT_CODES = ("int8", "int4")
@@ -264,8 +265,8 @@ def test_cuda_matches_cpu(code):
 
 # -- hivemind registration -------------------------------------------------------------------------
 
-def test_hivemind_self_check_passes_on_the_installed_version():
-    hivemind_codecs.check_hivemind()
+def test_the_registrations_self_check_passes_on_the_installed_version():
+    hivemind_codecs.check_registry()
 
 
 def test_hivemind_self_check_names_what_changed(monkeypatch):
@@ -276,14 +277,14 @@ def test_hivemind_self_check_names_what_changed(monkeypatch):
             yield serialize_torch_tensor(tensor_part, runtime_pb2.CompressionType.FLOAT16)
 
     monkeypatch.setattr(allreduce.AllReduceRunner, "_accumulate_parts_streaming", rewritten)
-    with pytest.raises(hivemind_codecs.HivemindChanged, match="re-encode deltas with the sender's type"):
-        hivemind_codecs.check_hivemind()
+    with pytest.raises(HivemindChanged, match="re-encode deltas with the sender's type"):
+        hivemind_codecs.check_registry()
 
 
 def test_hivemind_self_check_catches_an_enum_that_grew_into_our_numbers(monkeypatch):
     monkeypatch.setitem(hivemind_codecs.WIRE_TYPES, int(runtime_pb2.CompressionType.FLOAT16), ("int4", "fp16"))
-    with pytest.raises(hivemind_codecs.HivemindChanged, match="now defines"):
-        hivemind_codecs.check_hivemind()
+    with pytest.raises(HivemindChanged, match="now defines"):
+        hivemind_codecs.check_registry()
 
 
 @pytest.mark.parametrize("send,ret", [(s, r) for s in hivemind_codecs.SEND_CODES for r in hivemind_codecs.RETURN_CODES])

@@ -11,21 +11,21 @@ from averaging.math.fingerprints import (
     REPEAT_WARNING_EVERY,
     SIGN_PERIOD,
     AnchorClaim,
+    Consensus,
     DivergenceWatch,
-    Verdict,
     _sign_table,
     agree,
     chunk_length,
     chunk_rms,
-    claim_from_gather,
-    claim_to_gather,
+    claim_of,
     consensus,
+    encode_claim,
     fingerprint,
     rms_difference,
     tie_rank,
 )
 from averaging.math.outer_step import outer_step_
-from protocols.messages import RoundGather
+from protocols.messages import ClaimMessage
 
 NUM_CHUNKS = 40
 NUMEL = NUM_CHUNKS * SIGN_PERIOD  # small enough to be fast, large enough for one chunk per sign period
@@ -267,11 +267,11 @@ def test_claim_round_trips_exactly_through_the_round_report(numel):
     anchor = randn(numel, seed=41)
     fp = fingerprint(anchor)
     claim = AnchorClaim(fp, chunk_rms(randn(numel, seed=42, std=1e-3), fp.chunk_len), rounds_done=17)
-    report = claim_to_gather(claim, round=23)
+    report = encode_claim(claim, round=23)
     assert (report.round, report.rounds_done, report.num_chunks, report.num_projections) == (23, 17, fp.num_chunks, 4)
-    decoded = RoundGather.decode(report.encode(), numel=numel, chunk_len=fp.chunk_len, num_projections=NUM_PROJECTIONS)
+    decoded = ClaimMessage.decode(report.encode(), numel=numel, chunk_len=fp.chunk_len, num_projections=NUM_PROJECTIONS)
     assert decoded == report
-    back = claim_from_gather(decoded)
+    back = claim_of(decoded)
     assert (back.fingerprint.numel, back.fingerprint.chunk_len, back.rounds_done) == (numel, fp.chunk_len, 17)
     assert torch.equal(back.fingerprint.projections, fp.projections)
     assert torch.equal(back.scale, claim.scale)
@@ -280,7 +280,7 @@ def test_claim_round_trips_exactly_through_the_round_report(numel):
 
 def test_a_member_that_stays_off_the_anchor_is_named_then_warned_of():
     def verdict(agreeing, diverged, contested=False):
-        return Verdict(reference=sorted(agreeing)[0], agreeing=frozenset(agreeing), diverged=frozenset(diverged),
+        return Consensus(reference=sorted(agreeing)[0], agreeing=frozenset(agreeing), diverged=frozenset(diverged),
                        contested=contested)
 
     watch = DivergenceWatch()

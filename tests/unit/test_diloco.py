@@ -1,16 +1,21 @@
-"""OuterState: how a round ends (averaged or local), the group check, and sharing/adopting state."""
+"""SharedState and the round's verdict: how a round ends (averaged or local), the group check, and sharing/adopting state."""
 
 import struct
 
 import pytest
 import torch
 
+from averaging.engine.recover import Recovery
+from averaging.engine.round import conclude
 from averaging.math.fingerprints import SIGN_PERIOD
 from averaging.math.flat import FlatLayout
-from averaging.math.outer_step import outer_step_
-from averaging.network.interface import AverageOutcome, DownloadedState
+from averaging.math.outer_step import OuterConfig, outer_step_
+from averaging.network.interface import AverageOutcome
 from averaging.network.slices import slice_alignment, slice_bounds, slice_units
-from averaging.state.shared_state import STATE_VERSION, AppliedUpdate, OuterConfig, OuterState, check_average
+from averaging.state import accept
+from averaging.state.accept import check_average
+from averaging.state.served import STATE_VERSION, AppliedUpdate, DownloadedState
+from averaging.state.shared_state import SharedState
 from protocols.messages import MessageError
 
 LAYOUT = FlatLayout.of([("w", torch.zeros(3, SIGN_PERIOD)), ("b", torch.zeros(100))])  # 4 chunks, the last partial
@@ -23,11 +28,11 @@ def randn(seed: int, std: float = 1.0) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * std
 
 
-def new_state(anchor_seed: int = 0) -> OuterState:
-    return OuterState(LAYOUT, randn(anchor_seed, std=0.02), CONFIG)
+def new_state(anchor_seed: int = 0) -> SharedState:
+    return SharedState(LAYOUT, randn(anchor_seed, std=0.02), CONFIG)
 
 
-def reference_step(state: OuterState, pseudo_grad: torch.Tensor, momentum: torch.Tensor | None = None):
+def reference_step(state: SharedState, pseudo_grad: torch.Tensor, momentum: torch.Tensor | None = None):
     """The anchor and momentum after one outer step from ``state``, computed apart from it."""
     anchor = state.anchor.clone()
     momentum = state.momentum.clone() if momentum is None else momentum
@@ -35,7 +40,7 @@ def reference_step(state: OuterState, pseudo_grad: torch.Tensor, momentum: torch
     return anchor, momentum
 
 
-def snapshot(state: OuterState):
+def snapshot(state: SharedState):
     claim = state.claim()
     return (state.anchor.clone(), state.momentum.clone(), state.rounds_done, state.last_round,
             claim.fingerprint.projections.clone(), claim.scale.clone(), claim.rounds_done)
@@ -58,7 +63,7 @@ def ok(gathered=None) -> AverageOutcome:
 def test_a_failed_round_of_a_peer_in_a_swarm_folds_its_work():
     state = new_state()
     anchor, momentum = state.anchor.clone(), state.momentum.clone()
-    conclusion = state.conclude(AverageOutcome(ok=False, error="timed out"), randn(1, std=1e-3), round=3,
+    conclusion = conclude(state, AverageOutcome(ok=False, error="timed out"), randn(1, std=1e-3), round=3,
                                 averaged=randn(2, std=1e-3), self_id="peer-a")
     assert (conclusion.applied, conclusion.group_size, conclusion.error) == ("folded", 1, "timed out")
     assert torch.equal(state.anchor, anchor) and torch.equal(state.momentum, momentum)
@@ -69,10 +74,10 @@ def test_a_failed_round_of_a_peer_alone_applies_the_local_pseudo_gradient():
     state = new_state()
     local = randn(1, std=1e-3)
     expected_anchor, expected_momentum = reference_step(state, local)
-    conclusion = state.conclude(AverageOutcome(ok=False, error="timed out"), local, round=3,
+    conclusion = conclude(state, AverageOutcome(ok=False, error="timed out"), local, round=3,
                                 averaged=randn(2, std=1e-3), self_id="peer-a", alone=True)
     assert (conclusion.applied, conclusion.group_size, conclusion.error) == ("local", 1, "timed out")
-    assert conclusion.verdict is None and conclusion.donors == [] and conclusion.bad_reports == 0
+    assert conclusion.verdict is None and conclusion.resync is None and conclusion.bad_claims == 0
     assert torch.equal(state.anchor, expected_anchor)
     assert torch.equal(state.momentum, expected_momentum)
     assert (state.rounds_done, state.last_round) == (1, 3)
@@ -83,7 +88,7 @@ def test_an_ok_round_applies_the_averaged_pseudo_gradient_on_top_of_the_momentum
     state.apply(randn(3, std=1e-3), round=1)  # non-zero momentum, so its use shows
     local, averaged = randn(4, std=1e-3), randn(5, std=1e-3)
     expected_anchor, expected_momentum = reference_step(state, averaged)
-    conclusion = state.conclude(ok(), local, round=2, averaged=averaged, self_id="peer-a")
+    conclusion = conclude(state, ok(), local, round=2, averaged=averaged, self_id="peer-a")
     assert (conclusion.applied, conclusion.group_size, conclusion.error) == ("averaged", 3, None)
     assert torch.equal(state.anchor, expected_anchor)
     assert torch.equal(state.momentum, expected_momentum)
@@ -94,7 +99,7 @@ def test_an_ok_round_without_an_averaged_vector_applies_the_local_one():
     state = new_state()
     local = randn(6, std=1e-3)
     expected_anchor, _ = reference_step(state, local)
-    assert state.conclude(ok(), local, round=1, averaged=None, alone=True).applied == "local"
+    assert conclude(state, ok(), local, round=1, averaged=None, alone=True).applied == "local"
     assert torch.equal(state.anchor, expected_anchor)
 
 
@@ -110,7 +115,7 @@ def test_an_unusable_average_is_refused_and_the_work_folded(make_averaged, menti
     state = new_state()
     local = randn(7, std=1e-3)
     expected_anchor = state.anchor.clone()
-    conclusion = state.conclude(ok(), local, round=1, averaged=make_averaged(local))
+    conclusion = conclude(state, ok(), local, round=1, averaged=make_averaged(local))
     assert conclusion.applied == "folded"
     assert mentions in conclusion.error and "not applied" in conclusion.error
     assert torch.equal(state.anchor, expected_anchor)
@@ -126,20 +131,20 @@ def test_check_average_allows_up_to_the_ratio():
 
 
 # -- the group check at the end of a round -----------------------------------------------------
-def three_states() -> dict[str, OuterState]:
+def three_states() -> dict[str, SharedState]:
     return {peer: new_state(anchor_seed=0) for peer in GROUP}
 
 
-def end_round(states: dict[str, OuterState], round: int, averaged: torch.Tensor, extra: dict | None = None, *,
+def end_round(states: dict[str, SharedState], round: int, averaged: torch.Tensor, extra: dict | None = None, *,
               catching_up: bool = False, serve: dict | None = None):
     """Every state reports, then concludes with the same average (as after a healthy all-reduce);
     with ``catching_up``, a state that is behind replays steps from the others' histories (or
-    from ``serve[peer]``, ``catch_up_from``)."""
-    gathered = {peer: state.round_report(round=round).encode() for peer, state in states.items()}
+    from ``serve[peer]``, ``recovery_from``)."""
+    gathered = {peer: state.claim_message(round=round).encode() for peer, state in states.items()}
     gathered.update(extra or {})
     outcome = AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered)
-    return {peer: state.conclude(outcome, averaged, round=round, averaged=averaged, self_id=peer,
-                                 catch_up=catch_up_from(states, peer, (serve or {}).get(peer)) if catching_up else None)
+    return {peer: conclude(state, outcome, averaged, round=round, averaged=averaged, self_id=peer,
+                         recovery=recovery_from(states, peer, (serve or {}).get(peer)) if catching_up else None)
             for peer, state in states.items()}
 
 
@@ -148,8 +153,8 @@ def test_peers_that_share_an_anchor_need_no_donors():
     for round in (1, 2):
         conclusions = end_round(states, round, randn(10 + round, std=1e-3))
         for conclusion in conclusions.values():
-            assert conclusion.donors == [] and conclusion.bad_reports == 0
-            assert conclusion.verdict.agreeing == frozenset(GROUP) and conclusion.verdict.diverged == frozenset()
+            assert conclusion.resync is None and conclusion.bad_claims == 0
+            assert conclusion.verdict.consensus.agreeing == frozenset(GROUP) and conclusion.verdict.consensus.diverged == frozenset()
 
 
 def test_a_peer_whose_anchor_diverged_gets_the_others_as_donors():
@@ -160,20 +165,27 @@ def test_a_peer_whose_anchor_diverged_gets_the_others_as_donors():
     for peer in ("peer-a", "peer-c"):
         states[peer].apply(randn(13, std=1e-3), round=2)
     conclusions = end_round(states, 3, randn(14, std=1e-3))
-    assert conclusions["peer-b"].donors == ["peer-a", "peer-c"]
-    assert conclusions["peer-a"].donors == [] and conclusions["peer-c"].donors == []
+    assert conclusions["peer-b"].resync.donors == ["peer-a", "peer-c"]
+    assert conclusions["peer-a"].resync is None and conclusions["peer-c"].resync is None
     for conclusion in conclusions.values():  # every member reaches the same verdict
-        assert conclusion.verdict.diverged == frozenset({"peer-b"})
-        assert conclusion.verdict.reference in ("peer-a", "peer-c")  # equal agreement: the hash picks
+        assert conclusion.verdict.consensus.diverged == frozenset({"peer-b"})
+        assert conclusion.verdict.consensus.reference in ("peer-a", "peer-c")  # equal agreement: the hash picks
 
 
-def catch_up_from(states: dict[str, OuterState], me: str, serve=None):
-    """A ``CatchUp`` that fetches the missed steps from the donors' histories (or ``serve``)."""
-    def catch_up(donors, steps, reference, rewind, work_rms):
-        start = states[me].rounds_done - rewind
-        updates = [(serve or states[donors[0]].update_after)(start + i) for i in range(steps)]
-        return None not in updates and states[me].catch_up(updates, reference, rewind=rewind, work_rms=work_rms)
-    return catch_up
+class HistoryBackend:
+    """The network a catch-up needs: outer steps from the donors' histories (or ``serve``)."""
+
+    def __init__(self, states: dict[str, SharedState], serve=None):
+        self.states, self.serve = states, serve
+
+    def fetch_update(self, peers, *, rounds_done, numel, timeout):
+        return (self.serve or self.states[peers[0]].update_after)(rounds_done)
+
+
+def recovery_from(states: dict[str, SharedState], me: str, serve=None) -> Recovery:
+    """A ``Recovery`` that fetches the missed steps from the donors' histories (or ``serve``)."""
+    return Recovery(state=states[me], backend=HistoryBackend(states, serve), schedule=None, clock=None,
+                    download_timeout=1.0)
 
 
 def test_a_two_peer_tie_between_a_peer_ahead_and_one_behind_ends_in_a_catch_up_whoever_wins_it():
@@ -185,16 +197,16 @@ def test_a_two_peer_tie_between_a_peer_ahead_and_one_behind_ends_in_a_catch_up_w
         end_round(states, 1, randn(11, std=1e-3), catching_up=True)
         states["peer-a"].apply(randn(12, std=1e-3), round=2)  # peer-b folded round 2
         conclusions = end_round(states, round, randn(13, std=1e-3), catching_up=True)
-        verdict = conclusions["peer-a"].verdict
-        assert verdict.contested and verdict == conclusions["peer-b"].verdict
+        verdict = conclusions["peer-a"].verdict.consensus
+        assert verdict.contested and verdict == conclusions["peer-b"].verdict.consensus
         behind_won += verdict.reference == "peer-b"
         ahead_won += verdict.reference == "peer-a"
         assert conclusions["peer-b"].caught_up == 1 and conclusions["peer-a"].caught_up == 0
-        assert conclusions["peer-a"].donors == [] and conclusions["peer-b"].donors == []
+        assert conclusions["peer-a"].resync is None and conclusions["peer-b"].resync is None
         assert states["peer-a"].rounds_done == states["peer-b"].rounds_done == 3
         # Apart only by the fp16 rounding of the replayed step: the next round finds no divergence.
         assert (states["peer-a"].anchor - states["peer-b"].anchor).abs().max() < 1e-5
-        assert not end_round(states, round + 1, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.diverged
+        assert not end_round(states, round + 1, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.consensus.diverged
     assert behind_won and ahead_won  # both ways of the tie were exercised
 
 
@@ -213,22 +225,22 @@ def test_a_peer_that_applied_a_step_without_the_one_before_undoes_it_and_replays
     for step in (randn(11, std=1e-3), randn(12, std=1e-3), averaged := randn(13, std=1e-3)):
         expected.apply(step, round=4)
     conclusions = end_round(states, 4, averaged, catching_up=True)
-    assert conclusions["peer-c"].verdict.diverged == frozenset({"peer-c"})
-    assert conclusions["peer-c"].donors == [] and conclusions["peer-c"].caught_up == 2
+    assert conclusions["peer-c"].verdict.consensus.diverged == frozenset({"peer-c"})
+    assert conclusions["peer-c"].resync is None and conclusions["peer-c"].caught_up == 2
     assert joiner.rounds_done == states["peer-a"].rounds_done == 3
     for state in states.values():  # up to the fp16 rounding of the undone and replayed steps
         assert (state.anchor - expected.anchor).abs().max() < 1e-5
         assert (state.momentum - expected.momentum).abs().max() < 1e-5
-    assert not end_round(states, 5, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.diverged
+    assert not end_round(states, 5, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.consensus.diverged
 
 
-def crafted_step(victim: OuterState, size: float) -> tuple[OuterState, torch.Tensor]:
+def crafted_step(victim: SharedState, size: float) -> tuple[SharedState, torch.Tensor]:
     """An attacker's state one step ahead of ``victim`` by a step of RMS ``size``: it knows the
     victim's anchor (public state), so its claim is exactly where that step leads."""
     attacker = new_state()
     attacker.anchor.copy_(victim.anchor)
     attacker.momentum.copy_(victim.momentum)
-    attacker.rounds_done, attacker._scale = victim.rounds_done, victim._scale.clone()
+    attacker.rounds_done, attacker.scale = victim.rounds_done, victim.scale.clone()
     step = randn(40, std=size)
     attacker.apply(step, round=2)
     return attacker, step
@@ -248,18 +260,18 @@ def test_a_stranger_in_a_two_peer_tie_wins_it_only_by_the_hash_and_cannot_make_u
         expected_anchor, expected_momentum = reference_step(honest, averaged := randn(13, std=1e-3))
         serve = {"honest": lambda rounds_done, s=step: AppliedUpdate(2, rounds_done + 1, s.half())}
         conclusions = end_round({"honest": honest, "attacker": attacker}, round, averaged, catching_up=True, serve=serve)
-        verdict = conclusions["honest"].verdict
+        verdict = conclusions["honest"].verdict.consensus
         assert verdict.contested
         assert conclusions["honest"].caught_up == 0  # its crafted step was never replayed
         assert honest.rounds_done == 2  # our step and this round's average: nothing replayed
         assert torch.equal(honest.anchor, expected_anchor) and torch.equal(honest.momentum, expected_momentum)
         if verdict.reference == "honest":
             won += 1
-            assert conclusions["honest"].donors == []
+            assert conclusions["honest"].resync is None
         else:
             lost += 1
-            assert conclusions["honest"].donors == ["attacker"]
-            assert conclusions["honest"].reference.rounds_done == 2  # its claim, which the download must match
+            assert conclusions["honest"].resync.donors == ["attacker"]
+            assert conclusions["honest"].resync.reference.rounds_done == 2  # its claim, which the download must match
     assert won and lost
 
 
@@ -273,11 +285,11 @@ def test_a_tie_is_repaired_by_replaying_the_winners_step():
         states["peer-a"].apply(randn(12, std=1e-3), round=2)
         states["peer-b"].apply(randn(14, std=1e-3), round=2)  # its part kept its local value
         conclusions = end_round(states, round, randn(13, std=1e-3), catching_up=True)
-        verdict = conclusions["peer-a"].verdict
+        verdict = conclusions["peer-a"].verdict.consensus
         assert verdict.contested
         loser = next(iter(verdict.diverged))
-        assert conclusions[loser].donors == [] and conclusions[loser].caught_up == 1
-        assert conclusions[verdict.reference].donors == [] and conclusions[verdict.reference].caught_up == 0
+        assert conclusions[loser].resync is None and conclusions[loser].caught_up == 1
+        assert conclusions[verdict.reference].resync is None and conclusions[verdict.reference].caught_up == 0
         assert (states["peer-a"].anchor - states["peer-b"].anchor).abs().max() < 1e-5
 
 
@@ -294,11 +306,11 @@ def test_after_a_start_up_split_the_pair_with_the_smaller_first_step_replays_the
         for peer, state in states.items():
             state.apply(small if peer.startswith("a") else big, round=1)
         conclusions = end_round(states, round, randn(33, std=1e-3), catching_up=True)
-        verdict = conclusions["a1"].verdict
+        verdict = conclusions["a1"].verdict.consensus
         assert verdict.contested and len(verdict.diverged) == 2
         lost["small" if "a1" in verdict.diverged else "big"] += 1
         for peer in verdict.diverged:
-            assert conclusions[peer].donors == [] and conclusions[peer].caught_up == 1
+            assert conclusions[peer].resync is None and conclusions[peer].caught_up == 1
         anchors = [state.anchor for state in states.values()]
         assert all((anchor - anchors[0]).abs().max() < 1e-5 for anchor in anchors)
     assert lost["small"] and lost["big"]  # both ways of the tie were exercised
@@ -324,28 +336,28 @@ def test_fp16_noise_between_peers_is_not_a_divergence():
         state.apply(local + (averaged - local).half().float(), round=2)
     assert not torch.equal(states["peer-a"].anchor, states["peer-b"].anchor)
     conclusions = end_round(states, 3, randn(17, std=1e-3))
-    assert all(c.donors == [] and not c.verdict.diverged for c in conclusions.values())
+    assert all(c.resync is None and not c.verdict.consensus.diverged for c in conclusions.values())
 
 
 def test_malformed_and_stale_reports_are_counted_and_ignored():
     states = three_states()
     end_round(states, 1, randn(18, std=1e-3))
-    stale = states["peer-a"].round_report(round=1).encode()
+    stale = states["peer-a"].claim_message(round=1).encode()
     extra = {"mallory": {"v": 1, "round": 2}, "nan-peer": {**stale, "round": 2, "proj": b"\xff" * len(stale["proj"])},
              "late": stale, "junk": "not a map"}
     conclusions = end_round(states, 2, randn(19, std=1e-3), extra=extra)
     for conclusion in conclusions.values():
-        assert conclusion.bad_reports == 4
-        assert conclusion.verdict.agreeing == frozenset(GROUP) and conclusion.verdict.diverged == frozenset()
+        assert conclusion.bad_claims == 4
+        assert conclusion.verdict.consensus.agreeing == frozenset(GROUP) and conclusion.verdict.consensus.diverged == frozenset()
         assert conclusion.group_size == 7  # the group as the backend formed it
         assert conclusion.applied == "averaged"
 
 
 def test_no_verdict_with_fewer_than_two_valid_reports():
     state = new_state()
-    gathered = {"me": state.round_report(round=1).encode(), "mallory": {"v": 2}}
-    conclusion = state.conclude(ok(gathered), randn(20, std=1e-3), round=1, averaged=randn(21, std=1e-3), self_id="me")
-    assert (conclusion.verdict, conclusion.bad_reports, conclusion.donors) == (None, 1, [])
+    gathered = {"me": state.claim_message(round=1).encode(), "mallory": {"v": 2}}
+    conclusion = conclude(state, ok(gathered), randn(20, std=1e-3), round=1, averaged=randn(21, std=1e-3), self_id="me")
+    assert (conclusion.verdict.consensus, conclusion.bad_claims, conclusion.resync) == (None, 1, None)
 
 
 def test_the_claim_follows_the_anchor():
@@ -359,12 +371,12 @@ def test_the_claim_follows_the_anchor():
     assert after.rounds_done == 1
     assert not torch.equal(after.fingerprint.projections, before.fingerprint.projections)
     assert float(after.scale[0]) == pytest.approx(float(grad[:SIGN_PERIOD].double().square().mean().sqrt()), rel=1e-12)
-    report = state.round_report(round=6)
+    report = state.claim_message(round=6)
     assert (report.round, report.rounds_done, report.scale) == (6, 1, tuple(after.scale.tolist()))
 
 
 # -- sharing and adopting the state ------------------------------------------------------------
-def donor_state() -> OuterState:
+def donor_state() -> SharedState:
     donor = new_state(anchor_seed=30)
     donor.apply(randn(31, std=1e-3), round=4)
     donor.apply(randn(32, std=1e-3), round=6)
@@ -382,7 +394,7 @@ def test_adopt_copies_the_donors_state_and_claim():
     assert torch.equal(mine.fingerprint.projections, theirs.fingerprint.projections)
     assert torch.equal(mine.scale, theirs.scale)
     assert mine.rounds_done == theirs.rounds_done
-    assert receiver.round_report(round=7) == donor.round_report(round=7)
+    assert receiver.claim_message(round=7) == donor.claim_message(round=7)
     # Both sides hold copies: nothing written later on one side shows on the other.
     tensors[0].add_(1.0)
     donor.apply(randn(33, std=1e-3), round=7)
@@ -481,7 +493,7 @@ def test_a_re_sync_adopts_only_the_anchor_the_group_agreed_on():
     ahead = donor_state()
     ahead.apply(step, round=7)  # a donor that already applied it
 
-    def download(state: OuterState) -> DownloadedState:
+    def download(state: SharedState) -> DownloadedState:
         metadata, tensors = state.shared_state()
         return DownloadedState("donor-x", metadata, tensors)
 
@@ -520,7 +532,7 @@ def test_each_slice_of_a_download_is_checked_against_the_claim_it_should_match()
     bounds = [slice_bounds(flat.numel(), i, count, align) for i in range(count)]
     receiver = new_state(anchor_seed=40)
     receiver.apply(randn(41, std=1e-3), round=1)
-    check = receiver.slice_check()
+    check = accept.slice_check(receiver)
     assert all(check(a, b, metadata, flat[a:b]) is None for a, b in bounds)  # an honest donor
     tampered = flat.clone()
     tampered[SIGN_PERIOD + 5] += 0.1  # one value of the anchor's second chunk
@@ -540,7 +552,7 @@ def test_each_slice_of_a_download_is_checked_against_the_claim_it_should_match()
     liar_metadata, liar_tensors = liar.shared_state()
     liar_flat = torch.cat(liar_tensors)
     assert all(check(a, b, liar_metadata, liar_flat[a:b]) is None for a, b in bounds)  # self-consistent
-    by_group = receiver.slice_check(donor.claim())
+    by_group = accept.slice_check(receiver, donor.claim())
     assert all(by_group(a, b, metadata, flat[a:b]) is None for a, b in bounds)
     problems = [by_group(a, b, liar_metadata, liar_flat[a:b]) for a, b in bounds if a < NUMEL]
     assert all(p is not None and "the anchor its group agreed on" in p for p in problems), problems
@@ -560,10 +572,10 @@ def test_same_state_tells_donors_of_one_anchor_from_donors_that_diverged():
     diverged = donor_state()
     diverged.anchor.add_(randn(35, std=1e-2))
     diverged._claim = None  # as if it had applied another step
-    assert judge.same_state(one.shared_state()[0], same.shared_state()[0])
-    assert not judge.same_state(one.shared_state()[0], ahead.shared_state()[0])
-    assert not judge.same_state(one.shared_state()[0], diverged.shared_state()[0])
-    assert not judge.same_state(one.shared_state()[0], {"round": 6})  # no claim: never the same
+    assert accept.same_state(judge, one.shared_state()[0], same.shared_state()[0])
+    assert not accept.same_state(judge, one.shared_state()[0], ahead.shared_state()[0])
+    assert not accept.same_state(judge, one.shared_state()[0], diverged.shared_state()[0])
+    assert not accept.same_state(judge, one.shared_state()[0], {"round": 6})  # no claim: never the same
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -609,10 +621,10 @@ def test_outer_config_accepts_the_bounds():
 def test_a_report_claiming_more_outer_steps_than_rounds_is_refused():
     states = three_states()
     end_round(states, 1, randn(18, std=1e-3))
-    boastful = {**states["peer-a"].round_report(round=2).encode(), "rounds_done": 3}
+    boastful = {**states["peer-a"].claim_message(round=2).encode(), "rounds_done": 3}
     conclusions = end_round(states, 2, randn(19, std=1e-3), extra={"mallory": boastful})
     for conclusion in conclusions.values():
-        assert conclusion.bad_reports == 1 and "mallory" not in conclusion.verdict.agreeing
+        assert conclusion.bad_claims == 1 and "mallory" not in conclusion.verdict.consensus.agreeing
 
 
 def test_a_claimed_scale_cannot_widen_the_tolerance():
@@ -620,14 +632,14 @@ def test_a_claimed_scale_cannot_widen_the_tolerance():
     # claim is capped at twice our own scale, so it is seen as diverged, and nobody follows it.
     states = three_states()
     end_round(states, 1, randn(18, std=1e-3))
-    report = states["peer-a"].round_report(round=2)
+    report = states["peer-a"].claim_message(round=2)
     far = {**report.encode(), "proj": struct.pack(f"<{len(report.projections)}d",
                                                   *[p + 1.0 for p in report.projections]),
            "scale": struct.pack(f"<{len(report.scale)}d", *[1e6] * len(report.scale))}
     conclusions = end_round(states, 2, randn(19, std=1e-3), extra={"mallory": far})
     for conclusion in conclusions.values():
-        assert conclusion.verdict.diverged == frozenset({"mallory"}), conclusion.verdict
-        assert conclusion.donors == []
+        assert conclusion.verdict.consensus.diverged == frozenset({"mallory"}), conclusion.verdict
+        assert conclusion.resync is None
 
 
 def test_a_state_of_no_outer_step_must_be_the_runs_initial_weights():
@@ -642,7 +654,7 @@ def test_a_state_of_no_outer_step_must_be_the_runs_initial_weights():
     count = slice_units(flat.numel(), align)
     bounds = [slice_bounds(flat.numel(), i, count, align) for i in range(count)]
     receiver.apply(randn(8, std=1e-3), round=1)  # what we did since does not change the run's init
-    check = receiver.slice_check()
+    check = accept.slice_check(receiver)
     assert all(check(a, b, metadata, flat[a:b]) is None for a, b in bounds)
 
     hijacker = new_state(anchor_seed=7)
@@ -652,7 +664,7 @@ def test_a_state_of_no_outer_step_must_be_the_runs_initial_weights():
     problems = [check(a, b, liar_metadata, liar_flat[a:b]) for a, b in bounds if a < NUMEL]
     assert problems and all(p is not None and "the run's initial weights" in p for p in problems), problems
     # ... also in a re-sync whose group reference is its own (two Sybils outvoting us).
-    by_group = receiver.slice_check(hijacker.claim())
+    by_group = accept.slice_check(receiver, hijacker.claim())
     assert all(by_group(a, b, liar_metadata, liar_flat[a:b]) is not None for a, b in bounds if a < NUMEL)
 
     momentum = flat.clone()
@@ -672,8 +684,8 @@ def test_a_state_claiming_more_outer_steps_than_rounds_is_refused():
     with pytest.raises(MessageError, match="claims 2 outer steps in a state of round 1"):
         receiver.adopt(lie, require_claim=True)
     assert_same_snapshot(snapshot(receiver), before)
-    assert not receiver.same_state(lie.metadata, lie.metadata)
-    assert "claims 2 outer steps" in receiver.slice_check()(0, 16, lie.metadata, lie.tensors[0][:16])
+    assert not accept.same_state(receiver, lie.metadata, lie.metadata)
+    assert "claims 2 outer steps" in accept.slice_check(receiver)(0, 16, lie.metadata, lie.tensors[0][:16])
 
     honest = new_state(anchor_seed=40)
     step = randn(41, std=1e-3)

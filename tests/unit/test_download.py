@@ -420,7 +420,7 @@ def test_a_proof_binds_the_swarm_key_to_one_peer():
 
 def test_a_slice_the_check_refuses_drops_its_donor_and_is_fetched_from_another(caplog):
     """A donor whose values do not match the fingerprint they should is named when its slice
-    arrives (``OuterState.slice_check`` in production), and its slices come from the others."""
+    arrives (``SharedState.slice_check`` in production), and its slices come from the others."""
     def lying(index: int, count: int, nth: int) -> tuple:
         metadata, values = healthy()(index, count, nth)
         return {**metadata, "liar": True}, values + 1.0

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from averaging.state.shared_state import Applied
+from averaging.state.verdict import Applied
 from node.commands.health import health
 from node.observe.exporter import MetricsExporter, check_health
 from protocols.version import shoal_version

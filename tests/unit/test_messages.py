@@ -1,18 +1,18 @@
-"""RoundGather validation: everything a peer sends is checked before it is used."""
+"""ClaimMessage validation: everything a peer sends is checked before it is used."""
 
 import math
 import struct
 
 import pytest
 
-from protocols.messages import PROTOCOL_VERSION, MessageError, RoundGather
+from protocols.messages import PROTOCOL_VERSION, ClaimMessage, MessageError
 
 NUMEL, CHUNK_LEN, K = 10_000, 4093, 4
 NUM_CHUNKS = 3  # ceil(10_000 / 4093)
 
 
-def valid_report() -> RoundGather:
-    return RoundGather(
+def valid_report() -> ClaimMessage:
+    return ClaimMessage(
         round=7,
         rounds_done=5,
         numel=NUMEL,
@@ -24,7 +24,7 @@ def valid_report() -> RoundGather:
 
 
 def decode(obj):
-    return RoundGather.decode(obj, numel=NUMEL, chunk_len=CHUNK_LEN, num_projections=K)
+    return ClaimMessage.decode(obj, numel=NUMEL, chunk_len=CHUNK_LEN, num_projections=K)
 
 
 def encoded(**changes) -> dict:
@@ -79,7 +79,7 @@ def test_rejects_a_fingerprint_larger_than_the_limit():
     # Our own layout is what sizes the buffers, so a huge one is refused before unpacking anything.
     obj = encoded(numel=10**9, chunk_len=1, k=4)
     with pytest.raises(MessageError, match="too large"):
-        RoundGather.decode(obj, numel=10**9, chunk_len=1, num_projections=4)
+        ClaimMessage.decode(obj, numel=10**9, chunk_len=1, num_projections=4)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""OuterLoop: three peers on threads over one LocalHub, each with its own tiny model, outer state,
+"""RoundEngine: three peers on threads over one LocalHub, each with its own tiny model, shared state,
 sync worker and fake clock, driven by fake inner steps. Overlap rounds on the clock (and a stall when
 a sync outlasts a round), blocking rounds in lockstep, the weighting, the merge of an update into a
 model that kept training, and a failed round folded into the next contribution.
@@ -16,13 +16,17 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from averaging.engine.loop import LoopConfig, OuterLoop, RoundStats
+from averaging.engine.config import LoopConfig
+from averaging.engine.loop import RoundEngine
+from averaging.engine.stats import RoundStats
 from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
-from averaging.math.outer_step import outer_step_
-from averaging.network.interface import AppliedUpdate, AverageOutcome
+from averaging.math.outer_step import OuterConfig, outer_step_
+from averaging.network.interface import AverageOutcome
 from averaging.network.local import LocalBackend, LocalHub
-from averaging.state.shared_state import Applied, OuterConfig, OuterState, RoundConclusion
+from averaging.state.served import AppliedUpdate
+from averaging.state.shared_state import SharedState
+from averaging.state.verdict import Resync
 from protocols.schedule import RoundSchedule
 from tests.unit.fake_clock import WALL_START, FakeClock
 
@@ -118,11 +122,11 @@ class Peer:
     id: str
     model: torch.nn.Module
     layout: FlatLayout
-    outer: OuterState
+    state: SharedState
     backend: FaultyBackend
     worker: SyncWorker
     clock: FakeClock
-    loop: OuterLoop
+    loop: RoundEngine
     tokens: int
     loss: float
     generator: torch.Generator
@@ -181,19 +185,19 @@ def make_swarm():
                 torch.manual_seed(0)  # the same init everywhere, as after a joint start
                 model = torch.nn.Linear(8, 4)
             layout = FlatLayout.of(model.named_parameters())
-            outer = OuterState(layout, layout.pack(dict(model.named_parameters()), layout.new_buffer()), OUTER)
+            state = SharedState(layout, layout.pack(dict(model.named_parameters()), layout.new_buffer()), OUTER)
             clock = FakeClock(WALL_START)
-            backend = FaultyBackend(hub, peer_id, outer.shared_state, (fail_at or {}).get(peer_id, ()),
+            backend = FaultyBackend(hub, peer_id, state.shared_state, (fail_at or {}).get(peer_id, ()),
                                     clock=clock, allreduce_seconds=allreduce_seconds,
                                     partial_rounds=(partial_at or {}).get(peer_id, ()))
-            hub.update_providers[peer_id] = outer.update_after
+            hub.update_providers[peer_id] = state.update_after
             worker = SyncWorker(backend, allreduce_timeout=5.0, matchmaking_grace=1.0)
             workers.append(worker)
-            loop = OuterLoop(outer=outer, worker=worker, layout=layout,
+            loop = RoundEngine(state=state, worker=worker, layout=layout,
                              params=lambda model=model: dict(model.named_parameters()),
                              schedule=lambda: schedule, config=config, peer_id=peer_id,
                              alone=lambda: False, device=torch.device("cpu"), clock=clock)
-            peers.append(Peer(peer_id, model, layout, outer, backend, worker, clock, loop, TOKENS[peer_id],
+            peers.append(Peer(peer_id, model, layout, state, backend, worker, clock, loop, TOKENS[peer_id],
                               loss=2.0 + index, generator=torch.Generator().manual_seed(100 + index),
                               work=layout.new_buffer(), schedule=schedule))
         return peers
@@ -247,13 +251,13 @@ def run_by_hand(peers: list[Peer], *, rounds: int, steps_before: int = 3, steps_
             peer.worker.submit_prepare(lambda: None).result(timeout=WAIT)
             barrier.wait()
             assert peer.loop.round == round and not peer.loop.syncing
-            record = Snapshot(peer.outer.anchor.clone(), peer.flat_params(), peer.work.clone())
+            record = Snapshot(peer.state.anchor.clone(), peer.flat_params(), peer.work.clone())
             peer.stats += peer.loop.begin_sync()
             for _ in range(steps_after):
                 peer.train_step(step_seconds)
             peer.stats += peer.loop.try_merge(wait=True)
             assert not peer.loop.syncing
-            record.anchor_after, record.params_after = peer.outer.anchor.clone(), peer.flat_params()
+            record.anchor_after, record.params_after = peer.state.anchor.clone(), peer.flat_params()
             record.work_after = peer.work.clone()
             peer.rounds[round] = record
 
@@ -308,7 +312,7 @@ def test_overlap_rounds_average_in_the_background_while_training_goes_on(make_sw
     # in real time: a loaded 2-core box once left a peer out of a round.
     config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2)
     peers = make_swarm(config, round_seconds=0.5, hub=FullGroupHub(PEERS), allreduce_seconds=0.1)
-    init = peers[0].outer.anchor.clone()
+    init = peers[0].state.anchor.clone()
     last_round = 4
     overlapped = run_on_the_clock(peers, last_round=last_round, step_seconds=OVERLAP_STEPS)
 
@@ -327,12 +331,12 @@ def test_overlap_rounds_average_in_the_background_while_training_goes_on(make_sw
         # The loop went on training while each round but the last (merged by finish) was in flight:
         # at least the two steps (of 0.053 s at most) that the 0.1 s all-reduce outlasts.
         assert overlapped[peer.id] >= 2 * (last_round - 1)
-        assert peer.outer.rounds_done == peer.outer.last_round == last_round
+        assert peer.state.rounds_done == peer.state.last_round == last_round
         # Syncs that land within their round never need the second snapshot/correction buffers.
         assert peer.loop._host_params[1] is None and peer.loop._host_correction[1] is None
     # LocalBackend averages exactly: every anchor is bit-identical, and it moved.
-    anchor = peers[0].outer.anchor
-    assert all(torch.equal(p.outer.anchor, anchor) for p in peers)
+    anchor = peers[0].state.anchor
+    assert all(torch.equal(p.state.anchor, anchor) for p in peers)
     assert not torch.allclose(anchor, init, atol=STEP_SIZE)
     # ... to where the outer steps on the token-weighted means of what was sent take it.
     assert_close(anchor, replay(init, peers, dict.fromkeys(rounds, list(PEERS))))
@@ -345,7 +349,7 @@ def test_overlap_rounds_average_in_the_background_while_training_goes_on(make_sw
 # -- weighting and merging, one round at a time --------------------------------------------------
 def test_the_outer_step_uses_the_token_weighted_mean_of_the_pseudo_gradients(make_swarm):
     peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS)
-    init = peers[0].outer.anchor.clone()
+    init = peers[0].state.anchor.clone()
     run_by_hand(peers, rounds=1, steps_before=3)
 
     pseudo_grads, weights = {}, {}
@@ -371,7 +375,7 @@ def test_the_outer_step_uses_the_token_weighted_mean_of_the_pseudo_gradients(mak
 
 def test_a_merge_keeps_the_progress_made_since_the_snapshot(make_swarm):
     peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS)
-    init = peers[0].outer.anchor.clone()
+    init = peers[0].state.anchor.clone()
     step_seconds = 0.25
     run_by_hand(peers, rounds=2, steps_before=3, steps_after=4, step_seconds=step_seconds)
 
@@ -411,7 +415,7 @@ def test_blocking_rounds_are_lockstep_with_a_fixed_number_of_inner_steps(make_sw
     peers = make_swarm(LoopConfig(mode="blocking", inner_steps=inner_steps, matchmaking_seconds=0.1),
                        round_seconds=round_seconds, allreduce_seconds=0.0,
                        hub=FullGroupHub(PEERS) if full_group else LocalHub(min_group_size=len(PEERS)))
-    init = peers[0].outer.anchor.clone()
+    init = peers[0].state.anchor.clone()
     # Different speeds: the fast peers must wait for the slow one at every round.
     step_seconds = {"peer-a": 0.011, "peer-b": 0.023, "peer-c": 0.067}
     overlapped = run_on_the_clock(peers, last_round=last_round, step_seconds=step_seconds)
@@ -433,8 +437,8 @@ def test_blocking_rounds_are_lockstep_with_a_fixed_number_of_inner_steps(make_sw
             assert s.wait_s == pytest.approx(round_seconds - compute_s, abs=EXACT), s
             assert s.sync_s == pytest.approx(round_seconds - compute_s, abs=EXACT), s
             assert s.wall_s == pytest.approx(round_seconds, abs=EXACT), s
-    anchor = peers[0].outer.anchor
-    assert all(torch.equal(p.outer.anchor, anchor) for p in peers)
+    anchor = peers[0].state.anchor
+    assert all(torch.equal(p.state.anchor, anchor) for p in peers)
     assert not torch.allclose(anchor, init, atol=STEP_SIZE)
     assert_close(anchor, replay(init, peers, dict.fromkeys(rounds, list(PEERS))))
     for peer in peers:
@@ -469,7 +473,7 @@ CATCH_UP_ATOL = 1e-4  # a replayed step is the fp16 copy of the group's: ~5e-4 r
 def test_a_peer_that_misses_a_round_folds_its_work_into_the_next_and_catches_up(make_swarm):
     # peer-a misses round 2; peer-b and peer-c average it without peer-a.
     peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS, fail_at={"peer-a": {2}})
-    init = peers[0].outer.anchor.clone()
+    init = peers[0].state.anchor.clone()
     steps_before, steps_after = 3, 2
     run_by_hand(peers, rounds=4, steps_before=steps_before, steps_after=steps_after)
     a, b, c = peers
@@ -523,16 +527,16 @@ def test_a_peer_that_misses_a_round_folds_its_work_into_the_next_and_catches_up(
         s = peer.stats_of(4)
         assert (s.applied, s.group_size, s.diverged, s.resynced, s.caught_up) == ("averaged", 3, [], False, 0), s
         assert peer.backend.sent[4][1] == s.tokens == (steps_after + steps_before) * peer.tokens
-        assert_close(peer.outer.momentum, b.outer.momentum, atol=CATCH_UP_ATOL)
-        assert peer.outer.rounds_done == peer.outer.last_round == 4
-    assert torch.equal(c.outer.anchor, b.outer.anchor)
-    assert_close(a.outer.anchor, b.outer.anchor, atol=CATCH_UP_ATOL)
-    assert_close(b.outer.anchor, replay(init, peers, groups), atol=1e-5)
+        assert_close(peer.state.momentum, b.state.momentum, atol=CATCH_UP_ATOL)
+        assert peer.state.rounds_done == peer.state.last_round == 4
+    assert torch.equal(c.state.anchor, b.state.anchor)
+    assert_close(a.state.anchor, b.state.anchor, atol=CATCH_UP_ATOL)
+    assert_close(b.state.anchor, replay(init, peers, groups), atol=1e-5)
 
 
 def test_a_peer_two_rounds_behind_replays_both_steps(make_swarm):
     peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS, fail_at={"peer-a": {2, 3}})
-    init = peers[0].outer.anchor.clone()
+    init = peers[0].state.anchor.clone()
     run_by_hand(peers, rounds=5)
     a, b, c = peers
     assert [s.applied for s in a.stats] == ["averaged", "folded", "folded", "averaged", "averaged"]
@@ -540,16 +544,16 @@ def test_a_peer_two_rounds_behind_replays_both_steps(make_swarm):
     assert not any(s.resynced for p in peers for s in p.stats)
     assert a.stats_of(4).rounds_done == b.stats_of(4).rounds_done == 4
     assert b.stats_of(5).diverged == [] and a.stats_of(5).diverged == []
-    assert_close(a.outer.anchor, b.outer.anchor, atol=CATCH_UP_ATOL)
+    assert_close(a.state.anchor, b.state.anchor, atol=CATCH_UP_ATOL)
     groups = {1: list(PEERS), 2: ["peer-b", "peer-c"], 3: ["peer-b", "peer-c"], 4: list(PEERS), 5: list(PEERS)}
-    assert_close(b.outer.anchor, replay(init, peers, groups), atol=1e-5)
+    assert_close(b.state.anchor, replay(init, peers, groups), atol=1e-5)
 
 
 def test_a_partial_average_is_not_applied_and_its_step_is_replayed_without_counting_our_work_twice(make_swarm):
     # Round 2's all-reduce has all three contributions, but peer-a gets part of the average back
     # (a reducer failed on its side): applying it would put peer-a's anchor where no one's is.
     peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS, partial_at={"peer-a": {2}})
-    init = peers[0].outer.anchor.clone()
+    init = peers[0].state.anchor.clone()
     run_by_hand(peers, rounds=4)
     a, b, c = peers
     folded = a.stats_of(2)
@@ -569,9 +573,9 @@ def test_a_partial_average_is_not_applied_and_its_step_is_replayed_without_count
     sent_vector, sent_weight = a.backend.sent[3]
     assert sent_weight == a.stats_of(3).tokens
     assert_close(sent_vector, -(a.rounds[3].work_at_snapshot - a.rounds[2].work_at_snapshot), atol=1e-5)
-    assert_close(a.outer.anchor, b.outer.anchor, atol=CATCH_UP_ATOL)
+    assert_close(a.state.anchor, b.state.anchor, atol=CATCH_UP_ATOL)
     groups = {r: list(PEERS) for r in (1, 2, 3, 4)}
-    assert_close(b.outer.anchor, replay(init, peers, groups), atol=1e-5)
+    assert_close(b.state.anchor, replay(init, peers, groups), atol=1e-5)
     assert all(peer.stats_of(4).diverged == [] for peer in peers)
 
 
@@ -579,7 +583,7 @@ def test_a_partial_round_that_nobody_applied_gives_its_work_back_for_the_next_co
     # Every member lost a share of round 2 (a reducer crashed): nobody applies it, nobody is ahead.
     peers = make_swarm(LoopConfig(**MANUAL), round_seconds=MANUAL_ROUND_SECONDS,
                        partial_at={peer: {2} for peer in PEERS})
-    init = peers[0].outer.anchor.clone()
+    init = peers[0].state.anchor.clone()
     run_by_hand(peers, rounds=4)
     for peer in peers:
         assert [s.applied for s in peer.stats] == ["averaged", "folded", "averaged", "averaged"], peer.stats
@@ -591,9 +595,9 @@ def test_a_partial_round_that_nobody_applied_gives_its_work_back_for_the_next_co
         work = -(peer.rounds[4].work_at_snapshot - peer.rounds[3].work_at_snapshot
                  + peer.rounds[2].work_at_snapshot - peer.rounds[1].work_at_snapshot)
         assert_close(peer.backend.sent[4][0], work, atol=1e-5)
-    assert all(torch.equal(p.outer.anchor, peers[0].outer.anchor) for p in peers)
+    assert all(torch.equal(p.state.anchor, peers[0].state.anchor) for p in peers)
     groups = {1: list(PEERS), 3: list(PEERS), 4: list(PEERS)}
-    assert_close(peers[0].outer.anchor, replay(init, peers, groups), atol=1e-5)
+    assert_close(peers[0].state.anchor, replay(init, peers, groups), atol=1e-5)
 
 
 def test_a_peer_further_behind_than_the_history_downloads_the_state(make_swarm):
@@ -603,7 +607,7 @@ def test_a_peer_further_behind_than_the_history_downloads_the_state(make_swarm):
     a, b, c = peers
     s = a.stats_of(5)
     assert (s.applied, s.diverged, s.resynced, s.caught_up) == ("averaged", ["peer-a"], True, 0), s
-    assert torch.equal(a.outer.anchor, b.outer.anchor)  # a downloaded state is exact
+    assert torch.equal(a.state.anchor, b.state.anchor)  # a downloaded state is exact
     assert a.stats_of(6).diverged == [] and not a.stats_of(6).resynced
 
 
@@ -618,7 +622,7 @@ def test_a_replayed_step_that_does_not_reach_the_groups_anchor_falls_back_to_a_d
     run_by_hand(peers, rounds=4)
     s = a.stats_of(3)
     assert (s.applied, s.diverged, s.resynced, s.caught_up) == ("averaged", ["peer-a"], True, 0), s
-    assert torch.equal(a.outer.anchor, b.outer.anchor)
+    assert torch.equal(a.state.anchor, b.state.anchor)
     assert a.stats_of(4).diverged == []
 
 
@@ -634,7 +638,7 @@ def test_a_sync_longer_than_a_round_never_stalls_training_nor_forces_a_resync(ma
     round_seconds, last_round = 0.5, 8
     peers = make_swarm(config, round_seconds=round_seconds, hub=DecidedHub(PEERS),
                        allreduce_seconds=1.5 * round_seconds)
-    init = peers[0].outer.anchor.clone()
+    init = peers[0].state.anchor.clone()
     run_on_the_clock(peers, last_round=last_round, step_seconds=OVERLAP_STEPS)
 
     for peer in peers:
@@ -649,17 +653,17 @@ def test_a_sync_longer_than_a_round_never_stalls_training_nor_forces_a_resync(ma
             assert s.skipped == (s.error is not None and s.error.startswith("skipped")), s
         # The work of every round reached the anchor or is still in the parameters: the parameters
         # after finish() are the anchor (the last contribution merged) plus nothing else.
-        assert_close(peer.flat_params(), peer.outer.anchor, atol=1e-5)
+        assert_close(peer.flat_params(), peer.state.anchor, atol=1e-5)
         assert peer.loop.sync_lateness == pytest.approx(1.5 * round_seconds, abs=0.06)
         assert peer.loop._host_params[1] is not None  # a sync was queued behind a running one
         # Once measured, a sync takes two rounds: the peer joins the even rounds, as do the others.
         assert peer.loop.sync_period == 2
         assert [r for r in joined if r > 2] == [r for r in range(3, last_round + 1) if r % 2 == 0], joined
-    anchor = peers[0].outer.anchor
+    anchor = peers[0].state.anchor
     assert not torch.allclose(anchor, init, atol=STEP_SIZE)
     for peer in peers:
-        assert_close(peer.outer.anchor, anchor, atol=CATCH_UP_ATOL)
-        assert peer.outer.rounds_done == peers[0].outer.rounds_done
+        assert_close(peer.state.anchor, anchor, atol=CATCH_UP_ATOL)
+        assert peer.state.rounds_done == peers[0].state.rounds_done
 
 
 def test_a_peer_that_starts_late_in_a_round_stays_out_of_it_and_brings_that_work_to_the_next(make_swarm):
@@ -688,9 +692,9 @@ def test_a_peer_that_starts_late_in_a_round_stays_out_of_it_and_brings_that_work
         assert not any(s.resynced for s in peer.stats), peer.stats
         # The outer step of round 1 that c stayed out of: replayed (2 bytes/param), not downloaded.
         assert [s.caught_up for s in peer.stats] == ([0, 1, 0] if peer is c else [0, 0, 0]), peer.stats
-        assert_close(peer.flat_params(), peer.outer.anchor, atol=1e-5)  # every step's work is in the anchor
+        assert_close(peer.flat_params(), peer.state.anchor, atol=1e-5)  # every step's work is in the anchor
     for peer in (b, c):  # one shared model
-        assert_close(peer.outer.anchor, a.outer.anchor, atol=CATCH_UP_ATOL)
+        assert_close(peer.state.anchor, a.state.anchor, atol=CATCH_UP_ATOL)
 
 
 @pytest.mark.parametrize("c_steps", [1, 5], ids=["sliver", "full-round"])
@@ -724,7 +728,7 @@ def test_a_blocking_peer_that_starts_late_stays_out_unless_it_did_its_inner_step
             assert peer.stats_of(round).group == list(PEERS), (peer.id, peer.stats_of(round))
         assert not any(s.resynced for s in peer.stats), peer.stats
     for peer in (b, c):
-        assert_close(peer.outer.anchor, a.outer.anchor, atol=CATCH_UP_ATOL)
+        assert_close(peer.state.anchor, a.state.anchor, atol=CATCH_UP_ATOL)
 
 
 def test_peers_agree_on_the_sync_period_from_everyones_lateness(make_swarm):
@@ -734,13 +738,13 @@ def test_peers_agree_on_the_sync_period_from_everyones_lateness(make_swarm):
     peers = make_swarm(config, round_seconds=12.0)
     own = dict(zip(PEERS, (14.0, 20.0, 34.0)))
     for peer in peers:
-        peer.loop._lateness = own[peer.id]
+        peer.loop.policy.lateness = own[peer.id]
     assert sorted(p.loop.sync_period for p in peers) == [2, 2, 3]  # alone: out of phase
     for peer in peers:
-        peer.loop._swarm_lateness = lambda me=peer.id: [late for other, late in own.items() if other != me]
+        peer.loop.policy._swarm_lateness = lambda me=peer.id: [late for other, late in own.items() if other != me]
     assert [p.loop.sync_period for p in peers] == [2, 2, 2] and peers[0].loop.agreed_lateness == 20.0
-    joiner = peers[0].loop
-    joiner._lateness = None  # not measured yet: it falls into the swarm's phase at once
+    joiner = peers[0].loop.policy
+    joiner.lateness = None  # not measured yet: it falls into the swarm's phase at once
     assert joiner.sync_period == 3 and joiner.agreed_lateness == 27.0
     joiner._swarm_lateness = lambda: [3.0, 4.0, 1e6]  # one peer claiming anything does not move it
     assert joiner.sync_period == 1
@@ -755,7 +759,7 @@ def test_a_joiners_download_accepts_the_rounds_its_donors_reach_while_it_runs(ma
     config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2, download_timeout=60.0)
     joiner, donor, _ = make_swarm(config, round_seconds=12.0)
     for r in range(1, 7):
-        donor.outer.apply(torch.full_like(donor.outer.anchor, 0.01), round=r)
+        donor.state.apply(torch.full_like(donor.state.anchor, 0.01), round=r)
     joiner.clock.advance(2.5 * 12.0)  # in round 3
     plain = joiner.backend.download_state
 
@@ -766,10 +770,10 @@ def test_a_joiners_download_accepts_the_rounds_its_donors_reach_while_it_runs(ma
 
     joiner.backend.download_state = like_hivemind
     assert joiner.loop.initial_sync([donor.id]) == 6
-    assert torch.equal(joiner.outer.anchor, donor.outer.anchor)
+    assert torch.equal(joiner.state.anchor, donor.state.anchor)
     # A claim past what the download's duration allows is still refused (now in round 6: up to 12).
     for r in range(7, 14):
-        donor.outer.apply(torch.full_like(donor.outer.anchor, 0.01), round=r)
+        donor.state.apply(torch.full_like(donor.state.anchor, 0.01), round=r)
     assert joiner.loop.initial_sync([donor.id]) is None
 
 
@@ -779,9 +783,9 @@ def test_a_resyncs_retry_accepts_the_rounds_its_donor_reached_during_the_failed_
     # once at the first attempt's start (round 9), every retry refused it.
     config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2, download_timeout=60.0)
     peer, donor, _ = make_swarm(config, round_seconds=12.0)
-    donor.outer.apply(torch.full_like(donor.outer.anchor, 0.01), round=1)
-    reference = donor.outer.claim()  # what the group agreed on in round 3
-    step = torch.full_like(donor.outer.anchor, 0.02)
+    donor.state.apply(torch.full_like(donor.state.anchor, 0.01), round=1)
+    reference = donor.state.claim()  # what the group agreed on in round 3
+    step = torch.full_like(donor.state.anchor, 0.02)
     peer.clock.advance(2.5 * 12.0)  # in round 3
     plain, attempts = peer.backend.download_state, []
 
@@ -789,17 +793,16 @@ def test_a_resyncs_retry_accepts_the_rounds_its_donor_reached_during_the_failed_
         attempts.append(max_round)
         if len(attempts) == 1:
             peer.clock.advance(60.0)  # now in round 8
-            donor.outer.apply(step, round=10)
+            donor.state.apply(step, round=10)
             return None
         state = plain(peers, max_round=max_round, **kwargs)
         peer.clock.advance(20.0)  # now in round 10
         return None if state is None or state.metadata["round"] > max_round else state
 
     peer.backend.download_state = like_hivemind
-    conclusion = RoundConclusion(applied=Applied.AVERAGED, group_size=2, donors=[donor.id], reference=reference)
-    assert peer.loop._resync(3, conclusion, step)
+    assert peer.loop.runner.recovery.resync(3, Resync([donor.id], reference), step)
     assert attempts[:2] == [9, 14]
-    assert torch.equal(peer.outer.anchor, donor.outer.anchor) and peer.outer.last_round == 10
+    assert torch.equal(peer.state.anchor, donor.state.anchor) and peer.state.last_round == 10
 
 
 def test_a_resync_whose_donor_stepped_twice_during_the_download_stops_instead_of_retrying(make_swarm):
@@ -809,7 +812,7 @@ def test_a_resync_whose_donor_stepped_twice_during_the_download_stops_instead_of
     # skipped). One attempt, then the peer keeps training; the next group's check tells it again.
     config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2, download_timeout=60.0)
     peer, donor, _ = make_swarm(config, round_seconds=12.0)
-    reference = donor.outer.claim()  # what the group agreed on in round 3
+    reference = donor.state.claim()  # what the group agreed on in round 3
     peer.clock.advance(2.5 * 12.0)  # in round 3
     plain, attempts = peer.backend.download_state, []
 
@@ -817,15 +820,14 @@ def test_a_resync_whose_donor_stepped_twice_during_the_download_stops_instead_of
         attempts.append(1)
         peer.clock.advance(24.0)  # the download took two rounds (now in round 5)
         for r in (4, 5):  # the donor's steps meanwhile
-            donor.outer.apply(torch.full_like(donor.outer.anchor, 0.01), round=r + 2 * (len(attempts) - 1))
+            donor.state.apply(torch.full_like(donor.state.anchor, 0.01), round=r + 2 * (len(attempts) - 1))
         return plain(peers, **kwargs)
 
     peer.backend.download_state = slow
-    anchor = peer.outer.anchor.clone()
-    conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=2, donors=[donor.id], reference=reference)
-    assert not peer.loop._resync(3, conclusion, None)
+    anchor = peer.state.anchor.clone()
+    assert not peer.loop.runner.recovery.resync(3, Resync([donor.id], reference), None)
     assert len(attempts) == 1
-    assert torch.equal(peer.outer.anchor, anchor) and peer.outer.rounds_done == 0  # nothing adopted
+    assert torch.equal(peer.state.anchor, anchor) and peer.state.rounds_done == 0  # nothing adopted
 
 
 class DecidedHub(LocalHub):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from averaging.math.flat import FlatLayout
-from averaging.state.shared_state import OuterConfig, OuterState
+from averaging.math.outer_step import OuterConfig
+from averaging.state.shared_state import SharedState
 from node.library.checkpoint import save_checkpoint
 from node.library.resume import MOMENTUM_PREFIX, find_resume_point, outer_meta, state_from_checkpoint
 from protocols.errors import CheckpointError, ConfigError
@@ -18,15 +19,15 @@ SHAPES = {"w": (4, 3), "b": (3,)}
 LAYOUT = FlatLayout.of([(name, torch.zeros(shape)) for name, shape in SHAPES.items()])
 
 
-def trained_state(seed: int = 0) -> OuterState:
+def trained_state(seed: int = 0) -> SharedState:
     torch.manual_seed(seed)
-    state = OuterState(LAYOUT, torch.randn(LAYOUT.numel), OuterConfig())
+    state = SharedState(LAYOUT, torch.randn(LAYOUT.numel), OuterConfig())
     for round in (1, 2, 3):
         state.apply(torch.randn(LAYOUT.numel) * 0.01, round=round)
     return state
 
 
-def save(state: OuterState, directory, *, run_id="run", config_hash="abc", round=None):
+def save(state: SharedState, directory, *, run_id="run", config_hash="abc", round=None):
     metadata, (anchor, momentum) = state.shared_state()
     return save_checkpoint(directory, round=metadata["round"] if round is None else round,
                            params=dict(LAYOUT.views(anchor)),
@@ -34,8 +35,8 @@ def save(state: OuterState, directory, *, run_id="run", config_hash="abc", round
                            meta={"run_id": run_id, "config_hash": config_hash, "outer": outer_meta(metadata)})
 
 
-def fresh() -> OuterState:
-    return OuterState(LAYOUT, torch.zeros(LAYOUT.numel), OuterConfig())
+def fresh() -> SharedState:
+    return SharedState(LAYOUT, torch.zeros(LAYOUT.numel), OuterConfig())
 
 
 def test_round_trip_restores_anchor_momentum_counters_and_claim(tmp_path):
@@ -47,7 +48,7 @@ def test_round_trip_restores_anchor_momentum_counters_and_claim(tmp_path):
     assert torch.equal(restored.anchor, original.anchor) and torch.equal(restored.momentum, original.momentum)
     assert (restored.last_round, restored.rounds_done) == (3, 3)
     # the consistency claim (fingerprint + scale) is what the group compares: it must match too
-    assert restored.round_report(round=4) == original.round_report(round=4)
+    assert restored.claim_message(round=4) == original.claim_message(round=4)
 
 
 def test_a_truncated_newest_checkpoint_is_named_and_the_older_one_used(tmp_path):

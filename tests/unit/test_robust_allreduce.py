@@ -19,7 +19,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from averaging.math import codecs
 from averaging.math.robust import RobustConfig
-from averaging.network.hivemind import allreduce as robust_allreduce
+from averaging.network.hivemind import matchmaking, pins
 from averaging.network.hivemind.allreduce import (
     CheckedPartContainer,
     GroupRefused,
@@ -34,12 +34,15 @@ SHAPES = (torch.Size([64]), torch.Size([64]))
 
 
 def test_the_hivemind_code_we_override_is_the_reviewed_code():
-    assert robust_allreduce.check_hivemind() == []
+    assert pins.changes() == []
+    pins.check()
 
 
 def test_the_self_check_notices_a_change(monkeypatch):
-    monkeypatch.setitem(robust_allreduce.REVIEWED, "AllReduceRunner._ban_sender", "0" * 64)
-    assert robust_allreduce.check_hivemind() == ["AllReduceRunner._ban_sender"]
+    monkeypatch.setitem(pins.REVIEWED, "AllReduceRunner._ban_sender", "0" * 64)
+    assert pins.changes() == ["AllReduceRunner._ban_sender (its code)"]
+    with pytest.raises(pins.HivemindChanged, match="AllReduceRunner._ban_sender"):
+        pins.check()
 
 
 def make_reducer(senders: int, refused: list, return_code: str | None = None) -> RobustPartReducer:
@@ -316,7 +319,7 @@ def test_in_a_private_swarm_every_member_of_a_group_must_prove_the_key():
 def test_after_the_scheduled_time_a_search_ends_a_margin_before_the_deadline():
     """hivemind declares min(max(S, now + 3), deadline): past S that is the deadline itself, when
     followers give up. Ours leaves the margin for the leader's answer, and stops once it is past."""
-    expiration = functools.partial(robust_allreduce.declared_expiration, scheduled_time=100.0,
+    expiration = functools.partial(matchmaking.declared_expiration, scheduled_time=100.0,
                                    min_matchmaking_time=3.0, search_end=106.0, margin=2.0)
     assert expiration(90.0) == 100.0  # the first search: hivemind's own expiration, the scheduled time
     assert expiration(98.0) == 101.0  # a late start: now + min_matchmaking_time
@@ -324,7 +327,7 @@ def test_after_the_scheduled_time_a_search_ends_a_margin_before_the_deadline():
     assert expiration(102.5) == 104.0  # ...but here it would say 106, the followers' deadline
     assert expiration(104.0) is None and expiration(105.9) is None  # too late to lead a group
     # Never before the scheduled time, whatever the margin: the first search is hivemind's.
-    assert robust_allreduce.declared_expiration(99.0, scheduled_time=100.0, min_matchmaking_time=3.0,
+    assert matchmaking.declared_expiration(99.0, scheduled_time=100.0, min_matchmaking_time=3.0,
                                                 search_end=101.0, margin=2.0) == 100.0
 
 
@@ -348,7 +351,7 @@ def test_the_search_declares_our_expiration_and_withdraws_it():
     async def declare(scheduled_in: float, deadline_in: float, run_s: float):
         now = get_dht_time()
         leaders = PotentialLeaders(PeerID(b"\x12\x20" + bytes(32)), 3.0, None)
-        leaders.__class__ = robust_allreduce.ShoalPotentialLeaders
+        leaders.__class__ = matchmaking.ShoalPotentialLeaders
         leaders.margin = 2.0
         leaders.search_end_time = now + deadline_in
         leaders.running.set()
@@ -390,7 +393,7 @@ def test_a_search_whose_leaders_all_refused_fetches_them_at_a_paced_rate():
     async def search(seconds: float) -> tuple[int, int]:
         now = get_dht_time()
         leaders = PotentialLeaders(PeerID(b"\x12\x20" + bytes(32)), 3.0, None)
-        leaders.__class__ = robust_allreduce.ShoalPotentialLeaders
+        leaders.__class__ = matchmaking.ShoalPotentialLeaders
         leaders.search_end_time = now + seconds
         leaders.running.set()
         dht = RefusingLeaders(PeerID(b"\x12\x20" + bytes([1] * 32)), now + 5.0)
@@ -412,4 +415,4 @@ def test_a_search_whose_leaders_all_refused_fetches_them_at_a_paced_rate():
     fetches, pops = asyncio.run(search(1.0))
     # hivemind's loop: ~13,000 fetches in this second (each a DHT get that queries other peers).
     assert pops == 1  # the leader was asked once; its unchanged declaration is not asked again
-    assert 2 <= fetches <= 1.0 / robust_allreduce.REFETCH_S + 2
+    assert 2 <= fetches <= 1.0 / matchmaking.REFETCH_S + 2

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from averaging.engine.loop import StepTimer
+from averaging.engine.stats import StepTimer
 from node.training.config import InnerConfig
 from node.training.trainer import inner_lr
 from protocols.errors import ConfigError

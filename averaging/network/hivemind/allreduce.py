@@ -1,6 +1,7 @@
 """Robust aggregation inside hivemind's butterfly all-reduce (the rules are ``averaging.math.robust``).
 
-What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any of this code moves):
+What hivemind 1.1.12 does, and what we change (``averaging.network.hivemind.pins`` fails if any of
+this code moves):
 - ``TensorPartReducer`` sums ``weight × part`` as parts arrive, with the weight each message
   carries, and checks nothing; a wrong-shape part raises inside ``add_`` after the part was
   counted, so honest senders wait for the reducer timeout. ``RobustPartReducer`` keeps every
@@ -20,14 +21,11 @@ What hivemind 1.1.12 does, and what we change (``check_hivemind`` fails if any o
   into the member's delta before its check. Every member, the reducer too, then ends with the same
   values, so quantized returns do not make anchors drift apart.
 - A peer on the ban list (``averaging.math.robust.BanList``, one per averager process) is kept out of
-  our groups (``ShoalMatchmaking``: we do not ask it to lead us, and as a leader we turn it away);
-  in a group that holds it anyway (another leader's), it is treated as failed from the start of
-  the round: its parts are not counted and ours are not sent to it.
-- ``ShoalPotentialLeaders`` declares its search's end ahead of the deadline, and fetches the
-  declared leaders at most once per ``REFETCH_S``: hivemind's search refetches in a loop once every
-  leader has turned it away (docs/hivemind.md, "Matchmaking and steps").
+  our groups (``averaging.network.hivemind.matchmaking``); in a group that holds it anyway (another
+  leader's), it is treated as failed from the start of the round: its parts are not counted and
+  ours are not sent to it.
 - hivemind has no hook for either class (the averager constructs them by name), so
-  ``ShoalAverager._run_allreduce_inplace_`` (``averaging.network.hivemind.backend``) is a copy of
+  ``ShoalAverager._run_allreduce_inplace_`` (``averaging.network.hivemind.averager``) is a copy of
   hivemind's that constructs ``RobustAllReduceRunner``.
 
 Everything here runs in the averager process, on its event loop. Counters live in shared memory
@@ -37,8 +35,6 @@ Everything here runs in the averager process, on its event loop. Counters live i
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import inspect
 import logging
 import math
 import multiprocessing as mp
@@ -47,16 +43,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
-from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS, TimedStorage
 
 from averaging.math import robust
 from averaging.math.robust import BanList, RobustConfig
@@ -64,55 +56,6 @@ from averaging.network.hivemind import codecs as hivemind_codecs
 from protocols.admission import admitted
 
 logger = logging.getLogger(__name__)
-
-# sha256 of the source of every hivemind function this module (and ShoalAverager) overrides or
-# relies on, as reviewed (hivemind 1.1.12). A mismatch means the override must be re-derived.
-REVIEWED = {
-    "DecentralizedAverager._aggregate_with_group": "c297d8a435ce2b1c0ca36b8e6bc318a23b1c696ef1624dabc654cee803650868",
-    "DecentralizedAverager._run_allreduce_inplace_": "914d57cffc7d69e1ce16b384f3fc0783fbbf08b7fa839634da9571f9c4143925",
-    "AllReduceRunner.__init__": "597a0c8dbbeabbe366c28a471d7bc1452a9e4d17520942aa61c7b52de22799f4",
-    "AllReduceRunner._communicate_with_peer": "d910885e9727ed48e117de0b94731d74ac1abd11340c903622367d35e1b6f374",
-    "AllReduceRunner._accumulate_parts_streaming": "6c5a3c72660603033d98a698d8debccf860244979008d06f3bff943fcc2a47fc",
-    "AllReduceRunner._ban_sender": "3a3d52ad781b64d74381f3f78cf07b8dfe8de2d4bc1b89ece40ed8de1335a245",
-    "TensorPartReducer.accumulate_part": "1d64a8bd77052ac43ed43003ec04ade86d07114ac5b50ec0a023470896d21793",
-    "TensorPartReducer.reset_accumulators": "5d3dc36f344a342e981250bfaa2d6b9cd0562b7938fe4c881ff0c5e11c2e7693",
-    "TensorPartReducer.on_sender_failed": "8a7de53789ffecb17e6bdc3a2346864e9c44152f8b4bf251b7de81de7b168276",
-    "TensorPartReducer.check_current_part_finished": "ec9b059c42f3ca271d3e89ff63177006d66e0fc4a6bb99427eb08ab25d3d3640",
-    "TensorPartContainer.register_processed_part": "ff5ebad6141c4a8886c1e661b81c22ae87dd54e624dc016ee30d94ca72285089",
-    # counts a failed reducer's parts in failed_size: how the host learns a result is partial
-    "TensorPartContainer.register_failed_reducer": "89b41b9d7f2259687a2fc1fce7460b96d97f8af368c72b22bd01079c194a89f1",
-    "Matchmaking.follower_assemble_group": "2fc9715f5e6de487d880a919217efea5ae3d917cba393fcbe30301e72df4df3d",
-    "Matchmaking._request_join_group": "df823040a94d1c1ddb28c15536b631502954dd03024ac943820a21075e335b43",
-    "Matchmaking._check_reasons_to_reject": "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3",
-    "PotentialLeaders._declare_averager_periodically": "36280203c3a0aca00f4592ce13e4bac4f04c3177cae282101acce4c81458c501",
-    "PotentialLeaders._update_queue_periodically": "13036c7d743da89efd85ef93befc61463e1e45d87bdb6d07e97b46fa7e4ba580",
-}
-ORIGINALS: dict[str, Callable] = {
-    "DecentralizedAverager._aggregate_with_group": DecentralizedAverager._aggregate_with_group,
-    "DecentralizedAverager._run_allreduce_inplace_": DecentralizedAverager._run_allreduce_inplace_,
-    "AllReduceRunner.__init__": AllReduceRunner.__init__,
-    "AllReduceRunner._communicate_with_peer": AllReduceRunner._communicate_with_peer,
-    "AllReduceRunner._accumulate_parts_streaming": AllReduceRunner._accumulate_parts_streaming,
-    "AllReduceRunner._ban_sender": AllReduceRunner._ban_sender,
-    "TensorPartReducer.accumulate_part": TensorPartReducer.accumulate_part,
-    "TensorPartReducer.reset_accumulators": TensorPartReducer.reset_accumulators,
-    "TensorPartReducer.on_sender_failed": TensorPartReducer.on_sender_failed,
-    "TensorPartReducer.check_current_part_finished": TensorPartReducer.check_current_part_finished,
-    "TensorPartContainer.register_processed_part": TensorPartContainer.register_processed_part,
-    "TensorPartContainer.register_failed_reducer": TensorPartContainer.register_failed_reducer,
-    "Matchmaking.follower_assemble_group": Matchmaking.follower_assemble_group,
-    "Matchmaking._request_join_group": Matchmaking._request_join_group,
-    "Matchmaking._check_reasons_to_reject": Matchmaking._check_reasons_to_reject,
-    "PotentialLeaders._declare_averager_periodically": PotentialLeaders._declare_averager_periodically,
-    "PotentialLeaders._update_queue_periodically": PotentialLeaders._update_queue_periodically,
-}
-
-
-def check_hivemind() -> list[str]:
-    """Names of the hivemind functions we override or rely on whose code differs from what was reviewed."""
-    return [name for name, digest in REVIEWED.items()
-            if hashlib.sha256(inspect.getsource(ORIGINALS[name]).encode()).hexdigest() != digest]
-
 
 class RobustCounters:
     """What robust aggregation refused, in shared memory: written by the averager process, read by
@@ -265,126 +208,6 @@ class CheckedPartContainer(TensorPartContainer):
                 part = torch.zeros_like(own)  # keep our local values for this reducer's parts
                 self.failed_size += part.numel()
         super().register_processed_part(peer_index, part_index, part)
-
-
-def declared_expiration(now: float, *, scheduled_time: float, min_matchmaking_time: float, search_end: float,
-                        margin: float) -> float | None:
-    """When we declare our search to end (a leader assembles its group then), or None: too late.
-
-    hivemind 1.1.12 declares ``min(max(scheduled, now + min_matchmaking_time), search_end)``, with
-    ``search_end`` the step's deadline, which is also when a follower gives up waiting for its
-    leader's group (``look_for_group``'s timeout). Past the scheduled time (a peer whose first
-    search failed searches again) every declaration is therefore the deadline itself: a leader
-    assembles its group just as its followers give up, and whether they hear of it is decided by
-    milliseconds of latency. A follower that missed it reports "could not find a group" while
-    the others wait out the sender timeout for its parts and keep their own values for the share
-    it should have reduced. Ours ends ``margin`` before the deadline (the leader's answer then has
-    that long to arrive), and once that is past we declare nothing more: a group formed so late
-    could not reach its followers in time. Never before the scheduled time: the first search keeps
-    hivemind's expirations."""
-    latest = max(scheduled_time, search_end - margin)
-    expiration = min(max(scheduled_time, now + min_matchmaking_time), latest)
-    return expiration if expiration > now else None
-
-
-# The least time between two fetches of the declared leaders from the DHT (one search).
-REFETCH_S = 0.25
-
-
-class ShoalPotentialLeaders(PotentialLeaders):
-    """hivemind's search for leaders with ``declared_expiration`` and a paced leader fetch (set up
-    by ``ShoalAverager``: an existing instance is given this class and a ``margin``)."""
-
-    margin: float
-
-    async def _update_queue_periodically(self, key_manager) -> None:
-        # hivemind's loop (1.1.12, in REVIEWED), paced. Once every declared leader has been tried
-        # (all turned us away: we are banned, or each is in another group), ``pop_next_leader``
-        # finds the queue empty and triggers a refetch at once, the fetch returns the same
-        # leaders, and the two spin until the search ends: 12,905 fetches in one second with an
-        # instant fake DHT (tests/unit/test_robust_allreduce.py), each a DHT get that queries
-        # other peers. A peer banned by the swarm spent ~2 s of every round so, and its process
-        # used 0.45-0.6 cores against an honest peer's 0.3 (benchmarks/attacks.py, stop 22),
-        # starving honest peers of CPU on a shared machine. Pacing costs a new leader at most
-        # REFETCH_S before we see it.
-        discrepancy = MAX_DHT_TIME_DISCREPANCY_SECONDS
-        fetched = -math.inf
-        while get_dht_time() < self.search_end_time:
-            wait = min(fetched + REFETCH_S, self.search_end_time) - get_dht_time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            fetched = get_dht_time()
-            new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
-            self.max_assured_time = max(self.max_assured_time,
-                                        get_dht_time() + self.min_matchmaking_time - discrepancy)
-            self.leader_queue.clear()
-            for peer, peer_expiration_time in new_peers:
-                if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
-                    continue
-                self.leader_queue.store(peer, peer_expiration_time, peer_expiration_time)
-                self.max_assured_time = max(self.max_assured_time, peer_expiration_time - discrepancy)
-            self.update_finished.set()
-            await asyncio.wait(
-                {asyncio.create_task(self.running.wait()), asyncio.create_task(self.update_triggered.wait())},
-                return_when=asyncio.ALL_COMPLETED,
-                timeout=self.search_end_time - get_dht_time() if math.isfinite(self.search_end_time) else None)
-            self.update_triggered.clear()
-
-    async def _declare_averager_periodically(self, step, key_manager) -> None:
-        # hivemind's loop (1.1.12, in REVIEWED) with our expiration, and an end once it is None.
-        async with self.lock_declare:
-            try:
-                while True:
-                    await self.running.wait()
-                    expiration = declared_expiration(
-                        get_dht_time(), scheduled_time=step.scheduled_time,
-                        min_matchmaking_time=self.min_matchmaking_time, search_end=self.search_end_time,
-                        margin=self.margin)
-                    if expiration is None:
-                        return
-                    self.declared_group_key = group_key = key_manager.current_key
-                    self.declared_expiration_time = expiration
-                    self.declared_expiration.set()
-                    await key_manager.declare_averager(group_key, self.peer_id, expiration_time=expiration)
-                    await asyncio.sleep(self.declared_expiration_time - get_dht_time())
-                    if self.running.is_set() and len(self.leader_queue) == 0:
-                        await key_manager.update_key_on_not_enough_peers()
-            finally:
-                if self.declared_group_key is not None:  # withdraw what we declared, as hivemind does
-                    key, expiration = self.declared_group_key, self.declared_expiration_time
-                    self.declared_group_key, self.declared_expiration_time = None, float("inf")
-                    self.leader_queue, self.max_assured_time = TimedStorage[PeerID, float](), float("-inf")
-                    await key_manager.declare_averager(key, self.peer_id, expiration, looking_for_group=False)
-
-
-class ShoalMatchmaking(Matchmaking):
-    """hivemind's matchmaking without the peers on our ban list (set up by ``ShoalAverager``: an
-    existing instance is given this class and a ``ban_list``). In a group, a banned peer is a
-    reducer whose share every member refuses: a partial result, so the round fails for every
-    member (before partial results were refused, the members kept their own values there and all
-    but one re-synced the next round: 7 re-syncs in 12 rounds in benchmarks/attacks.py). Out of
-    the group, it costs nothing."""
-
-    ban_list: BanList
-    # id(step) -> the group ids that step's matchmaking assembled (``ShoalAverager._step`` pops it
-    # when the step ends, to answer late parts for those groups at once).
-    matched: dict[int, list[bytes]]
-
-    async def look_for_group(self, step):
-        group = await super().look_for_group(step)
-        if group is not None:
-            self.matched.setdefault(id(step), []).append(group.group_id)
-        return group
-
-    async def _request_join_group(self, leader: PeerID):
-        if self.ban_list.is_banned(str(leader)):
-            return None  # hivemind then asks the next potential leader
-        return await super()._request_join_group(leader)
-
-    def _check_reasons_to_reject(self, request, context):
-        if self.ban_list.is_banned(str(context.remote_id)):
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        return super()._check_reasons_to_reject(request, context)
 
 
 class RobustAllReduceRunner(AllReduceRunner):

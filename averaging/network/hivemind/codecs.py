@@ -1,6 +1,7 @@
 """shoal's codecs (``averaging.math.codecs``) inside hivemind's butterfly all-reduce.
 
-What hivemind 1.1.12 does with a compression (``check_hivemind`` verifies each of these facts):
+What hivemind 1.1.12 does with a compression (``check_registry`` verifies each of these facts,
+through ``averaging.network.hivemind.pins``):
 1. A sender compresses each part with the averager's ``compression`` object; the message carries
    its ``compression_type``, an int in the proto3 field ``Tensor.compression`` (enum
    ``CompressionType``). proto3 enums are open: a value the enum does not define survives the wire.
@@ -40,22 +41,22 @@ Return precision (``return_code``):
   This needs shoal's runner (``averaging.network.hivemind.allreduce``: the reducer sends the average and
   the member turns it into its delta); hivemind's own runner would re-encode deltas, so
   ``ReturnCodec.compress`` refuses to encode for these codes.
-Sends are error-fed and drift-free (``averaging.math.error_feedback``).
+Sends are error-fed and drift-free (``averaging.math.wire``).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
-from hivemind.averaging import allreduce, partition
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.compression import CompressionBase, CompressionInfo, serialization
 from hivemind.proto import runtime_pb2
 
 from averaging.math import codecs
 from averaging.math.wire import AVERAGE_RETURN_CODES, QUANTIZED_CODES, RETURN_CODES  # noqa: F401 - re-exported
+from averaging.network.hivemind import pins
+from averaging.network.hivemind.pins import HivemindChanged
 from protocols.messages import MessageError
 
 SEND_CODES = QUANTIZED_CODES
@@ -171,47 +172,10 @@ def encode_average(average: torch.Tensor, return_code: str) -> tuple[bytes, torc
 
 # -- registration ----------------------------------------------------------------------------------
 
-class HivemindChanged(RuntimeError):
-    """hivemind no longer looks like the version this module hooks into."""
-
-
-def _source(owner: object, attribute: str) -> str:
-    try:
-        return inspect.getsource(getattr(owner, attribute))
-    except (AttributeError, OSError, TypeError):
-        return ""
-
-
-# Lines of hivemind this module relies on (facts 1-4 above), looked up when checked; whitespace-insensitive.
-RELIED_ON: tuple[tuple[str, object, str, str], ...] = (
-    ("receivers look codecs up by enum name", serialization, "deserialize_torch_tensor",
-     "_BASE_COMPRESSION_TYPES[runtime_pb2.CompressionType.Name(serialized_tensor.compression)]"),
-    ("serialize_torch_tensor looks codecs up by enum name", serialization, "serialize_torch_tensor",
-     "_BASE_COMPRESSION_TYPES[runtime_pb2.CompressionType.Name(compression_type)]"),
-    ("reducers decode parts through the registry", allreduce.AllReduceRunner, "_accumulate_parts_streaming",
-     "deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression"),
-    ("reducers re-encode deltas with the sender's type", allreduce.AllReduceRunner, "_accumulate_parts_streaming",
-     "serialize_torch_tensor(averaged_part - tensor_part, part_compression)"),
-    ("senders decode returned deltas through the registry", allreduce.AllReduceRunner, "_communicate_with_peer",
-     "deserialize_torch_tensor(msg.tensor_part)"),
-    ("part sizes come from estimate_compression_ratio", partition.TensorPartContainer, "__init__",
-     "part_size_values = int(part_size_bytes / bytes_per_value)"),
-    ("senders compress parts with the averager's compression", partition.TensorPartContainer,
-     "iterate_input_parts_for", "self.compression.compress(*x_and_info)"),
-)
-
-
-def check_hivemind() -> None:
-    """Raise ``HivemindChanged`` naming the first fact this module relies on that no longer holds."""
-    def squash(text: str) -> str:
-        return "".join(text.split())
-
-    for what, owner, attribute, line in RELIED_ON:
-        if squash(line) not in squash(_source(owner, attribute)):
-            raise HivemindChanged(f"hivemind changed: {what} (expected `{line}` in {attribute}); "
-                                  "re-check averaging/network/hivemind/codecs.py before upgrading")
-    if not isinstance(getattr(serialization, "_BASE_COMPRESSION_TYPES", None), dict):
-        raise HivemindChanged("hivemind changed: compression._BASE_COMPRESSION_TYPES is no longer a dict")
+def check_registry() -> None:
+    """Raise ``HivemindChanged`` if hivemind's code or its compression enum no longer holds what
+    registration relies on (facts 1-4 above: ``pins.RELIED_ON``; the enum checks here)."""
+    pins.check()
     enum = runtime_pb2.CompressionType
     defined = set(getattr(getattr(enum, "_enum_type", None), "values_by_number", {}) or {})
     if not defined or not callable(getattr(enum, "Name", None)):
@@ -231,7 +195,7 @@ def register() -> None:
     """Teach hivemind's registry our wire types (idempotent). Run before the averager forks."""
     if _is_registered():
         return
-    check_hivemind()
+    check_registry()
     enum = runtime_pb2.CompressionType
     original_name = enum.Name
 

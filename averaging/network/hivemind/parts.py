@@ -1,4 +1,14 @@
-"""How long an all-reduce waits for one peer's next part: scaled to how long all-reduces take.
+"""How hivemind cuts our vector into parts, and how long it waits for one.
+
+Part sizes. hivemind cuts a tensor into parts of a fixed number of values from its start and hands
+them out by fractions. Two things follow: a vector of a few 512 KiB parts lands unevenly (4 peers
+can get 1, 1, 0, 2 parts; a 4x smaller codec packs a small vector into one part, turning the
+butterfly into a star through one reducer), and error feedback is exact only if every part starts
+on a codec block boundary (``averaging.math.wire``). So parts are balanced for the target group and
+cut on block boundaries (``balanced_part_size``); they depend only on what peers share (the layout,
+the codec, ``target_group_size``), so every peer cuts the same parts.
+
+Part timeouts: scaled to how long all-reduces take.
 
 hivemind fails a sender whose next part does not arrive within ``sender_timeout`` and a reducer
 whose next answer does not arrive within ``reducer_timeout``; both are fixed when the averager is
@@ -11,8 +21,18 @@ every round's average came back partial. So the timeouts grow with the all-reduc
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+
+from averaging.math.wire import WireFormat
+from averaging.network.hivemind.codecs import ShoalCodec
+
+HIVEMIND_PART_BYTES = 2**19  # hivemind's default part size (512 KiB after compression)
+# Parts are balanced for this many members when the group size is open: a multiple of 12 near-equal
+# parts splits evenly over groups of 2, 3, 4, 6 and 12.
+OPEN_GROUP_PARTS = 12
+FLOAT_COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {"fp16": Float16Compression, "fp32": NoCompression}
 SENDER_SHARE = 0.4  # of allreduce_timeout, as configured (hivemind requires sender < reducer)
 REDUCER_SHARE = 0.5
 CEILING_SHARE = 0.9  # no part timeout reaches the whole all-reduce's
@@ -27,3 +47,43 @@ def part_timeouts(recent_allreduce_s: Iterable[float], allreduce_timeout: float)
     longest = max((s for s in recent_allreduce_s if s >= 0), default=0.0)
     reducer = min(CEILING_SHARE * allreduce_timeout, max(reducer, HEADROOM * longest))
     return reducer * SENDER_SHARE / REDUCER_SHARE, reducer
+
+
+def balanced_part_size(numel: int, group_size: int, block_size: int, *, bytes_per_value: float,
+                       max_part_bytes: int = HIVEMIND_PART_BYTES) -> int:
+    """Values per hivemind part: a multiple of ``block_size``, at most ``max_part_bytes`` once encoded,
+    and cutting the vector into a multiple of ``group_size`` near-equal parts. The part size is
+    fixed before the group is known, so pass the target group size; a smaller group still gets
+    block-aligned parts, less evenly spread."""
+    if numel < 0 or group_size < 1 or block_size < 1 or bytes_per_value <= 0:
+        raise ValueError(f"bad arguments: numel={numel} group_size={group_size} block_size={block_size} "
+                         f"bytes_per_value={bytes_per_value}")
+    max_values = max(block_size, int(max_part_bytes / bytes_per_value) // block_size * block_size)
+    parts_per_peer = max(1, -(-numel // (group_size * max_values)))
+    per_part = -(-numel // (group_size * parts_per_peer))
+    return min(max_values, max(block_size, -(-per_part // block_size) * block_size))
+
+
+def part_values(wire: WireFormat, numel: int, target_group_size: int | None) -> int:
+    """Values per part for a quantized code: balanced for the target group and block-aligned."""
+    assert wire.quantized
+    return balanced_part_size(numel, target_group_size or OPEN_GROUP_PARTS, wire.block_size,
+                              bytes_per_value=wire.send_bytes_per_value())
+
+
+def averager_compression(wire: WireFormat, *, numel: int, target_group_size: int | None) -> CompressionBase:
+    """The averager's ``compression``: hivemind's own for fp16/fp32, else shoal's codec with parts
+    from ``part_values``, so the reducers' re-encoding of an error-fed send is lossless. Importing
+    ``averaging.network.hivemind.codecs`` registered the codecs in this process; the averager forks
+    after, and inherits them."""
+    if not wire.quantized:
+        return FLOAT_COMPRESSIONS[wire.code]()
+    return ShoalCodec(wire.code, return_code=wire.return_code, block_size=wire.block_size,
+                      part_values=part_values(wire, numel, target_group_size))
+
+
+def float_part_bytes(wire: WireFormat, numel: int) -> int:
+    """hivemind's ``part_size_bytes`` for fp16/fp32: parts balanced over any usual group size
+    (``OPEN_GROUP_PARTS``) instead of fixed 512 KiB parts."""
+    bytes_per_value = wire.send_bytes_per_value()
+    return int(balanced_part_size(numel, OPEN_GROUP_PARTS, 1, bytes_per_value=bytes_per_value) * bytes_per_value)

@@ -1,0 +1,56 @@
+"""Where the round engine reads time and waits: the real clock, or a test's fake one.
+
+Every clock read and every wait of the engine goes through a ``Clock``: the real one unless a test
+passes a fake whose time moves only when the test says so (``tests/unit/fake_clock.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    """Where the round engine reads time and waits. Both threads use it: ``now``/``monotonic`` on
+    the training thread and the worker's; ``sleep``/``sleep_until`` only on the worker's;
+    ``wait`` only on the training thread, for a job on the worker. Waiting on a job goes through
+    the clock too, so that a fake one knows the loop is idle and can let the worker's sleeps pass."""
+
+    def now(self) -> float:
+        """Unix seconds: the run's schedule (round deadlines) is in these."""
+
+    def monotonic(self) -> float:
+        """Seconds from an arbitrary origin, for durations."""
+
+    def sleep(self, seconds: float) -> None: ...
+
+    def sleep_until(self, when: float) -> None:
+        """Return once ``now() >= when`` (at once if it already is)."""
+
+    def wait(self, job: Future[T]) -> T:
+        """Block until a worker job is done; its result (or its exception, raised)."""
+
+
+class SystemClock:
+    """The real clock."""
+
+    def now(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def sleep_until(self, when: float) -> None:
+        time.sleep(max(0.0, when - time.time()))
+
+    def wait(self, job: Future[T]) -> T:
+        return job.result()
+
+
+SYSTEM_CLOCK = SystemClock()

@@ -1,0 +1,572 @@
+"""``ShoalAverager``: hivemind's ``DecentralizedAverager`` plus what shoal needs of it.
+
+It adds a pluggable state provider, a state download cut into slices that several donors serve at
+once (``averaging.network.slices``), serving past outer steps to peers that catch up, robust
+aggregation (``averaging.network.hivemind.allreduce``), a private swarm's admission checks, and
+matchmaking with the ban list (``averaging.network.hivemind.matchmaking``). Its host-side owner is
+``averaging.network.hivemind.backend.HivemindBackend``.
+
+Hazards this module owns (docs/hivemind.md):
+- The averager is a forked process sharing our buffer through shared memory. It must be created
+  before CUDA is initialised and before other threads start, and it sets SIGINT to ignored in
+  the parent: the caller restores its handler.
+- A state download runs one host thread per donor (``averaging.network.slices``), each blocked on
+  an MPFuture while the averager process receives its slice; donors serve slices from their
+  averager process, which asks the host's state-fetcher thread for a full copy of the state.
+- That fetcher thread takes no arguments: to ask the host for something else (a past outer step,
+  for a peer catching up) the averager process writes the request into a shared-memory slot
+  first, and one asyncio lock serializes every request to the host (``ShoalAverager._ask_host``).
+- Matchmaking for round r+1 may start while round r's all-reduce still runs (the prepare lane).
+  hivemind's ``rpc_aggregate_part`` refuses a part for a group it has not registered yet as soon
+  as *any* group (un)registers, and a group registers only once its step is triggered: the end of
+  round r's all-reduce would then refuse round r+1's early parts. ``ShoalAverager`` waits for the
+  registration instead, for up to the sender timeout, unless the step that matched the group has
+  ended without running it (cancelled while it awaited its trigger): then it refuses at once, and
+  the members stop waiting for us (``RobustAllReduceRunner._drop_absent_sender``).
+- hivemind caches the RPC table per class but finds the cache through the MRO (see ``_rpc_handlers``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import typing
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hivemind import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, azip
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
+
+from averaging.math.robust import BanList, RobustConfig
+from averaging.math.wire import STATE_BYTES_PER_VALUE
+from averaging.network.hivemind import pins
+from averaging.network.hivemind.allreduce import (
+    GroupRefused,
+    RobustAllReduceRunner,
+    RobustCounters,
+    gathered_proof,
+    vet_group,
+)
+from averaging.network.hivemind.matchmaking import ShoalMatchmaking, ShoalPotentialLeaders
+from averaging.network.interface import StateProvider, UpdateProvider
+from averaging.network.slices import flat_slice, slice_alignment, slice_bounds
+from averaging.state.served import AppliedUpdate
+from protocols.admission import admitted, make_proof
+from protocols.state_slices import (
+    decode_slice_request,
+    decode_update_request,
+    encode_slice_request,
+    encode_update_request,
+)
+
+logger = logging.getLogger(__name__)
+
+FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
+ASSEMBLY_LATENCY_S = 0.5  # a leader's group message to its followers, beyond request_timeout
+ENDED_GROUPS_KEPT = 256  # group ids of finished steps remembered (parts for them are refused at once)
+STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
+# The key under which the averager process adds, to a step's gathered reports, the fraction of the
+# average that did not arrive (a reducer failed: ``ShoalAverager._aggregate_with_group``). Not a
+# peer id (those are base58 multihashes), so no member's report can collide with it.
+PARTIAL_KEY = "shoal:partial"
+# Likewise: the members on our ban list when the all-reduce ended (refused in it, or before). Their
+# reports are dropped before the consistency check: a peer we just refused must not win a tie.
+DISTRUSTED_KEY = "shoal:distrusted"
+UPDATE_VERSION = 1
+# What a donor serves at once (state slices and outer updates), so that requests cannot exhaust
+# its host: an honest joiner has one fetch in flight per donor (averaging.network.slices); one more
+# covers a retry racing the end of the previous stream. Beyond these, a request gets an empty
+# answer (the joiner moves to another donor) and the refusal is logged once a minute per peer.
+MAX_SERVES_PER_PEER = 2
+MAX_SERVES = 8
+# Slice requests within this many seconds share one copy of the state: the host copies its whole
+# state per request (8 bytes/param under the state lock), so a stream of requests, honest (one
+# download is 2 slices per donor) or not, costs one copy per period, not one per request.
+STATE_COPY_REUSE_S = 3.0
+BUSY_LOG_PERIOD_S = 60.0
+
+
+class ShoalAverager(DecentralizedAverager):
+    """hivemind's averager plus what it lacks: a pluggable state provider, a state download cut
+    into slices that several donors serve at once (``averaging.network.slices``), and robust aggregation
+    (``averaging.network.hivemind.allreduce``; ``robust=None`` keeps hivemind's plain weighted mean)."""
+
+    # Hazard: hivemind caches the RPC table per class but finds the cache through the MRO, so a
+    # plain DecentralizedAverager set up earlier in this process would lend us a table without
+    # rpc_download_state_slice. Our own empty slots make hivemind build ours.
+    _rpc_handlers = None
+    _stub_type = None
+
+    def __init__(self, *args, state_provider: StateProvider, update_provider: UpdateProvider | None = None,
+                 registration_wait: float = 10.0, robust: RobustConfig | None = None,
+                 admission: bytes | None = None, **kwargs):
+        self._state_provider = state_provider
+        # A private swarm's admission key (protocols.admission): every request we serve and every
+        # member of a group we join must prove it; None (a public swarm) admits everyone.
+        self._admission = admission
+        self._update_provider = update_provider
+        self._registration_wait = registration_wait
+        # Several threads (downloads, the prepare lane) send commands at once; a pipe has no lock
+        # for concurrent writers.
+        self._command_lock = threading.Lock()
+        # What the averager process asks the host for (see the module docstring); shared memory,
+        # created before the fork.
+        self._host_request = torch.full((1,), STATE_REQUEST, dtype=torch.int64).share_memory_()
+        # The all-reduce's sender and reducer timeouts, set by the host from measured all-reduces
+        # (0: as configured); shared memory, read by the averager process at each all-reduce.
+        self._part_timeouts = torch.zeros(2, dtype=torch.float64).share_memory_()
+        self._host_lock: asyncio.Lock | None = None  # averager process, created on its event loop
+        self._running: set[asyncio.Task] = set()  # averager process: commands in flight (_kept_alive)
+        # Averager process: requests being served per peer, the shared state copy, refusals logged.
+        self._serving: Counter[str] = Counter()
+        self._state_copy: tuple[float, Any] | None = None
+        self._state_copy_lock: asyncio.Lock | None = None
+        self._busy_logged: dict[str, float] = {}
+        pins.check()  # the hivemind code we override is the code we reviewed
+        self._robust = robust
+        # The ban list lives in the averager process (this object is forked with it); the counters
+        # are shared memory, for the host.
+        self._ban_list = BanList(robust.ban_rounds if robust is not None else 0)
+        self.robust_counters = RobustCounters()
+        # Averager process: the fraction of the average each running group failed to deliver.
+        self._partial: dict[bytes, float] = {}
+        # Averager process: groups our steps matched that will not run (any more), oldest first.
+        self._ended_groups: dict[bytes, None] = {}
+        target = kwargs.get("target_group_size")
+        self._max_group_size = min(robust.max_group_size if robust is not None else 2**31, target or 2**31)
+        super().__init__(*args, **kwargs)
+
+    # hivemind builds its Matchmaking in the averager process (``self._matchmaking = Matchmaking(...)``
+    # in ``_run``, no hook): this setter gives it our class, which keeps banned peers out of groups.
+    @property
+    def _matchmaking(self) -> ShoalMatchmaking:
+        try:
+            return self.__dict__["_matchmaking"]
+        except KeyError:
+            raise AttributeError("_matchmaking") from None
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking: Matchmaking) -> None:
+        matchmaking.__class__ = ShoalMatchmaking
+        matchmaking.ban_list = self._ban_list
+        matchmaking.matched = {}
+        # A group must reach its followers before they give up (robust_allreduce.declared_expiration):
+        # a leader's answer can wait up to request_timeout behind its own join request, plus latency.
+        matchmaking.potential_leaders.__class__ = ShoalPotentialLeaders
+        matchmaking.potential_leaders.margin = matchmaking.request_timeout + ASSEMBLY_LATENCY_S
+        self.__dict__["_matchmaking"] = matchmaking
+
+    @contextlib.contextmanager
+    def _kept_alive(self):
+        """Hold a strong reference to the running command's task. hivemind's command loop drops the
+        task it creates per command, and what a step waits on (its trigger, an MPFuture) refers to
+        it only weakly: a garbage collection while a step awaits its trigger destroyed the step
+        ("Task was destroyed but it is pending"), and its group waited for its parts until their
+        sender timeout (seen with a slow peer: a 40 s stall, then rounds lost)."""
+        task = asyncio.current_task()
+        self._running.add(task)
+        try:
+            yield
+        finally:
+            self._running.discard(task)
+
+    async def _step(self, *, step: StepControl, **kwargs):
+        # A ban counts averaging rounds (one step each), whether or not a group formed: counted in
+        # all-reduces, a ban of our only possible partner never ended (no group, so no all-reduce).
+        self._ban_list.next_round()
+        with self._kept_alive():
+            try:
+                return await super()._step(step=step, **kwargs)
+            finally:
+                self._end_groups(self._matchmaking.matched.pop(id(step), ()))
+
+    def _end_groups(self, group_ids: Sequence[bytes]) -> None:
+        """The groups a finished step matched will never (again) be registered: a part for one of
+        them is refused at once. A step cancelled while it awaited its trigger (its round was
+        passed, or its sync timed out) had told its group it was in; without this, every member's
+        part to us waited the whole registration wait (0.4 x allreduce_timeout) and the members'
+        all-reduce stalled that long (24 s of 6 s rounds in test_slow_sync, 1 CI run in 4)."""
+        for group_id in group_ids:  # unregistered by now (hivemind's _register_allreduce_group)
+            self._ended_groups[group_id] = None
+        while len(self._ended_groups) > ENDED_GROUPS_KEPT:
+            del self._ended_groups[next(iter(self._ended_groups))]
+
+    def set_part_timeouts(self, sender_timeout: float, reducer_timeout: float) -> None:
+        """Host: the timeouts the next all-reduces use (``averaging.network.hivemind.parts``)."""
+        self._part_timeouts.copy_(torch.tensor([sender_timeout, reducer_timeout], dtype=torch.float64))
+
+    def get_current_state(self):
+        # Runs in the host process, in hivemind's state-fetcher thread.
+        request = int(self._host_request[0])
+        if request == STATE_REQUEST:
+            metadata, tensors = self._state_provider()
+            return metadata, tensors, None
+        update = self._update_provider(request) if self._update_provider is not None else None
+        if update is None:
+            return {"v": UPDATE_VERSION, "missing": True}, [], None
+        return {"v": UPDATE_VERSION, "round": update.round, "rounds_done": update.rounds_done}, [update.update], None
+
+    async def _ask_host(self, request: int):
+        """The host's answer to ``request`` (the state, or an update): one request at a time."""
+        if self._host_lock is None:
+            self._host_lock = asyncio.Lock()
+        async with self._host_lock:
+            self._host_request[0] = request
+            try:
+                return await super()._get_current_state_from_host_process()
+            finally:
+                self._host_request[0] = STATE_REQUEST
+
+    async def _get_current_state_from_host_process(self):
+        return await self._ask_host(STATE_REQUEST)
+
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, but a part for a group we have not registered yet waits for the registration
+        (bounded) instead of being refused when another group (un)registers (module docstring)."""
+        request = await anext(stream)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._registration_wait
+        while (request.group_id not in self._running_groups and request.group_id not in self._ended_groups
+               and loop.time() < deadline):
+            await asyncio.sleep(0.05)
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            # Hold the stream until the sender has read that and hung up: returning with its parts
+            # still unread resets the stream, and the sender often saw a broken pipe instead of
+            # BAD_GROUP_ID, so it did not know to stop waiting for our parts (a 16 s stall in
+            # tests/integration/test_cancelled_step.py, half the runs).
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_drain(stream), timeout=self._registration_wait)
+            return
+        group = await future
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    # -- robust all-reduce (averager process) ------------------------------------------------
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        # The leader's group, vetted: size cap, our own entry, bandwidths dropped (vet_group).
+        try:
+            group_info = vet_group(group_info, peer_id=self.peer_id, bandwidth=self.bandwidth, mode=self.mode,
+                                   max_group_size=self._max_group_size, serializer=self.serializer,
+                                   admission=self._admission)
+        except GroupRefused as e:
+            logger.warning(f"refused group {group_info.group_id.hex()[:8]} of {len(group_info.peer_ids)}: {e}")
+            raise MatchmakingException(f"refused the group: {e}") from None
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            missing = self._partial.pop(group_info.group_id, 0.0)
+        # A partial result (hivemind keeps our local values where a reducer failed) would move our
+        # anchor somewhere no other member's is: the host must not apply it (``HivemindBackend.average``).
+        if missing > 0:
+            gathered = {**gathered, PARTIAL_KEY: missing}
+        distrusted = [str(peer) for peer in group_info.peer_ids
+                      if peer != self.peer_id and self._ban_list.is_banned(str(peer))]
+        return {**gathered, DISTRUSTED_KEY: distrusted} if distrusted else gathered
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: bytes | None = None, **kwargs):
+        """hivemind's method (1.1.12, pinned in ``pins.REVIEWED``) with our runner
+        (hivemind's own with ``robust=None``), and what part of the result never arrived."""
+        group_id = group_info.group_id if group_id is None else group_id
+        sender_timeout, reducer_timeout = self._part_timeouts.tolist()
+        if reducer_timeout > 0:  # the host's scaled timeouts (averaging.network.hivemind.parts), once it measured any
+            kwargs.update(sender_timeout=sender_timeout, reducer_timeout=reducer_timeout)
+        common = dict(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+                      ordered_peer_ids=group_info.peer_ids, **kwargs)
+        if self._robust is None:
+            runner = AllReduceRunner(**common)
+        else:
+            runner = RobustAllReduceRunner(robust_config=self._robust, ban_list=self._ban_list,
+                                           counters=self.robust_counters, **common)
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+        container = runner.tensor_part_container
+        if container.failed_size:
+            self._partial[group_id] = container.failed_size / max(1, container.total_size)
+
+    # -- donor side -------------------------------------------------------------------------
+    # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by
+    # the hint's ``_name``, which collections.abc.AsyncIterator[...] does not have.
+    def proof(self) -> bytes | None:
+        """What our requests carry to show we hold the swarm key (None in a public swarm)."""
+        return make_proof(self._admission, str(self.peer_id)) if self._admission is not None else None
+
+    def _refused(self, what: str, proof: object, context: P2PContext) -> bool:
+        """True (and logged, naming the peer) if the caller did not prove the swarm key."""
+        if admitted(self._admission, str(context.remote_id), proof):
+            return False
+        logger.warning(f"refused {what} from {context.remote_id}: it did not prove the swarm key")
+        return True
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's, after the joiner's gather proved the swarm key (a private swarm)."""
+        if self._admission is not None and self._refused("a join request",
+                                                         gathered_proof(self.serializer, request.gather), context):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_download_state(
+        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """Not served: hivemind's whole-state download carries no request to prove the swarm key
+        with, and shoal peers download in slices (``rpc_download_state_slice``). An empty answer."""
+        return
+        yield  # an async generator
+
+    async def rpc_download_state_slice(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """Stream slice i of n of our flat fp32 state, exactly (no compression), metadata first.
+        The request's ``gather`` field carries ``encode_slice_request(i, n)``. Runs in the averager
+        process, one task per request; a refusal raises, and hivemind relays the message."""
+        if not self.allow_state_sharing:
+            return  # like rpc_download_state: an empty answer sends the joiner elsewhere
+        index, count, proof = decode_slice_request(request.gather)
+        if self._refused("a state download", proof, context):
+            return
+        with self._serving_slot(str(context.remote_id), "a state slice") as admitted:
+            if not admitted:
+                return
+            metadata, tensors, _ = await self._shared_state_copy()
+            start, stop = slice_bounds(sum(t.numel() for t in tensors), index, count,
+                                       slice_alignment(tensors[0].numel() if tensors else 0))
+            serialized = serialize_torch_tensor(flat_slice(tensors, start, stop), runtime_pb2.CompressionType.NONE)
+            del tensors
+            for part in split_for_streaming(serialized):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+                metadata = b""  # only in the first message
+
+    @contextlib.contextmanager
+    def _serving_slot(self, peer: str, what: str):
+        """Yields whether ``peer``'s request may be served now (``MAX_SERVES_PER_PEER``, ``MAX_SERVES``)."""
+        if self._serving[peer] >= MAX_SERVES_PER_PEER or sum(self._serving.values()) >= MAX_SERVES:
+            now = time.monotonic()
+            if now - self._busy_logged.get(peer, -BUSY_LOG_PERIOD_S) >= BUSY_LOG_PERIOD_S:
+                self._busy_logged[peer] = now
+                logger.warning(f"refused {what} to {peer}: {self._serving[peer]} of its requests and "
+                               f"{sum(self._serving.values())} in all are being served (limits {MAX_SERVES_PER_PEER}"
+                               f" and {MAX_SERVES}; logged once a minute per peer)")
+            yield False
+            return
+        self._serving[peer] += 1
+        try:
+            yield True
+        finally:
+            self._serving[peer] -= 1
+            if not self._serving[peer]:
+                del self._serving[peer]
+
+    async def _shared_state_copy(self):
+        """The host's state, copied at most once per ``STATE_COPY_REUSE_S`` for every request that
+        arrives meanwhile; the copy is released when the period ends."""
+        loop = asyncio.get_running_loop()
+        if self._state_copy_lock is None:
+            self._state_copy_lock = asyncio.Lock()
+        async with self._state_copy_lock:
+            if self._state_copy is None or loop.time() - self._state_copy[0] >= STATE_COPY_REUSE_S:
+                state = await self._get_current_state_from_host_process()
+                self._state_copy = (loop.time(), state)
+                loop.call_later(STATE_COPY_REUSE_S, self._release_state_copy, self._state_copy)
+            return self._state_copy[1]
+
+    def _release_state_copy(self, copy) -> None:
+        if self._state_copy is copy:
+            self._state_copy = None
+
+    async def rpc_download_update(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """Stream the outer update that took us from ``rounds_done`` to ``rounds_done + 1`` steps
+        (fp16, exactly as kept), metadata first; the request's ``gather`` is ``encode_update_request``.
+        Nothing (an empty answer) if we no longer hold it."""
+        rounds_done, proof = decode_update_request(request.gather)
+        if self._refused("an outer update request", proof, context):
+            return
+        with self._serving_slot(str(context.remote_id), "an outer update") as admitted:
+            if not admitted:
+                return
+            metadata, tensors, _ = await self._ask_host(rounds_done)
+            if not tensors:
+                return
+            serialized = serialize_torch_tensor(tensors[0], runtime_pb2.CompressionType.NONE)
+            del tensors
+            for part in split_for_streaming(serialized):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+                metadata = b""
+
+    # -- joiner side ------------------------------------------------------------------------
+    def fetch_slice(self, peer: str, index: int, count: int, *, expected_numel: int, stall_timeout: float,
+                    deadline_s: float) -> tuple[Any, torch.Tensor]:
+        """Slice ``index`` of ``count`` of ``peer``'s state as (metadata, flat tensor); raises on
+        any failure. Blocks the calling host thread; the network part runs in the averager process."""
+        future = MPFuture()
+        command = dict(peer=peer, index=index, count=count, expected_numel=expected_numel,
+                       stall_timeout=stall_timeout, deadline_s=deadline_s, future=future)
+        with self._command_lock:
+            self._outer_pipe.send(("_fetch_slice", [], command))
+        try:
+            return future.result(timeout=deadline_s + FETCH_GRACE_S)
+        finally:
+            if not future.done():
+                future.cancel()
+
+    async def _fetch_slice(self, peer: str, index: int, count: int, expected_numel: int, stall_timeout: float,
+                           deadline_s: float, future: MPFuture) -> None:
+        # Runs in the averager process, one task per slice; bounded by deadline_s so no task lingers.
+        with self._kept_alive():
+            await self._fetch_slice_into(peer, index, count, expected_numel, stall_timeout, deadline_s, future)
+
+    async def _fetch_slice_into(self, peer: str, index: int, count: int, expected_numel: int, stall_timeout: float,
+                                deadline_s: float, future: MPFuture) -> None:
+        try:
+            result = await asyncio.wait_for(
+                self._receive_slice(peer, index, count, expected_numel, stall_timeout), timeout=deadline_s)
+        except Exception as e:
+            if isinstance(e, TimeoutError) and not str(e):
+                e = TimeoutError(f"no complete slice within {deadline_s:.1f}s")
+            # A plain RuntimeError: whatever the network raised may not pickle back to the host.
+            if not future.done():
+                future.set_exception(RuntimeError(describe(e)))
+        else:
+            if not future.done():
+                future.set_result(result)
+
+    def fetch_update(self, peer: str, rounds_done: int, *, numel: int, timeout: float) -> AppliedUpdate:
+        """``peer``'s outer update after ``rounds_done`` steps; raises on any failure or refusal."""
+        future = MPFuture()
+        with self._command_lock:
+            self._outer_pipe.send(("_fetch_update", [], dict(peer=peer, rounds_done=rounds_done, numel=numel,
+                                                             timeout=timeout, future=future)))
+        try:
+            return future.result(timeout=timeout + FETCH_GRACE_S)
+        finally:
+            if not future.done():
+                future.cancel()
+
+    async def _fetch_update(self, peer: str, rounds_done: int, numel: int, timeout: float, future: MPFuture) -> None:
+        with self._kept_alive():
+            await self._fetch_update_into(peer, rounds_done, numel, timeout, future)
+
+    async def _fetch_update_into(self, peer: str, rounds_done: int, numel: int, timeout: float,
+                                 future: MPFuture) -> None:
+        try:
+            result = await asyncio.wait_for(self._receive_update(peer, rounds_done, numel), timeout=timeout)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(RuntimeError(describe(e)))
+        else:
+            if not future.done():
+                future.set_result(result)
+
+    async def _receive_update(self, peer: str, rounds_done: int, numel: int) -> AppliedUpdate:
+        """Receive one update, refusing early what could not be right (more bytes than an fp16
+        vector of ours, another dtype or size, another step than asked for, non-finite values)."""
+        max_bytes = numel * 2
+        max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
+        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+        stream = await stub.rpc_download_update(
+            averaging_pb2.JoinRequest(gather=encode_update_request(rounds_done, self.proof())))
+        metadata, parts, received = None, [], 0
+        try:
+            async for message in stream:
+                if message.metadata and metadata is None:
+                    metadata = self.serializer.loads(message.metadata)
+                received += len(message.tensor_part.buffer)
+                if received > max_bytes or len(parts) >= max_parts:
+                    raise ValueError(f"sent more than the {max_bytes} bytes of an update")
+                parts.append(message.tensor_part)
+        finally:
+            await stream.aclose()
+        if not parts:
+            raise ValueError(f"does not hold outer step {rounds_done + 1}")
+        head = parts[0]
+        if head.compression != runtime_pb2.CompressionType.NONE or head.dtype != "float16" \
+                or list(head.size) != [numel] or received != max_bytes:
+            raise ValueError(f"update is {head.dtype!r:.20} of size {list(head.size)[:4]} in {received} bytes, "
+                             f"expected float16 [{numel}] in {max_bytes}")
+        if not isinstance(metadata, dict) or metadata.get("v") != UPDATE_VERSION \
+                or metadata.get("rounds_done") != rounds_done + 1:
+            raise ValueError(f"update metadata does not describe outer step {rounds_done + 1}")
+        round = metadata.get("round")
+        if not isinstance(round, int) or isinstance(round, bool) or not 0 < round < 2**40:
+            raise ValueError("update metadata has a bad round")
+        update = deserialize_torch_tensor(combine_from_streaming(parts))
+        if not torch.isfinite(update).all():
+            raise ValueError("update has non-finite values")
+        return AppliedUpdate(round, rounds_done + 1, update)
+
+    async def _receive_slice(self, peer: str, index: int, count: int, expected_numel: int,
+                             stall_timeout: float) -> tuple[Any, torch.Tensor]:
+        """Receive one slice, refusing early what could not be right: more bytes or parts than the
+        slice needs (a hostile donor cannot make us buffer more), compression, another dtype or size."""
+        max_bytes = expected_numel * STATE_BYTES_PER_VALUE
+        max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
+        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+        stream = await stub.rpc_download_state_slice(
+            averaging_pb2.JoinRequest(gather=encode_slice_request(index, count, self.proof())))
+        metadata, parts, received = None, [], 0
+        try:
+            async for message in aiter_with_timeout(stream, timeout=stall_timeout):
+                if message.metadata and metadata is None:
+                    metadata = self.serializer.loads(message.metadata)
+                received += len(message.tensor_part.buffer)
+                if received > max_bytes or len(parts) >= max_parts:
+                    raise ValueError(f"sent more than the {max_bytes} bytes of slice {index}/{count}")
+                if parts and message.tensor_part.dtype:
+                    raise ValueError("sent more than one tensor")
+                parts.append(message.tensor_part)
+        except TimeoutError:
+            raise TimeoutError(f"silent for {stall_timeout:.1f}s") from None
+        finally:
+            await stream.aclose()
+        if metadata is None or not parts:
+            raise ValueError("did not share its state")
+        head = parts[0]
+        if head.compression != runtime_pb2.CompressionType.NONE or head.dtype != "float32":
+            raise ValueError(f"slice is {runtime_pb2.CompressionType.Name(head.compression)} {head.dtype!r:.20},"
+                             " expected uncompressed float32")
+        if list(head.size) != [expected_numel] or received != max_bytes:
+            raise ValueError(f"slice of size {list(head.size)[:4]} in {received} bytes,"
+                             f" expected [{expected_numel}]")
+        return metadata, deserialize_torch_tensor(combine_from_streaming(parts))
+
+
+async def _drain(stream: typing.AsyncIterator) -> None:
+    async for _ in stream:
+        pass
+
+
+def describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

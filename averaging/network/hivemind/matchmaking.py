@@ -1,0 +1,146 @@
+"""hivemind's matchmaking with the ban list, a search that ends before its deadline, and a paced
+leader fetch. hivemind has no hook for either class: ``ShoalAverager`` gives the instances it builds
+these classes (``averaging.network.hivemind.averager``); the hivemind code they override is pinned in
+``averaging.network.hivemind.pins``.
+
+- ``ShoalMatchmaking``: a peer on the ban list is kept out of our groups (we do not ask it to lead
+  us, and as a leader we turn it away).
+- ``ShoalPotentialLeaders`` declares its search's end ahead of the deadline (``declared_expiration``),
+  and fetches the declared leaders at most once per ``REFETCH_S``: hivemind's search refetches in a
+  loop once every leader has turned it away (docs/hivemind.md, "Matchmaking and steps").
+
+Runs in the averager process, on its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS, TimedStorage
+
+from averaging.math.robust import BanList
+
+
+def declared_expiration(now: float, *, scheduled_time: float, min_matchmaking_time: float, search_end: float,
+                        margin: float) -> float | None:
+    """When we declare our search to end (a leader assembles its group then), or None: too late.
+
+    hivemind 1.1.12 declares ``min(max(scheduled, now + min_matchmaking_time), search_end)``, with
+    ``search_end`` the step's deadline, which is also when a follower gives up waiting for its
+    leader's group (``look_for_group``'s timeout). Past the scheduled time (a peer whose first
+    search failed searches again) every declaration is therefore the deadline itself: a leader
+    assembles its group just as its followers give up, and whether they hear of it is decided by
+    milliseconds of latency. A follower that missed it reports "could not find a group" while
+    the others wait out the sender timeout for its parts and keep their own values for the share
+    it should have reduced. Ours ends ``margin`` before the deadline (the leader's answer then has
+    that long to arrive), and once that is past we declare nothing more: a group formed so late
+    could not reach its followers in time. Never before the scheduled time: the first search keeps
+    hivemind's expirations."""
+    latest = max(scheduled_time, search_end - margin)
+    expiration = min(max(scheduled_time, now + min_matchmaking_time), latest)
+    return expiration if expiration > now else None
+
+
+# The least time between two fetches of the declared leaders from the DHT (one search).
+REFETCH_S = 0.25
+
+
+class ShoalPotentialLeaders(PotentialLeaders):
+    """hivemind's search for leaders with ``declared_expiration`` and a paced leader fetch (set up
+    by ``ShoalAverager``: an existing instance is given this class and a ``margin``)."""
+
+    margin: float
+
+    async def _update_queue_periodically(self, key_manager) -> None:
+        # hivemind's loop (1.1.12, in REVIEWED), paced. Once every declared leader has been tried
+        # (all turned us away: we are banned, or each is in another group), ``pop_next_leader``
+        # finds the queue empty and triggers a refetch at once, the fetch returns the same
+        # leaders, and the two spin until the search ends: 12,905 fetches in one second with an
+        # instant fake DHT (tests/unit/test_robust_allreduce.py), each a DHT get that queries
+        # other peers. A peer banned by the swarm spent ~2 s of every round so, and its process
+        # used 0.45-0.6 cores against an honest peer's 0.3 (benchmarks/attacks.py, stop 22),
+        # starving honest peers of CPU on a shared machine. Pacing costs a new leader at most
+        # REFETCH_S before we see it.
+        discrepancy = MAX_DHT_TIME_DISCREPANCY_SECONDS
+        fetched = -math.inf
+        while get_dht_time() < self.search_end_time:
+            wait = min(fetched + REFETCH_S, self.search_end_time) - get_dht_time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            fetched = get_dht_time()
+            new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
+            self.max_assured_time = max(self.max_assured_time,
+                                        get_dht_time() + self.min_matchmaking_time - discrepancy)
+            self.leader_queue.clear()
+            for peer, peer_expiration_time in new_peers:
+                if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
+                    continue
+                self.leader_queue.store(peer, peer_expiration_time, peer_expiration_time)
+                self.max_assured_time = max(self.max_assured_time, peer_expiration_time - discrepancy)
+            self.update_finished.set()
+            await asyncio.wait(
+                {asyncio.create_task(self.running.wait()), asyncio.create_task(self.update_triggered.wait())},
+                return_when=asyncio.ALL_COMPLETED,
+                timeout=self.search_end_time - get_dht_time() if math.isfinite(self.search_end_time) else None)
+            self.update_triggered.clear()
+
+    async def _declare_averager_periodically(self, step, key_manager) -> None:
+        # hivemind's loop (1.1.12, in REVIEWED) with our expiration, and an end once it is None.
+        async with self.lock_declare:
+            try:
+                while True:
+                    await self.running.wait()
+                    expiration = declared_expiration(
+                        get_dht_time(), scheduled_time=step.scheduled_time,
+                        min_matchmaking_time=self.min_matchmaking_time, search_end=self.search_end_time,
+                        margin=self.margin)
+                    if expiration is None:
+                        return
+                    self.declared_group_key = group_key = key_manager.current_key
+                    self.declared_expiration_time = expiration
+                    self.declared_expiration.set()
+                    await key_manager.declare_averager(group_key, self.peer_id, expiration_time=expiration)
+                    await asyncio.sleep(self.declared_expiration_time - get_dht_time())
+                    if self.running.is_set() and len(self.leader_queue) == 0:
+                        await key_manager.update_key_on_not_enough_peers()
+            finally:
+                if self.declared_group_key is not None:  # withdraw what we declared, as hivemind does
+                    key, expiration = self.declared_group_key, self.declared_expiration_time
+                    self.declared_group_key, self.declared_expiration_time = None, float("inf")
+                    self.leader_queue, self.max_assured_time = TimedStorage[PeerID, float](), float("-inf")
+                    await key_manager.declare_averager(key, self.peer_id, expiration, looking_for_group=False)
+
+
+class ShoalMatchmaking(Matchmaking):
+    """hivemind's matchmaking without the peers on our ban list (set up by ``ShoalAverager``: an
+    existing instance is given this class and a ``ban_list``). In a group, a banned peer is a
+    reducer whose share every member refuses: a partial result, so the round fails for every
+    member (before partial results were refused, the members kept their own values there and all
+    but one re-synced the next round: 7 re-syncs in 12 rounds in benchmarks/attacks.py). Out of
+    the group, it costs nothing."""
+
+    ban_list: BanList
+    # id(step) -> the group ids that step's matchmaking assembled (``ShoalAverager._step`` pops it
+    # when the step ends, to answer late parts for those groups at once).
+    matched: dict[int, list[bytes]]
+
+    async def look_for_group(self, step):
+        group = await super().look_for_group(step)
+        if group is not None:
+            self.matched.setdefault(id(step), []).append(group.group_id)
+        return group
+
+    async def _request_join_group(self, leader: PeerID):
+        if self.ban_list.is_banned(str(leader)):
+            return None  # hivemind then asks the next potential leader
+        return await super()._request_join_group(leader)
+
+    def _check_reasons_to_reject(self, request, context):
+        if self.ban_list.is_banned(str(context.remote_id)):
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        return super()._check_reasons_to_reject(request, context)

@@ -1,0 +1,122 @@
+"""The hivemind code shoal overrides or relies on, pinned: one check before an averager starts.
+
+shoal subclasses hivemind's averager, runner, reducer, part container and matchmaking, copies two
+of its methods, and registers codecs in its compression registry. Each relies on hivemind 1.1.12's
+code as reviewed. Two kinds of pin:
+
+- ``REVIEWED``: the sha256 of the source of every function we override or copy. A mismatch means
+  the override must be re-derived against the new code.
+- ``RELIED_ON``: lines of hivemind the codec registration depends on, looked up in the functions
+  that hold them (whitespace-insensitive): looser than a hash, since those functions are not
+  overridden, only called.
+
+``changes()`` names every pin that no longer holds; ``check()`` raises ``HivemindChanged`` with
+them. Both the averager (``averaging.network.hivemind.averager``) and the codec registration
+(``averaging.network.hivemind.codecs.register``) call ``check()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable
+
+from hivemind.averaging import allreduce, partition
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
+from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
+from hivemind.compression import serialization
+
+
+class HivemindChanged(RuntimeError):
+    """hivemind no longer looks like the version shoal's overrides were written against."""
+
+
+# sha256 of the source of every hivemind function shoal overrides or copies, as reviewed (hivemind 1.1.12).
+REVIEWED = {
+    "DecentralizedAverager._aggregate_with_group": "c297d8a435ce2b1c0ca36b8e6bc318a23b1c696ef1624dabc654cee803650868",
+    "DecentralizedAverager._run_allreduce_inplace_": "914d57cffc7d69e1ce16b384f3fc0783fbbf08b7fa839634da9571f9c4143925",
+    "AllReduceRunner.__init__": "597a0c8dbbeabbe366c28a471d7bc1452a9e4d17520942aa61c7b52de22799f4",
+    "AllReduceRunner._communicate_with_peer": "d910885e9727ed48e117de0b94731d74ac1abd11340c903622367d35e1b6f374",
+    "AllReduceRunner._accumulate_parts_streaming": "6c5a3c72660603033d98a698d8debccf860244979008d06f3bff943fcc2a47fc",
+    "AllReduceRunner._ban_sender": "3a3d52ad781b64d74381f3f78cf07b8dfe8de2d4bc1b89ece40ed8de1335a245",
+    "TensorPartReducer.accumulate_part": "1d64a8bd77052ac43ed43003ec04ade86d07114ac5b50ec0a023470896d21793",
+    "TensorPartReducer.reset_accumulators": "5d3dc36f344a342e981250bfaa2d6b9cd0562b7938fe4c881ff0c5e11c2e7693",
+    "TensorPartReducer.on_sender_failed": "8a7de53789ffecb17e6bdc3a2346864e9c44152f8b4bf251b7de81de7b168276",
+    "TensorPartReducer.check_current_part_finished": "ec9b059c42f3ca271d3e89ff63177006d66e0fc4a6bb99427eb08ab25d3d3640",
+    "TensorPartContainer.register_processed_part": "ff5ebad6141c4a8886c1e661b81c22ae87dd54e624dc016ee30d94ca72285089",
+    # counts a failed reducer's parts in failed_size: how the host learns a result is partial
+    "TensorPartContainer.register_failed_reducer": "89b41b9d7f2259687a2fc1fce7460b96d97f8af368c72b22bd01079c194a89f1",
+    "Matchmaking.follower_assemble_group": "2fc9715f5e6de487d880a919217efea5ae3d917cba393fcbe30301e72df4df3d",
+    "Matchmaking._request_join_group": "df823040a94d1c1ddb28c15536b631502954dd03024ac943820a21075e335b43",
+    "Matchmaking._check_reasons_to_reject": "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3",
+    "PotentialLeaders._declare_averager_periodically": "36280203c3a0aca00f4592ce13e4bac4f04c3177cae282101acce4c81458c501",
+    "PotentialLeaders._update_queue_periodically": "13036c7d743da89efd85ef93befc61463e1e45d87bdb6d07e97b46fa7e4ba580",
+}
+ORIGINALS: dict[str, Callable] = {
+    "DecentralizedAverager._aggregate_with_group": DecentralizedAverager._aggregate_with_group,
+    "DecentralizedAverager._run_allreduce_inplace_": DecentralizedAverager._run_allreduce_inplace_,
+    "AllReduceRunner.__init__": AllReduceRunner.__init__,
+    "AllReduceRunner._communicate_with_peer": AllReduceRunner._communicate_with_peer,
+    "AllReduceRunner._accumulate_parts_streaming": AllReduceRunner._accumulate_parts_streaming,
+    "AllReduceRunner._ban_sender": AllReduceRunner._ban_sender,
+    "TensorPartReducer.accumulate_part": TensorPartReducer.accumulate_part,
+    "TensorPartReducer.reset_accumulators": TensorPartReducer.reset_accumulators,
+    "TensorPartReducer.on_sender_failed": TensorPartReducer.on_sender_failed,
+    "TensorPartReducer.check_current_part_finished": TensorPartReducer.check_current_part_finished,
+    "TensorPartContainer.register_processed_part": TensorPartContainer.register_processed_part,
+    "TensorPartContainer.register_failed_reducer": TensorPartContainer.register_failed_reducer,
+    "Matchmaking.follower_assemble_group": Matchmaking.follower_assemble_group,
+    "Matchmaking._request_join_group": Matchmaking._request_join_group,
+    "Matchmaking._check_reasons_to_reject": Matchmaking._check_reasons_to_reject,
+    "PotentialLeaders._declare_averager_periodically": PotentialLeaders._declare_averager_periodically,
+    "PotentialLeaders._update_queue_periodically": PotentialLeaders._update_queue_periodically,
+}
+
+# Lines of hivemind the codec registration relies on (the facts in averaging.network.hivemind.codecs).
+RELIED_ON: tuple[tuple[str, object, str, str], ...] = (
+    ("receivers look codecs up by enum name", serialization, "deserialize_torch_tensor",
+     "_BASE_COMPRESSION_TYPES[runtime_pb2.CompressionType.Name(serialized_tensor.compression)]"),
+    ("serialize_torch_tensor looks codecs up by enum name", serialization, "serialize_torch_tensor",
+     "_BASE_COMPRESSION_TYPES[runtime_pb2.CompressionType.Name(compression_type)]"),
+    ("reducers decode parts through the registry", allreduce.AllReduceRunner, "_accumulate_parts_streaming",
+     "deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression"),
+    ("reducers re-encode deltas with the sender's type", allreduce.AllReduceRunner, "_accumulate_parts_streaming",
+     "serialize_torch_tensor(averaged_part - tensor_part, part_compression)"),
+    ("senders decode returned deltas through the registry", allreduce.AllReduceRunner, "_communicate_with_peer",
+     "deserialize_torch_tensor(msg.tensor_part)"),
+    ("part sizes come from estimate_compression_ratio", partition.TensorPartContainer, "__init__",
+     "part_size_values = int(part_size_bytes / bytes_per_value)"),
+    ("senders compress parts with the averager's compression", partition.TensorPartContainer,
+     "iterate_input_parts_for", "self.compression.compress(*x_and_info)"),
+)
+
+
+def _source(owner: object, attribute: str) -> str:
+    try:
+        return inspect.getsource(getattr(owner, attribute))
+    except (AttributeError, OSError, TypeError):
+        return ""
+
+
+def _squash(text: str) -> str:
+    return "".join(text.split())
+
+
+def changes() -> list[str]:
+    """Every pin that no longer holds, named (empty: hivemind is the version reviewed)."""
+    changed = [f"{name} (its code)" for name, digest in REVIEWED.items()
+               if hashlib.sha256(inspect.getsource(ORIGINALS[name]).encode()).hexdigest() != digest]
+    changed += [f"{what} (expected `{line}` in {attribute})" for what, owner, attribute, line in RELIED_ON
+                if _squash(line) not in _squash(_source(owner, attribute))]
+    if not isinstance(getattr(serialization, "_BASE_COMPRESSION_TYPES", None), dict):
+        changed.append("compression._BASE_COMPRESSION_TYPES is no longer a dict")
+    return changed
+
+
+def check() -> None:
+    """Raise ``HivemindChanged`` naming every pin that no longer holds."""
+    if changed := changes():
+        raise HivemindChanged(f"hivemind changed since shoal's overrides were written: {'; '.join(changed)}. "
+                              "Re-check averaging/network/hivemind/ against it (docs/hivemind.md) before upgrading")
