@@ -14,8 +14,8 @@ import hivemind
 import pytest
 import torch
 
-from averaging.network.hivemind.averager import MAX_SERVES_PER_PEER, STATE_COPY_REUSE_S
 from averaging.network.hivemind.backend import HivemindBackend
+from averaging.network.hivemind.serving import MAX_SERVES_PER_PEER, STATE_COPY_REUSE_S
 from averaging.network.slices import slice_alignment, slice_bounds
 from tests.integration.averagers import loopback_averagers
 

@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 import typing
 from collections import Counter
 from collections.abc import Sequence
@@ -44,16 +43,12 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, azip
-from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
+from hivemind.utils.asyncio import achain, as_aiter, azip
 
 from averaging.math.robust import BanList, RobustConfig
-from averaging.math.wire import STATE_BYTES_PER_VALUE
 from averaging.network.hivemind import pins
 from averaging.network.hivemind.allreduce import (
     GroupRefused,
@@ -62,21 +57,14 @@ from averaging.network.hivemind.allreduce import (
     gathered_proof,
     vet_group,
 )
+from averaging.network.hivemind.fetching import UPDATE_VERSION, StateFetching
 from averaging.network.hivemind.matchmaking import ShoalMatchmaking, ShoalPotentialLeaders
+from averaging.network.hivemind.serving import StateServing
 from averaging.network.interface import StateProvider, UpdateProvider
-from averaging.network.slices import flat_slice, slice_alignment, slice_bounds
-from averaging.state.served import AppliedUpdate
 from protocols.admission import admitted, make_proof
-from protocols.state_slices import (
-    decode_slice_request,
-    decode_update_request,
-    encode_slice_request,
-    encode_update_request,
-)
 
 logger = logging.getLogger(__name__)
 
-FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
 ASSEMBLY_LATENCY_S = 0.5  # a leader's group message to its followers, beyond request_timeout
 ENDED_GROUPS_KEPT = 256  # group ids of finished steps remembered (parts for them are refused at once)
 STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
@@ -87,21 +75,9 @@ PARTIAL_KEY = "shoal:partial"
 # Likewise: the members on our ban list when the all-reduce ended (refused in it, or before). Their
 # reports are dropped before the consistency check: a peer we just refused must not win a tie.
 DISTRUSTED_KEY = "shoal:distrusted"
-UPDATE_VERSION = 1
-# What a donor serves at once (state slices and outer updates), so that requests cannot exhaust
-# its host: an honest joiner has one fetch in flight per donor (averaging.network.slices); one more
-# covers a retry racing the end of the previous stream. Beyond these, a request gets an empty
-# answer (the joiner moves to another donor) and the refusal is logged once a minute per peer.
-MAX_SERVES_PER_PEER = 2
-MAX_SERVES = 8
-# Slice requests within this many seconds share one copy of the state: the host copies its whole
-# state per request (8 bytes/param under the state lock), so a stream of requests, honest (one
-# download is 2 slices per donor) or not, costs one copy per period, not one per request.
-STATE_COPY_REUSE_S = 3.0
-BUSY_LOG_PERIOD_S = 60.0
 
 
-class ShoalAverager(DecentralizedAverager):
+class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
     """hivemind's averager plus what it lacks: a pluggable state provider, a state download cut
     into slices that several donors serve at once (``averaging.network.slices``), and robust aggregation
     (``averaging.network.hivemind.allreduce``; ``robust=None`` keeps hivemind's plain weighted mean)."""
@@ -311,7 +287,7 @@ class ShoalAverager(DecentralizedAverager):
         if container.failed_size:
             self._partial[group_id] = container.failed_size / max(1, container.total_size)
 
-    # -- donor side -------------------------------------------------------------------------
+    # -- admission (a private swarm) ----------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by
     # the hint's ``_name``, which collections.abc.AsyncIterator[...] does not have.
     def proof(self) -> bytes | None:
@@ -336,237 +312,9 @@ class ShoalAverager(DecentralizedAverager):
         async for message in super().rpc_join_group(request, context):
             yield message
 
-    async def rpc_download_state(
-        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
-    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        """Not served: hivemind's whole-state download carries no request to prove the swarm key
-        with, and shoal peers download in slices (``rpc_download_state_slice``). An empty answer."""
-        return
-        yield  # an async generator
-
-    async def rpc_download_state_slice(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        """Stream slice i of n of our flat fp32 state, exactly (no compression), metadata first.
-        The request's ``gather`` field carries ``encode_slice_request(i, n)``. Runs in the averager
-        process, one task per request; a refusal raises, and hivemind relays the message."""
-        if not self.allow_state_sharing:
-            return  # like rpc_download_state: an empty answer sends the joiner elsewhere
-        index, count, proof = decode_slice_request(request.gather)
-        if self._refused("a state download", proof, context):
-            return
-        with self._serving_slot(str(context.remote_id), "a state slice") as admitted:
-            if not admitted:
-                return
-            metadata, tensors, _ = await self._shared_state_copy()
-            start, stop = slice_bounds(sum(t.numel() for t in tensors), index, count,
-                                       slice_alignment(tensors[0].numel() if tensors else 0))
-            serialized = serialize_torch_tensor(flat_slice(tensors, start, stop), runtime_pb2.CompressionType.NONE)
-            del tensors
-            for part in split_for_streaming(serialized):
-                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
-                metadata = b""  # only in the first message
-
-    @contextlib.contextmanager
-    def _serving_slot(self, peer: str, what: str):
-        """Yields whether ``peer``'s request may be served now (``MAX_SERVES_PER_PEER``, ``MAX_SERVES``)."""
-        if self._serving[peer] >= MAX_SERVES_PER_PEER or sum(self._serving.values()) >= MAX_SERVES:
-            now = time.monotonic()
-            if now - self._busy_logged.get(peer, -BUSY_LOG_PERIOD_S) >= BUSY_LOG_PERIOD_S:
-                self._busy_logged[peer] = now
-                logger.warning(f"refused {what} to {peer}: {self._serving[peer]} of its requests and "
-                               f"{sum(self._serving.values())} in all are being served (limits {MAX_SERVES_PER_PEER}"
-                               f" and {MAX_SERVES}; logged once a minute per peer)")
-            yield False
-            return
-        self._serving[peer] += 1
-        try:
-            yield True
-        finally:
-            self._serving[peer] -= 1
-            if not self._serving[peer]:
-                del self._serving[peer]
-
-    async def _shared_state_copy(self):
-        """The host's state, copied at most once per ``STATE_COPY_REUSE_S`` for every request that
-        arrives meanwhile; the copy is released when the period ends."""
-        loop = asyncio.get_running_loop()
-        if self._state_copy_lock is None:
-            self._state_copy_lock = asyncio.Lock()
-        async with self._state_copy_lock:
-            if self._state_copy is None or loop.time() - self._state_copy[0] >= STATE_COPY_REUSE_S:
-                state = await self._get_current_state_from_host_process()
-                self._state_copy = (loop.time(), state)
-                loop.call_later(STATE_COPY_REUSE_S, self._release_state_copy, self._state_copy)
-            return self._state_copy[1]
-
-    def _release_state_copy(self, copy) -> None:
-        if self._state_copy is copy:
-            self._state_copy = None
-
-    async def rpc_download_update(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        """Stream the outer update that took us from ``rounds_done`` to ``rounds_done + 1`` steps
-        (fp16, exactly as kept), metadata first; the request's ``gather`` is ``encode_update_request``.
-        Nothing (an empty answer) if we no longer hold it."""
-        rounds_done, proof = decode_update_request(request.gather)
-        if self._refused("an outer update request", proof, context):
-            return
-        with self._serving_slot(str(context.remote_id), "an outer update") as admitted:
-            if not admitted:
-                return
-            metadata, tensors, _ = await self._ask_host(rounds_done)
-            if not tensors:
-                return
-            serialized = serialize_torch_tensor(tensors[0], runtime_pb2.CompressionType.NONE)
-            del tensors
-            for part in split_for_streaming(serialized):
-                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
-                metadata = b""
-
-    # -- joiner side ------------------------------------------------------------------------
-    def fetch_slice(self, peer: str, index: int, count: int, *, expected_numel: int, stall_timeout: float,
-                    deadline_s: float) -> tuple[Any, torch.Tensor]:
-        """Slice ``index`` of ``count`` of ``peer``'s state as (metadata, flat tensor); raises on
-        any failure. Blocks the calling host thread; the network part runs in the averager process."""
-        future = MPFuture()
-        command = dict(peer=peer, index=index, count=count, expected_numel=expected_numel,
-                       stall_timeout=stall_timeout, deadline_s=deadline_s, future=future)
-        with self._command_lock:
-            self._outer_pipe.send(("_fetch_slice", [], command))
-        try:
-            return future.result(timeout=deadline_s + FETCH_GRACE_S)
-        finally:
-            if not future.done():
-                future.cancel()
-
-    async def _fetch_slice(self, peer: str, index: int, count: int, expected_numel: int, stall_timeout: float,
-                           deadline_s: float, future: MPFuture) -> None:
-        # Runs in the averager process, one task per slice; bounded by deadline_s so no task lingers.
-        with self._kept_alive():
-            await self._fetch_slice_into(peer, index, count, expected_numel, stall_timeout, deadline_s, future)
-
-    async def _fetch_slice_into(self, peer: str, index: int, count: int, expected_numel: int, stall_timeout: float,
-                                deadline_s: float, future: MPFuture) -> None:
-        try:
-            result = await asyncio.wait_for(
-                self._receive_slice(peer, index, count, expected_numel, stall_timeout), timeout=deadline_s)
-        except Exception as e:
-            if isinstance(e, TimeoutError) and not str(e):
-                e = TimeoutError(f"no complete slice within {deadline_s:.1f}s")
-            # A plain RuntimeError: whatever the network raised may not pickle back to the host.
-            if not future.done():
-                future.set_exception(RuntimeError(describe(e)))
-        else:
-            if not future.done():
-                future.set_result(result)
-
-    def fetch_update(self, peer: str, rounds_done: int, *, numel: int, timeout: float) -> AppliedUpdate:
-        """``peer``'s outer update after ``rounds_done`` steps; raises on any failure or refusal."""
-        future = MPFuture()
-        with self._command_lock:
-            self._outer_pipe.send(("_fetch_update", [], dict(peer=peer, rounds_done=rounds_done, numel=numel,
-                                                             timeout=timeout, future=future)))
-        try:
-            return future.result(timeout=timeout + FETCH_GRACE_S)
-        finally:
-            if not future.done():
-                future.cancel()
-
-    async def _fetch_update(self, peer: str, rounds_done: int, numel: int, timeout: float, future: MPFuture) -> None:
-        with self._kept_alive():
-            await self._fetch_update_into(peer, rounds_done, numel, timeout, future)
-
-    async def _fetch_update_into(self, peer: str, rounds_done: int, numel: int, timeout: float,
-                                 future: MPFuture) -> None:
-        try:
-            result = await asyncio.wait_for(self._receive_update(peer, rounds_done, numel), timeout=timeout)
-        except Exception as e:
-            if not future.done():
-                future.set_exception(RuntimeError(describe(e)))
-        else:
-            if not future.done():
-                future.set_result(result)
-
-    async def _receive_update(self, peer: str, rounds_done: int, numel: int) -> AppliedUpdate:
-        """Receive one update, refusing early what could not be right (more bytes than an fp16
-        vector of ours, another dtype or size, another step than asked for, non-finite values)."""
-        max_bytes = numel * 2
-        max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
-        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-        stream = await stub.rpc_download_update(
-            averaging_pb2.JoinRequest(gather=encode_update_request(rounds_done, self.proof())))
-        metadata, parts, received = None, [], 0
-        try:
-            async for message in stream:
-                if message.metadata and metadata is None:
-                    metadata = self.serializer.loads(message.metadata)
-                received += len(message.tensor_part.buffer)
-                if received > max_bytes or len(parts) >= max_parts:
-                    raise ValueError(f"sent more than the {max_bytes} bytes of an update")
-                parts.append(message.tensor_part)
-        finally:
-            await stream.aclose()
-        if not parts:
-            raise ValueError(f"does not hold outer step {rounds_done + 1}")
-        head = parts[0]
-        if head.compression != runtime_pb2.CompressionType.NONE or head.dtype != "float16" \
-                or list(head.size) != [numel] or received != max_bytes:
-            raise ValueError(f"update is {head.dtype!r:.20} of size {list(head.size)[:4]} in {received} bytes, "
-                             f"expected float16 [{numel}] in {max_bytes}")
-        if not isinstance(metadata, dict) or metadata.get("v") != UPDATE_VERSION \
-                or metadata.get("rounds_done") != rounds_done + 1:
-            raise ValueError(f"update metadata does not describe outer step {rounds_done + 1}")
-        round = metadata.get("round")
-        if not isinstance(round, int) or isinstance(round, bool) or not 0 < round < 2**40:
-            raise ValueError("update metadata has a bad round")
-        update = deserialize_torch_tensor(combine_from_streaming(parts))
-        if not torch.isfinite(update).all():
-            raise ValueError("update has non-finite values")
-        return AppliedUpdate(round, rounds_done + 1, update)
-
-    async def _receive_slice(self, peer: str, index: int, count: int, expected_numel: int,
-                             stall_timeout: float) -> tuple[Any, torch.Tensor]:
-        """Receive one slice, refusing early what could not be right: more bytes or parts than the
-        slice needs (a hostile donor cannot make us buffer more), compression, another dtype or size."""
-        max_bytes = expected_numel * STATE_BYTES_PER_VALUE
-        max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
-        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-        stream = await stub.rpc_download_state_slice(
-            averaging_pb2.JoinRequest(gather=encode_slice_request(index, count, self.proof())))
-        metadata, parts, received = None, [], 0
-        try:
-            async for message in aiter_with_timeout(stream, timeout=stall_timeout):
-                if message.metadata and metadata is None:
-                    metadata = self.serializer.loads(message.metadata)
-                received += len(message.tensor_part.buffer)
-                if received > max_bytes or len(parts) >= max_parts:
-                    raise ValueError(f"sent more than the {max_bytes} bytes of slice {index}/{count}")
-                if parts and message.tensor_part.dtype:
-                    raise ValueError("sent more than one tensor")
-                parts.append(message.tensor_part)
-        except TimeoutError:
-            raise TimeoutError(f"silent for {stall_timeout:.1f}s") from None
-        finally:
-            await stream.aclose()
-        if metadata is None or not parts:
-            raise ValueError("did not share its state")
-        head = parts[0]
-        if head.compression != runtime_pb2.CompressionType.NONE or head.dtype != "float32":
-            raise ValueError(f"slice is {runtime_pb2.CompressionType.Name(head.compression)} {head.dtype!r:.20},"
-                             " expected uncompressed float32")
-        if list(head.size) != [expected_numel] or received != max_bytes:
-            raise ValueError(f"slice of size {list(head.size)[:4]} in {received} bytes,"
-                             f" expected [{expected_numel}]")
-        return metadata, deserialize_torch_tensor(combine_from_streaming(parts))
 
 
 async def _drain(stream: typing.AsyncIterator) -> None:
     async for _ in stream:
         pass
 
-
-def describe(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

@@ -29,13 +29,8 @@ from hivemind.compression import NoCompression
 
 from averaging.math.robust import RobustConfig
 from averaging.math.wire import AVERAGE_RETURN_CODES, STATE_BYTES_PER_VALUE, WireFormat
-from averaging.network.hivemind.averager import (
-    DISTRUSTED_KEY,
-    FETCH_GRACE_S,
-    PARTIAL_KEY,
-    ShoalAverager,
-    describe,
-)
+from averaging.network.hivemind.averager import DISTRUSTED_KEY, PARTIAL_KEY, ShoalAverager
+from averaging.network.hivemind.fetching import FETCH_GRACE_S, describe
 from averaging.network.hivemind.parts import (
     REDUCER_SHARE,
     SENDER_SHARE,
