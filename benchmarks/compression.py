@@ -180,12 +180,12 @@ def report(results: dict, args, capped: bool, numel: int, load: tuple[float, flo
             f"{'-' if at_tokens is None else f'{at_tokens:.4f}'} | {loss_ratio} | "
             f"{'-' if at_wall is None else f'{at_wall:.4f}'} | {drift} | {r['diverged_rounds']} / {r['resyncs']} | "
             f"{r['full_group_rounds']} | {r['cpu_cores_used']:.2f} of 2 |")
-    lines += ["", "Summary (the README's table):", "", *summary_table(lines)]
+    lines += ["", "Summary (the table in docs/benchmarks.md):", "", *summary_table(lines)]
     lines += ["", f"Equal tokens: {equal_tokens:,.0f} swarm tokens (the fewest any variant reached); equal "
               f"wall-clock: {equal_wall:.0f} s after the last peer started. Eval loss is peer-0's held-out loss of the "
               "shared model (linear interpolation between rounds).",
               "Bytes are this peer's all-reduce payload per full-group round as the round records count them "
-              "(`averaging.math.traffic.round_payload`: sends in the codec, returns in the return code, headers excluded).",
+              "(`averaging.math.wire.round_payload`: sends in the codec, returns in the return code, headers excluded).",
               "CPU cores used: all peer processes with their DHT, averager and p2pd, over the training window.", ""]
     return "\n".join(lines)
 

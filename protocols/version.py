@@ -6,7 +6,7 @@ from functools import cache
 from importlib import metadata
 
 # Bump when peers of two versions can no longer average together (message schemas, state layout).
-# Carried in every round report and run manifest; a joiner with another version is refused.
+# Carried in every claim message and run manifest; a joiner with another version is refused.
 PROTOCOL_VERSION = 5  # 2: balanced fp16/fp32 parts, the outer-update RPC (catch-up); 3: claims in state metadata;
 # 4: state slices cut at the anchor's fingerprint chunks (download.slice_bounds with slice_alignment);
 # 5: int8 returns carry the quantized average, not a delta (averaging.network.hivemind.codecs), int4 returns

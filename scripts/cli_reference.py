@@ -1,13 +1,13 @@
-"""The README's CLI reference, generated from the ``shoal`` typer app itself.
+"""The CLI reference (docs/cli.md, linked from the README), generated from the ``shoal`` typer app.
 
     .venv/bin/python scripts/cli_reference.py            # print the markdown
-    .venv/bin/python scripts/cli_reference.py --write    # replace the block in README.md
-    .venv/bin/python scripts/cli_reference.py --check    # exit 1 if README.md's block is stale
+    .venv/bin/python scripts/cli_reference.py --write    # replace the block in docs/cli.md
+    .venv/bin/python scripts/cli_reference.py --check    # exit 1 if docs/cli.md's block is stale
 
 One ``### shoal <command>`` section per command: its help line, a usage line and a table
 ``| flag | env | default | meaning |`` built from the command's click parameters. Why generate
-it: a hand-kept flag table drifts from ``node/cli.py`` (the previous README's did), and
-``tests/unit/test_readme.py`` fails when the block in README.md differs from this output.
+it: a hand-kept flag table drifts from ``node/cli.py`` (an earlier README's did), and
+``tests/unit/test_readme.py`` fails when the block in docs/cli.md differs from this output.
 
 The output depends only on the app: no terminal width, no rich formatting, no environment
 (defaults are the declared ones, never values read from ``SHOAL_*`` variables).
@@ -24,7 +24,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-README = REPO / "README.md"
+TARGET = REPO / "docs" / "cli.md"  # the one page that holds the block (the README links it)
+TARGET_NAME = TARGET.relative_to(REPO).as_posix()
 START = "<!-- cli-reference:start -->"
 END = "<!-- cli-reference:end -->"
 USAGE_WIDTH = 96  # usage lines wrap here, whatever the terminal
@@ -158,7 +159,7 @@ def table(params: list[Any]) -> list[str]:
 
 
 def reference() -> str:
-    """The markdown of every command (the README block's content, without the markers)."""
+    """The markdown of every command (the block's content in docs/cli.md, without the markers)."""
     group = shoal_command()
     out = [HEADER, ""]
     for name, command in group.commands.items():
@@ -174,15 +175,15 @@ def reference() -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def readme_block(text: str) -> str:
-    """What README.md holds between the markers (``ValueError`` if they are missing)."""
+def block_of(text: str) -> str:
+    """What ``text`` holds between the markers (``ValueError`` unless they are there once, in order)."""
     if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
-        raise ValueError(f"README.md must hold exactly one {START} ... {END} block")
+        raise ValueError(f"{TARGET_NAME} must hold exactly one {START} ... {END} block")
     return text[text.index(START) + len(START):text.index(END)].strip("\n") + "\n"
 
 
 def with_block(text: str, block: str) -> str:
-    readme_block(text)  # the markers are there, once, in order
+    block_of(text)  # the markers are there, once, in order
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{block.rstrip()}\n{END}{tail}"
@@ -191,30 +192,30 @@ def with_block(text: str, block: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help=f"replace the block between the markers in {README.name}")
-    mode.add_argument("--check", action="store_true", help=f"exit 1 if {README.name}'s block differs")
+    mode.add_argument("--write", action="store_true", help=f"replace the block between the markers in {TARGET_NAME}")
+    mode.add_argument("--check", action="store_true", help=f"exit 1 if {TARGET_NAME}'s block differs")
     args = parser.parse_args(argv)
     generated = reference()
     if not (args.write or args.check):
         sys.stdout.write(generated)
         return 0
-    text = README.read_text(encoding="utf-8")
+    text = TARGET.read_text(encoding="utf-8")
     try:
-        current = readme_block(text)
+        current = block_of(text)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.check:
         if current != generated:
-            print(f"{README.name}: the CLI reference is stale; run .venv/bin/python scripts/cli_reference.py --write",
+            print(f"{TARGET_NAME}: the CLI reference is stale; run .venv/bin/python scripts/cli_reference.py --write",
                   file=sys.stderr)
             return 1
         return 0
     if current != generated:
-        README.write_text(with_block(text, generated), encoding="utf-8")
-        print(f"updated the CLI reference in {README.name}")
+        TARGET.write_text(with_block(text, generated), encoding="utf-8")
+        print(f"updated the CLI reference in {TARGET_NAME}")
     else:
-        print(f"{README.name}: the CLI reference is up to date")
+        print(f"{TARGET_NAME}: the CLI reference is up to date")
     return 0
 
 

@@ -3,8 +3,7 @@
 A peer stays out of a round (its work is folded into its next contribution) when it could only
 hold its group back: it started training with too little of the round left, its previous sync
 cannot end by this round's deadline, or the swarm's syncs take so long that its peers average only
-in every k-th round (``sync_period``). The reasons behind each rule are in docs/design.md
-("Joining a round").
+in every k-th round (``sync_period``). How the rules were learned: docs/incidents.md.
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ def consensus(claims: dict[str, AnchorClaim], *, rel_tol: float = DEFAULT_REL_TO
     Deterministic given the same claims and salt, so all members reach the same verdict without
     another message. Members that do not agree with the reference must catch up or re-sync from
     the agreeing ones. Nothing self-claimed decides a tie: a peer claiming more outer steps than
-    anyone would otherwise win every tie it is part of (issue 11: consensus hijack).
+    anyone would otherwise win every tie it is part of (docs/incidents.md).
     """
     assert claims, "consensus of an empty group"
     peers = sorted(claims)
@@ -242,9 +242,9 @@ class DivergenceReport:
 class DivergenceWatch:
     """Which members keep holding an anchor the group does not. An honest member off the anchor
     (it folded a round, or lost a part) catches up or re-syncs at once, so it is off for one group;
-    one that stays off is failing to re-sync, or lies about its anchor (issue 11's hijack: a peer
-    claiming a poisoned anchor one step ahead is harmless to the majority, which keeps its anchor,
-    but the operator should see who it is). Only a peer that holds the majority's anchor judges:
+    one that stays off is failing to re-sync, or lies about its anchor (a peer claiming a poisoned
+    anchor one step ahead is harmless to the majority, which keeps its anchor, but the operator
+    should see who it is). Only a peer that holds the majority's anchor judges:
     in a contested or lost verdict we may be the odd one ourselves."""
 
     def __init__(self):

@@ -35,7 +35,7 @@ class AverageOutcome:
 
     ok: bool
     group: tuple[str, ...] = ()  # peer ids of the group, this peer included
-    gathered: dict[str, Any] = field(default_factory=dict)  # raw round reports by peer id, not yet validated
+    gathered: dict[str, Any] = field(default_factory=dict)  # raw claims by peer id, not yet validated
     sync_s: float = 0.0  # from the trigger to the averaged result
     allreduce_s: float = 0.0  # from the later of the trigger and the scheduled start to the result
     error: str | None = None

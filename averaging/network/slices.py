@@ -127,7 +127,7 @@ StateKey = tuple[int, int]
 def choose_state(keys: Iterable[StateKey]) -> StateKey | None:
     """The state most donors serve; ties go to the newest round, then to the lineage seen first.
     None if no votes. A claim is a donor's word: a vote of donors, not the first donor to answer,
-    decides which state is assembled (issue 11: one donor could otherwise pick it)."""
+    decides which state is assembled (one donor could otherwise pick it)."""
     votes = Counter(keys)
     if not votes:
         return None

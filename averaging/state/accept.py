@@ -4,7 +4,7 @@ Everything here judges something received (an averaged pseudo-gradient, a replay
 donor's claim, a downloaded slice or state) against what this peer already holds: its anchor's
 scale, its last step, the run's initial weights, the group's reference claim. A refusal is a
 reason (a string) or a ``MessageError``; nothing here changes the state (``SharedState`` does, once
-a check passed). The history behind the bounds is in docs/design.md ("What a peer accepts").
+a check passed). How the bounds were learned: docs/incidents.md.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # A peer up to this many outer steps behind catches up by replaying them instead of downloading the
 # whole state (8 bytes/param). Every peer keeps two more (fp16, 2 bytes/param each): the donors of
 # a catch-up are applying the current round's step while the peer that is behind asks for the older
-# ones, and peers with fast links may already have applied the next round's too (docs/design.md).
+# ones, and peers with fast links may already have applied the next round's too (docs/incidents.md).
 HISTORY_ROUNDS = 2
 HISTORY_KEPT = HISTORY_ROUNDS + 2
 

@@ -38,7 +38,7 @@ class RoundConfig:
 class AveragingConfig:
     """How pseudo-gradients are averaged (hivemind butterfly all-reduce)."""
 
-    # int4 sends with int4 returns of the average: chosen by the benchmarks (README, Compression):
+    # int4 sends with int4 returns of the average: chosen by the benchmarks (docs/benchmarks.md, Compression):
     # 3.8x fewer bytes than fp16 and eval loss within 0.3% of it at equal tokens.
     compression: str = "int4"  # fp32 (or none) | fp16 | int8 | int4 | int2 (docs/codecs.md)
     block_size: int = 0  # int codes: values per fp16 scale; 0 = the code's default (64 int8/int4, 256 int2)

@@ -20,10 +20,9 @@ from typing import Any
 import base58
 from hivemind.p2p import PeerID
 
-from averaging.network.interface import AveragingBackend
+from averaging.network.interface import AveragingBackend, StateProvider, UpdateProvider
 from averaging.network.local import LocalBackend, LocalHub
 from node.library.config import AveragingConfig
-from node.library.network import StateProvider, UpdateProvider
 from node.library.run_record import RunDirectory, decode_manifests
 from protocols import progress
 from protocols.manifest import RunManifest

@@ -1,8 +1,9 @@
 """What ``DiLoCoSwarm`` needs from the network, behind one seam.
 
 A ``Network`` gives this peer an id and addresses, a ``RunDirectory`` for each run (manifests
-and progress records) and an ``AveragingBackend`` (the all-reduce and state download), and knows
-which processes to clean up. ``HivemindNetwork`` is the real one (hivemind's DHT and butterfly
+and progress records) and builds its ``AveragingBackend`` (averaging's own seam,
+``averaging.network.interface``: the all-reduce and state download) from the run's config, and
+knows which processes to clean up. ``HivemindNetwork`` is the real one (hivemind's DHT and butterfly
 all-reduce, forked processes); ``node.library.local_network.LocalNetwork`` runs peers as threads
 of one process, so the library and ``shoal run``'s process are tested in milliseconds (integration
 tests always use the real one).
@@ -10,24 +11,18 @@ tests always use the real one).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-import torch
 from hivemind import DHT
 
 from averaging.network.hivemind.backend import HivemindBackend
-from averaging.network.interface import AveragingBackend
-from averaging.state.served import AppliedUpdate
+from averaging.network.interface import AveragingBackend, StateProvider, UpdateProvider
 from node.library.config import AveragingConfig
 from node.library.dht import Reachability, RecordRules, start_dht, stop_dht
 from node.library.run_record import DhtDirectory, RunDirectory
 from protocols.admission import admission_key
 from protocols.keys import averager_prefix
-
-StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
-UpdateProvider = Callable[[int], AppliedUpdate | None]  # SharedState.update_after
 
 
 class Network(Protocol):

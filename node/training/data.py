@@ -295,7 +295,7 @@ def shard_ranges(n_tokens: int, num_shards: int, shard_index: int, stripe_bytes:
     contiguous shard is one kind of text. Four peers on four contiguous shards of sixteen trained
     on a quarter of the corpus's kinds while the eval spans all of them, and their pseudo-gradients
     pulled apart (non-IID data): in a 4-peer simulation at 100 inner steps a round, striped data
-    beat contiguous shards by ~1 nat of eval loss (README, Data). A pure function of its
+    beat contiguous shards by ~1 nat of eval loss (docs/configuration.md, Data). A pure function of its
     arguments, so every peer cuts the same shards."""
     if num_shards <= 0:
         raise ValueError(f"data.num_shards ({num_shards}) must be a positive integer")

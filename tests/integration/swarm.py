@@ -49,7 +49,7 @@ def rounds_of(peer: LocalPeer) -> dict[int, dict]:
 
 def is_partial(record: dict) -> bool:
     """A round whose all-reduce came back partial to this peer (a reducer's stream failed or ended
-    short: README, Known limitations): not applied, and the step is replayed next round."""
+    short: docs/limitations.md): not applied, and the step is replayed next round."""
     return (record["error"] or "").startswith(PARTIAL_ERROR)
 
 

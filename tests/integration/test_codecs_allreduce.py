@@ -136,7 +136,7 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
                 groups = [control.result(timeout=60) for control in controls]
                 if not any(group and PARTIAL_KEY in group for group in groups):
                     break
-                # A partial result (a reducer's share never arrived: README, Known limitations; seen
+                # A partial result (a reducer's share never arrived: docs/limitations.md; seen
                 # once in CI) is not applied by shoal and the round is replayed: so here, from what
                 # was sent (hivemind's own runner, for fp16 returns, does not say).
                 for averager, vector in zip(averagers[name], to_send[name]):

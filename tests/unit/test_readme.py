@@ -1,8 +1,9 @@
-"""The README is checked against the code: a newcomer follows it literally, so a stale flag, a
-dead link or a changed benchmark table is a bug.
+"""The README and the docs/ pages it links are checked against the code: a newcomer follows them
+literally, so a stale flag, a dead link or a changed benchmark table is a bug.
 
-- the CLI reference block is exactly what ``scripts/cli_reference.py`` generates from the app;
-- every ``shoal <command> --flag`` in the docs is a flag of that command;
+- the README keeps its sections, in order, on a few screens, and links every docs/ page;
+- the CLI reference block (in docs/cli.md) is exactly what ``scripts/cli_reference.py`` generates;
+- every ``shoal <command> --flag`` in the README, docs/, examples/ and docker/ is a flag of that command;
 - Quick start is exactly ``make demo`` and ``make test``;
 - relative links and images point at files that exist, ``#anchors`` at headings that exist;
 - benchmark table rows are copied verbatim from ``benchmarks/results/*.md``.
@@ -19,9 +20,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
+CLI_PAGE = REPO / "docs" / "cli.md"
+BENCHMARKS_PAGE = REPO / "docs" / "benchmarks.md"
+# The README and the pages it sends readers to: links, anchors and flags named alone are checked here.
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 # Docs whose `shoal ...` command lines must parse (docker/README.md too: its commands are copied).
-DOCS = [README, *sorted((REPO / "examples").glob("*.md")), REPO / "docker" / "README.md"]
+DOCS = [*PAGES, *sorted((REPO / "examples").glob("*.md")), REPO / "docker" / "README.md"]
 FIX_REFERENCE = "run .venv/bin/python scripts/cli_reference.py --write"
+# The README's level-2 sections, in this order (the rest lives in docs/).
+README_SECTIONS = ["Quick start", "Train across machines", "Watch a run", "Configuration", "How it works",
+                   "Library API", "Where to read more"]
+README_MAX_LINES = 350  # a few screens; move detail into a docs/ page and link it
+
+
+def page_id(path: Path) -> str:
+    return str(path.relative_to(REPO))
 
 
 @cache
@@ -41,10 +54,11 @@ def command_flags() -> dict[str, frozenset[str]]:
             for name, command in group.commands.items()}
 
 
-def section(text: str, title: str) -> str:
-    """The body of the ``## title`` section (up to the next level-2 heading)."""
-    match = re.search(rf"^## {re.escape(title)}\s*$(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
-    assert match, f"README.md has no '## {title}' section"
+def section(text: str, title: str, level: int = 2) -> str:
+    """The body of the ``## title`` section (``level`` #s), up to the next heading of that level or above."""
+    marks = "#" * level
+    match = re.search(rf"^{marks} {re.escape(title)}\s*$(.*?)(?=^#{{1,{level}}} |\Z)", text, flags=re.M | re.S)
+    assert match, f"no '{marks} {title}' section"
     return match.group(1)
 
 
@@ -52,11 +66,42 @@ def without_code_blocks(text: str) -> str:
     return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
 
 
+def headings(text: str) -> list[tuple[int, str]]:
+    """(level, title) of every markdown heading outside code blocks."""
+    return [(len(m.group(1)), m.group(2))
+            for m in re.finditer(r"^(#{1,6}) +(.+?)\s*$", without_code_blocks(text), flags=re.M)]
+
+
+# -- the README's shape ---------------------------------------------------------------------------
+def test_the_readme_has_its_sections_in_order():
+    text = README.read_text(encoding="utf-8")
+    assert [title for level, title in headings(text) if level == 2] == README_SECTIONS
+    lines = text.count("\n")
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail "
+                                       "into a docs/ page and link it from the README")
+
+
+def test_the_readme_links_every_docs_page():
+    """Every docs/ page is one link away from the README, so nothing moved there is lost."""
+    linked = {(README.parent / target.partition("#")[0]).resolve()
+              for target in LINK.findall(without_code_blocks(README.read_text(encoding="utf-8")))}
+    unlinked = [page_id(page) for page in PAGES[1:] if page.resolve() not in linked]
+    assert PAGES[1:], "no docs/*.md pages found"
+    assert not unlinked, f"README.md does not link: {', '.join(unlinked)}"
+
+
 # -- (a) the generated CLI reference ---------------------------------------------------------------
 def test_cli_reference_block_is_generated_from_the_app():
     reference = cli_reference()
-    block = reference.readme_block(README.read_text(encoding="utf-8"))
-    assert block == reference.reference(), f"README.md's CLI reference is stale: {FIX_REFERENCE}"
+    assert reference.TARGET == CLI_PAGE, "scripts/cli_reference.py --write must write the page checked here"
+    block = reference.block_of(CLI_PAGE.read_text(encoding="utf-8"))
+    assert block == reference.reference(), f"docs/cli.md's CLI reference is stale: {FIX_REFERENCE}"
+
+
+def test_the_cli_reference_block_lives_in_one_place():
+    reference = cli_reference()
+    elsewhere = [page_id(doc) for doc in DOCS if doc != CLI_PAGE and reference.START in doc.read_text(encoding="utf-8")]
+    assert not elsewhere, f"only docs/cli.md holds the generated CLI reference, not: {', '.join(elsewhere)}"
 
 
 def test_cli_reference_lists_every_command_and_flag():
@@ -79,9 +124,9 @@ def test_write_replaces_only_the_block(tmp_path):
     text = f"# t\n\nbefore\n{reference.START}\nold\n{reference.END}\nafter\n"
     new = reference.with_block(text, "new\n")
     assert new == f"# t\n\nbefore\n{reference.START}\nnew\n{reference.END}\nafter\n"
-    assert reference.readme_block(new) == "new\n"
+    assert reference.block_of(new) == "new\n"
     with pytest.raises(ValueError, match="exactly one"):
-        reference.readme_block("no markers here")
+        reference.block_of("no markers here")
 
 
 # -- (b) every `shoal <command> --flag` in the docs exists ------------------------------------------
@@ -114,7 +159,7 @@ def test_the_flag_scanner_finds_flags_and_nothing_else():
         ("bootstrap", "--announce"), ("plot", "-o")]
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("doc", DOCS, ids=page_id)
 def test_every_documented_flag_exists(doc):
     commands = command_flags()
     found = mentioned_flags(doc.read_text(encoding="utf-8"))
@@ -125,13 +170,15 @@ def test_every_documented_flag_exists(doc):
         assert {command for command, _, _ in found} >= set(commands)
 
 
-def test_flags_named_alone_in_the_readme_exist():
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_flags_named_alone_exist(page):
     """A code span that starts with a flag (`--use-relay`, `--sync-mode blocking`) names a shoal flag."""
     known = frozenset().union(*command_flags().values())
-    spans = re.findall(r"`(--[a-zA-Z][^`]*)`", without_code_blocks(README.read_text(encoding="utf-8")))
-    assert len(spans) > 20, "the span pattern found (almost) no flags"
+    spans = re.findall(r"`(--[a-zA-Z][^`]*)`", without_code_blocks(page.read_text(encoding="utf-8")))
+    if page == README:
+        assert len(spans) > 20, "the span pattern found (almost) no flags"
     unknown = sorted({flag for span in spans for flag in FLAG.findall(span) if flag.startswith("--")} - known)
-    assert not unknown, f"README.md names flags no shoal command has: {unknown}"
+    assert not unknown, f"{page_id(page)} names flags no shoal command has: {unknown}"
 
 
 # -- (c) Quick start --------------------------------------------------------------------------------
@@ -157,23 +204,35 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def test_relative_links_and_images_exist():
-    text = README.read_text(encoding="utf-8")
-    prose = without_code_blocks(text)
+@cache
+def anchors_of(page: Path) -> frozenset[str]:
+    return frozenset(github_anchor(title) for _, title in headings(page.read_text(encoding="utf-8")))
+
+
+def test_github_anchor_matches_githubs_ids():
+    assert github_anchor("3. Can others reach you? (NAT, firewalls, ports)") == "3-can-others-reach-you-nat-firewalls-ports"
+    assert github_anchor("`averaging/`, by role") == "averaging-by-role"
+    assert github_anchor("Weighting by tokens; missed rounds fold") == "weighting-by-tokens-missed-rounds-fold"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_relative_links_and_images_exist(page):
+    """Links are relative to the page's folder; ``page.md#anchor`` needs that heading in that page."""
+    prose = without_code_blocks(page.read_text(encoding="utf-8"))
     targets = LINK.findall(prose) + HTML_LINK.findall(prose)
-    anchors = {github_anchor(h) for h in re.findall(r"^#{1,6} +(.+?)\s*$", prose, flags=re.M)}
-    assert targets, "the link pattern found no links at all"
+    if page == README:
+        assert targets, "the link pattern found no links at all"
     missing = []
     for target in targets:
         if re.match(r"^[a-z][a-z0-9+.-]*:", target, flags=re.I):  # http:, https:, mailto:
             continue
         path, _, fragment = target.partition("#")
-        if not path:
-            if fragment not in anchors:
-                missing.append(f"{target} (no heading with that anchor)")
-        elif not (README.parent / path).exists():
+        linked = (page.parent / path) if path else page
+        if not linked.exists():
             missing.append(target)
-    assert not missing, "README.md links to nothing at: " + ", ".join(missing)
+        elif fragment and linked.suffix == ".md" and fragment not in anchors_of(linked.resolve()):
+            missing.append(f"{target} (no heading with that anchor)")
+    assert not missing, f"{page_id(page)} links to nothing at: " + ", ".join(missing)
 
 
 def test_the_picture_is_the_benchmark_plot():
@@ -181,12 +240,20 @@ def test_the_picture_is_the_benchmark_plot():
 
 
 # -- benchmark tables are the measured ones -----------------------------------------------------------
-def test_benchmark_tables_are_copied_verbatim_from_the_results():
-    rows = [line for line in section(README.read_text(encoding="utf-8"), "Benchmarks").splitlines()
-            if line.startswith("|")]
+def benchmark_rows(page: Path) -> list[str]:
+    """Table rows of docs/benchmarks.md (all of it), or of the README's short "### Benchmarks" summary."""
+    text = page.read_text(encoding="utf-8")
+    if page == README:
+        text = section(section(text, "Where to read more"), "Benchmarks", level=3)
+    return [line for line in without_code_blocks(text).splitlines() if line.startswith("|")]
+
+
+@pytest.mark.parametrize("page", [README, BENCHMARKS_PAGE], ids=page_id)
+def test_benchmark_tables_are_copied_verbatim_from_the_results(page):
+    rows = benchmark_rows(page)
     results = {line for path in (REPO / "benchmarks" / "results").glob("*.md")
                for line in path.read_text(encoding="utf-8").splitlines()}
-    assert rows, "the Benchmarks section has no table"
+    assert rows, f"{page_id(page)} has no benchmark table"
     changed = [row for row in rows if row not in results]
-    assert not changed, ("benchmark rows in README.md differ from benchmarks/results/*.md (copy the tables from "
-                         "there, do not retype them):\n" + "\n".join(changed))
+    assert not changed, (f"benchmark rows in {page_id(page)} differ from benchmarks/results/*.md (copy the tables "
+                         "from there, do not retype them):\n" + "\n".join(changed))

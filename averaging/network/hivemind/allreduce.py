@@ -263,8 +263,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         """A peer that answers BAD_GROUP_ID does not run this group (it had waited ``request_timeout``
         for it to register: a leader listed it, but it gave up on matchmaking), so it will never send
         us its parts either. Fail it as a sender now, instead of after the sender timeout: every
-        member's all-reduce waited that long for it (10 s of a 5 s round, seen in the learning
-        benchmark). If it does send later, its parts are refused and its own result is partial."""
+        member's all-reduce would wait that long for it. If it does send later, its parts are refused and its own result is partial."""
         if peer_id in self.sender_peer_ids and peer_id not in self.banned_senders:
             logger.warning(f"group {self.group_id.hex()[:8]}: {peer_id} does not run this group; its parts are not "
                            "waited for")
@@ -338,7 +337,7 @@ class GroupRefused(ValueError):
 
 def gathered_proof(serializer, raw: bytes) -> bytes | None:
     """The admission proof in a peer's matchmaking metadata (``[bandwidth, mode, user data]``, as a
-    join request or a group entry carries it; our user data is the round report plus ``admit``)."""
+    join request or a group entry carries it; our user data is our claim plus ``admit``)."""
     try:
         _, _, user_data = serializer.loads(raw)
     except Exception:  # noqa: BLE001 - undecodable: no proof

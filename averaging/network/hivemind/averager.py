@@ -141,7 +141,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         matchmaking.__class__ = ShoalMatchmaking
         matchmaking.ban_list = self._ban_list
         matchmaking.matched = {}
-        # A group must reach its followers before they give up (robust_allreduce.declared_expiration):
+        # A group must reach its followers before they give up (matchmaking.declared_expiration):
         # a leader's answer can wait up to request_timeout behind its own join request, plus latency.
         matchmaking.potential_leaders.__class__ = ShoalPotentialLeaders
         matchmaking.potential_leaders.margin = matchmaking.request_timeout + ASSEMBLY_LATENCY_S
@@ -153,7 +153,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         task it creates per command, and what a step waits on (its trigger, an MPFuture) refers to
         it only weakly: a garbage collection while a step awaits its trigger destroyed the step
         ("Task was destroyed but it is pending"), and its group waited for its parts until their
-        sender timeout (seen with a slow peer: a 40 s stall, then rounds lost)."""
+        sender timeout."""
         task = asyncio.current_task()
         self._running.add(task)
         try:
@@ -176,7 +176,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         them is refused at once. A step cancelled while it awaited its trigger (its round was
         passed, or its sync timed out) had told its group it was in; without this, every member's
         part to us waited the whole registration wait (0.4 x allreduce_timeout) and the members'
-        all-reduce stalled that long (24 s of 6 s rounds in test_slow_sync, 1 CI run in 4)."""
+        all-reduce stalled that long."""
         for group_id in group_ids:  # unregistered by now (hivemind's _register_allreduce_group)
             self._ended_groups[group_id] = None
         while len(self._ended_groups) > ENDED_GROUPS_KEPT:
@@ -227,8 +227,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             # Hold the stream until the sender has read that and hung up: returning with its parts
             # still unread resets the stream, and the sender often saw a broken pipe instead of
-            # BAD_GROUP_ID, so it did not know to stop waiting for our parts (a 16 s stall in
-            # tests/integration/test_cancelled_step.py, half the runs).
+            # BAD_GROUP_ID, so it did not know to stop waiting for our parts.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(_drain(stream), timeout=self._registration_wait)
             return

@@ -192,9 +192,8 @@ class HivemindBackend:
         distrusted = set(gathered.pop(DISTRUSTED_KEY, ()))
         gathered_by_peer = {str(peer): data for peer, data in gathered.items()}
         group = tuple(sorted(gathered_by_peer))
-        # A member our robust aggregation refused speaks no more in this round's consistency check
-        # (seen: a two-member group with a peer banned that round, which then won the tie and
-        # the honest peer re-synced to its state).
+        # A member our robust aggregation refused speaks no more in this round's consistency check:
+        # a peer banned this round must not win a tie.
         gathered_by_peer = {peer: data for peer, data in gathered_by_peer.items() if peer not in distrusted}
         if missing:
             # Our vector stays as it was: the round folds, and the step the others applied is
@@ -211,7 +210,7 @@ class HivemindBackend:
     def _note_allreduce(self, seconds: float) -> None:
         """An all-reduce succeeded in ``seconds``: scale the part timeouts to it. Only whole ones
         measure the link: a partial one lasted as long as the timeout that failed it, and scaling
-        to that made every later failure wait longer (a round skipped in test_swarm)."""
+        to that would make every later failure wait longer."""
         self._recent_allreduce_s.append(seconds)
         sender, reducer = part_timeouts(self._recent_allreduce_s, self._allreduce_timeout)
         self._averager.set_part_timeouts(sender, reducer)

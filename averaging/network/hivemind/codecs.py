@@ -120,7 +120,7 @@ class ReturnCodec(CompressionBase):
 class ShoalCodec(CompressionBase):
     """The averager's ``compression``: sends parts in ``code``, asks reducers to return ``return_code``.
 
-    ``part_values`` (a multiple of the block size, e.g. ``error_feedback.balanced_part_size``) sets
+    ``part_values`` (a multiple of the block size, e.g. ``parts.balanced_part_size``) sets
     hivemind's part size through ``estimate_compression_ratio``; by default parts are as many values
     as fit ``part_size_bytes`` once encoded, rounded down to whole blocks. Either way part boundaries
     fall on block boundaries, which makes error feedback exact. ``part_size_bytes`` must be the

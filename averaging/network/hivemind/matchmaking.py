@@ -60,11 +60,8 @@ class ShoalPotentialLeaders(PotentialLeaders):
         # hivemind's loop (1.1.12, in REVIEWED), paced. Once every declared leader has been tried
         # (all turned us away: we are banned, or each is in another group), ``pop_next_leader``
         # finds the queue empty and triggers a refetch at once, the fetch returns the same
-        # leaders, and the two spin until the search ends: 12,905 fetches in one second with an
-        # instant fake DHT (tests/unit/test_robust_allreduce.py), each a DHT get that queries
-        # other peers. A peer banned by the swarm spent ~2 s of every round so, and its process
-        # used 0.45-0.6 cores against an honest peer's 0.3 (benchmarks/attacks.py, stop 22),
-        # starving honest peers of CPU on a shared machine. Pacing costs a new leader at most
+        # leaders, and the two spin until the search ends, each fetch a DHT get that queries other
+        # peers: a banned peer burns CPU its honest neighbours need (docs/incidents.md). Pacing costs a new leader at most
         # REFETCH_S before we see it.
         discrepancy = MAX_DHT_TIME_DISCREPANCY_SECONDS
         fetched = -math.inf
@@ -120,9 +117,7 @@ class ShoalMatchmaking(Matchmaking):
     """hivemind's matchmaking without the peers on our ban list (set up by ``ShoalAverager``: an
     existing instance is given this class and a ``ban_list``). In a group, a banned peer is a
     reducer whose share every member refuses: a partial result, so the round fails for every
-    member (before partial results were refused, the members kept their own values there and all
-    but one re-synced the next round: 7 re-syncs in 12 rounds in benchmarks/attacks.py). Out of
-    the group, it costs nothing."""
+    member. Out of the group, it costs nothing."""
 
     ban_list: BanList
     # id(step) -> the group ids that step's matchmaking assembled (``ShoalAverager._step`` pops it

@@ -14,9 +14,8 @@ hivemind fails a sender whose next part does not arrive within ``sender_timeout`
 whose next answer does not arrive within ``reducer_timeout``; both are fixed when the averager is
 built (shoal: 0.4 and 0.5 x ``allreduce_timeout``). On a slow link one answer can take most of an
 all-reduce: the reducer waits for the slowest sender's part, then sends every member its answer
-over one uplink. With four peers at 1.1 Mbit/s (an 18 s bandwidth bound) the fixed 30 s reducer
-timeout failed a reducer in every round (benchmarks/sync_modes.py, the 1.5-round regime), and
-every round's average came back partial. So the timeouts grow with the all-reduces that succeeded
+over one uplink, and a fixed timeout fails a reducer in every round of a slow link
+(docs/incidents.md). So the timeouts grow with the all-reduces that succeeded
 (a failed one lasted as long as the timeout that failed it: it measures the timeout, not the link)."""
 
 from __future__ import annotations
