@@ -65,6 +65,7 @@ class RobustConfig:
     refuse_weight_ratio: float = 100.0  # a declared weight above this × the reference is refused (weight_outliers)
     clip_ratio: float = 2.0  # CenteredClip radius τ, in median distances of the parts to their median
     clip_iterations: int = 1
+    judge_by_work: bool = True  # CenteredClip judges a part for its sender's (bounded) work, not against smaller ones
     trim_fraction: float = 0.25  # trimmed mean: fraction of senders dropped at each end, per coordinate
     max_norm_ratio: float = 30.0  # a part (or a returned average) larger than this × the reference is refused
     ban_rounds: int = 10  # a peer that sent or returned something refused is excluded for this many rounds
@@ -183,10 +184,14 @@ def coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
     return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
-def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], config: RobustConfig) -> Aggregate:
+def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], config: RobustConfig, *,
+              work_scaled: bool | None = None) -> Aggregate:
     """The aggregate of ``parts`` (same shape, finite) under ``config.aggregation``, in the parts' dtype.
     Weights are used as given (bound them first); if none is positive, all count equally (hivemind
-    would divide by zero)."""
+    would divide by zero). ``work_scaled`` (default ``config.judge_by_work``): CenteredClip judges
+    a sender that did more than the median work within a wider radius (``work_radii``)."""
+    if work_scaled is None:
+        work_scaled = config.judge_by_work
     assert parts and len(parts) == len(weights)
     dtype = parts[0].dtype
     stacked = torch.stack([part.reshape(-1).double() for part in parts])
@@ -196,21 +201,61 @@ def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], config: R
     if config.aggregation == "mean" or len(parts) == 1:
         value, clipped = (w[:, None] * stacked).sum(0) / w.sum(), []
     elif config.aggregation == "centered_clip":
-        value, clipped = _centered_clip(stacked, w, config.clip_ratio, config.clip_iterations)
+        value, clipped = _centered_clip(stacked, w, config.clip_ratio, config.clip_iterations,
+                                        radii=work_radii(w) if work_scaled else None)
     else:
         value, clipped = _trimmed_mean(stacked, w, config.trim_fraction)
     return Aggregate(value.reshape(parts[0].shape).to(dtype), clipped)
 
 
-def _centered_clip(stacked: torch.Tensor, w: torch.Tensor, clip_ratio: float,
-                   iterations: int) -> tuple[torch.Tensor, list[int]]:
+def work_radii(w: torch.Tensor) -> torch.Tensor:
+    """Each sender's clipping radius, in units of ``tau``: ``sqrt(max(1, w_i / median(w)))``. An inner
+    optimizer's displacement over k steps grows like k along the gradient's consistent directions
+    and like sqrt(k) along its noise, so next to peers that did less an honest fast peer's part
+    looks far (the issue's 1/1.5/2/3 swarm: the peer doing 43% of the work was the only one ever
+    clipped). The square root is the conservative end, and the rule only widens: a sender at or
+    below the median work keeps the radius it had, so an equal-work group is judged exactly as
+    before. Weights are bounded first (``bound_weights``), so a peer lying about its work gains at
+    most ``sqrt(max_weight_ratio)`` x the radius."""
+    reference = float(w.median())
+    if not reference > 0:
+        return torch.ones_like(w)
+    return (w / reference).clamp_min(1.0).sqrt()
+
+
+def keep_norm(value: torch.Tensor, parts: Sequence[torch.Tensor], weights: Sequence[float], *,
+              clip_ratio: float = 2.0) -> tuple[torch.Tensor, float]:
+    """The aggregate's direction at the members' length: ``value`` rescaled to the weighted mean of
+    the parts' norms; (rescaled value, the factor). Averaging M displacements cancels their noise,
+    so the mean is shorter than any member's (an M-th of the noise's length): DiLoCo with model
+    averaging then steps less far the more peers it has, the opposite of what DDP's larger batch
+    does (Decoupled DiLoCo merges norms and directions separately for this reason). Bounded for a
+    public swarm: each norm counts at most ``clip_ratio`` x its ``work_radii`` x the median norm,
+    and the factor is at most sqrt(len(parts)) (pure noise) and at least 1."""
+    norms = torch.tensor([float(part.double().norm()) for part in parts], dtype=torch.float64)
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    if not bool((w > 0).any()):
+        w = torch.ones_like(w)
+    cap = clip_ratio * work_radii(w) * float(norms.median())
+    target = float((w * torch.minimum(norms, cap)).sum() / w.sum())
+    have = float(value.double().norm())
+    if not have > 0:
+        return value, 1.0
+    factor = min(max(target / have, 1.0), math.sqrt(len(parts)))
+    return value * factor, factor
+
+
+def _centered_clip(stacked: torch.Tensor, w: torch.Tensor, clip_ratio: float, iterations: int,
+                   radii: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+    """CenteredClip; ``radii`` (per sender, default 1): each sender's radius in units of ``tau``."""
     center = coordinate_median(stacked)
     tau = clip_ratio * float(coordinate_median((stacked - center).norm(dim=1)[:, None])[0])
+    limit = tau * (radii if radii is not None else torch.ones_like(w))
     scale = torch.ones_like(w)
     for _ in range(iterations):
         offsets = stacked - center
         distance = offsets.norm(dim=1)
-        scale = torch.where(distance > tau, tau / distance.clamp_min(1e-300), torch.ones_like(distance))
+        scale = torch.where(distance > limit, limit / distance.clamp_min(1e-300), torch.ones_like(distance))
         center = center + ((w * scale)[:, None] * offsets).sum(0) / w.sum()
     return center, [i for i in range(len(w)) if scale[i] < 1]
 

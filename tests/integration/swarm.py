@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +16,7 @@ import torch
 from averaging.network.interface import PARTIAL_ERROR
 from examples.swarm_launcher import LocalPeer, LocalSwarm, session_members, shoal_command
 from node.library.checkpoint import load_checkpoint, round_dir_name
+from node.library.cleanup import hivemind_sockets, remove_stale
 from node.observe.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,3 +112,25 @@ def train_then_interrupt(peers: list[LocalPeer], *, full_rounds: int, timeout: f
     for peer in peers:
         assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
     return range(first, last + 1)
+
+
+@contextlib.contextmanager
+def fresh_swarm():
+    """A swarm in its own temp dir with its own run id; on exit every process it started is gone."""
+    root = Path(tempfile.mkdtemp(prefix="shoal-test-"))
+    sockets_before = hivemind_sockets()
+    swarm = Swarm(root, run_id=f"test-{uuid.uuid4().hex[:8]}")
+    try:
+        yield swarm
+    finally:
+        # A peer that exited by itself must have taken its DHT, averager and p2pd with it.
+        exited = [peer for peer in swarm.peers if peer.proc.poll() is not None]
+        time.sleep(0.5 if exited else 0)
+        leaked = {peer.name: peer.leftovers() for peer in exited if peer.leftovers()}
+        swarm.kill_all()
+        remove_stale(hivemind_sockets() - sockets_before)  # peers killed with -9 cannot clean up
+        if os.environ.get("SHOAL_KEEP_SWARM"):  # to read the peers' logs after a failure
+            print(f"swarm kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+        assert not leaked, f"processes left behind by peers that exited: {leaked}"

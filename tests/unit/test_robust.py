@@ -94,11 +94,15 @@ def test_a_huge_weight_is_bounded_to_three_times_the_median():
     assert bound_weights([1.0, 1e30], max_ratio=3.0) == [1.0, 3.0]  # two senders: the lower median
     honest = honest_parts(3)
     weights = bound_weights([1.0, 1.0, 1.0, 1e30], max_ratio=3.0)
-    result = aggregate([*honest, -honest[0]], weights, RobustConfig())
     target = weighted_mean(honest, [1.0] * 3)
     # The liar holds half the bounded weight, but its part is clipped to tau: far from its own values.
+    result = aggregate([*honest, -honest[0]], weights, RobustConfig(judge_by_work=False))
     assert rel_error(result.value, target) < 0.5
     assert rel_error(result.value, -honest[0].double()) > 1.5
+    # Judged by work, its claimed 3x the median work buys it a radius of sqrt(3) tau, no more.
+    result = aggregate([*honest, -honest[0]], weights, RobustConfig())
+    assert 0.5 < rel_error(result.value, target) < 0.5 * 3 ** 0.5
+    assert rel_error(result.value, -honest[0].double()) > 1.2
 
 
 @pytest.mark.parametrize("weight", [float("nan"), float("inf"), -1.0, -1e30])
@@ -172,3 +176,58 @@ def test_ban_list_excludes_for_n_rounds():
 def test_config_refuses_nonsense(field, value):
     with pytest.raises(ConfigError):
         RobustConfig(**{field: value})
+
+
+def test_judged_by_work_an_honest_fast_peer_is_not_the_outlier():
+    """Four honest peers doing 57/35/26/17 steps (the issue's 1/1.5/2/3 swarm), each step a
+    sign-like AdamW step along a shared gradient plus noise: against the others the fastest looks
+    far and the old rule clipped it; judged for its work it is not clipped, and the result is the
+    weighted mean."""
+    generator = torch.Generator().manual_seed(7)
+    gradient = torch.randn(N, generator=generator)
+    steps = [57.0, 35.0, 26.0, 17.0]
+    parts = []
+    for k in steps:
+        moved = torch.zeros(N)
+        for _ in range(int(k)):
+            moved += 0.01 * torch.sign(gradient + torch.randn(N, generator=generator))
+        parts.append(moved)
+    against_peers = aggregate(parts, steps, RobustConfig(judge_by_work=False))
+    assert against_peers.clipped == [0]  # the old rule shrank the peer doing the most work
+    judged = aggregate(parts, steps, RobustConfig())
+    assert judged.clipped == []
+    assert rel_error(judged.value, weighted_mean(parts, steps)) < 1e-6
+
+
+def test_judged_by_work_a_liar_about_its_work_gains_at_most_the_weight_bound():
+    honest = honest_parts(3)
+    attacker = -1e6 * honest[0]
+    claimed = bound_weights([1.0, 1.0, 1.0, 1e9], max_ratio=3.0)  # it claims a billion steps
+    result = aggregate([*honest, attacker], claimed, RobustConfig(clip_ratio=2.0))
+    assert 3 in result.clipped
+    target = weighted_mean(honest, [1.0] * 3)
+    spread = max(rel_error(part, target) for part in honest)
+    assert rel_error(result.value, target) < 3 ** 0.5 * 2.0 * spread  # bounded by sqrt(ratio) x radius, not 1e6
+
+
+def test_keep_norm_gives_the_average_its_members_length_within_bounds():
+    from averaging.math.robust import keep_norm
+
+    generator = torch.Generator().manual_seed(11)
+    signal = torch.randn(N, generator=generator)
+    parts = [0.3 * signal + torch.randn(N, generator=generator) for _ in range(4)]  # noise dominates
+    mean = weighted_mean(parts, [1.0] * 4).float()
+    kept, factor = keep_norm(mean, parts, [1.0] * 4)
+    members = sum(float(p.norm()) for p in parts) / 4
+    assert 1.5 < factor <= 2.0  # four peers' noise cancels about 2x; sqrt(4) is the cap
+    assert abs(float(kept.norm()) - min(members, 2 * float(mean.norm()))) < 1e-3 * members
+    torch.testing.assert_close(kept / kept.norm(), mean / mean.norm())  # the direction is the average's
+    # Identical parts: nothing cancels, nothing to restore.
+    assert keep_norm(parts[0], [parts[0]] * 3, [1.0] * 3)[1] == 1.0
+    # A liar's huge part counts at most clip_ratio x the median norm in the target length: in a group
+    # whose parts agree (factor ~1), a x1e6 part lengthens the average by at most ~(3 + 2) / 4.
+    agreeing = [signal + 0.05 * torch.randn(N, generator=generator) for _ in range(3)]
+    honest_mean = weighted_mean(agreeing, [1.0] * 3).float()
+    assert keep_norm(honest_mean, agreeing, [1.0] * 3)[1] < 1.01
+    _, lied = keep_norm(honest_mean, [*agreeing, 1e6 * agreeing[0]], [1.0] * 4)
+    assert 1.1 < lied < 1.26

@@ -1,0 +1,350 @@
+""""The swarm trains like N x one peer": simulated peers, no network, shoal's own round math.
+
+    .venv/bin/python benchmarks/speedup.py [--peers 1,2,4] [--rounds 150] [--steps 12] [--spread equal,1:1.5:2:3] \\
+        [--rules overlap,eager,...] [--lone-lengths 1,2,3,4,6] [--lrs 0.006,0.012] [--seeds 1] [--jobs 2]
+
+What a contributor asks: does joining pay? Each swarm run ends at an eval loss; a lone peer's curve
+(plain AdamW, its lr tuned over ``--lrs`` and its cosine schedule spanning its own length, at
+``--lone-lengths`` multiples of the fastest member's steps) converts that loss into the steps a lone
+peer needs to reach it ("equivalent lone steps", interpolated in log steps). Speedup = that / the
+steps of the swarm's fastest member, the peer a user compares against. Equal speeds: every peer
+takes ``--steps`` inner steps a round; a spread ``1:1.5:2:3`` gives the fastest ``--steps`` and the
+others that ratio of it (as wall-clock rounds do), repeated for 8 peers.
+
+The peers are real ``Trainer`` s on ``configs/learning.toml``'s model and data (as
+``lr_sweep.py``); what happens between them is shoal's math: quantized sends with error feedback
+(``averaging.math.wire``), token-weighted robust aggregation per part (``averaging.math.robust``),
+the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
+(``averaging.math.merge``). A rule (``--rules``) is one way of running a round:
+
+- ``blocking``: every peer waits for the average and restarts from the new anchor;
+- ``overlap``: shoal's default mode: the average lands ``--delay`` (a fraction of the next round)
+  later and is merged as the round engine merges it (new anchor + the work since the snapshot);
+- ``eager``: as overlap, but at the snapshot each peer takes the outer step with a stand-in for
+  the average (``averaging.math.merge.stand_in``: its own fresh pseudo-gradient for its weight
+  share, the last landed average for the others') and trains from there; when the average lands
+  the parameters move by the difference (``eager_jump`` / ``landing_correction``); ``eager-own``
+  uses its own pseudo-gradient alone as the stand-in;
+- suffixes: ``+norm`` gives each part of the average the token-weighted mean of its senders' norms
+  (the average's direction, the members' length: ``averaging.math.robust.keep_norm``, what a
+  reducer can do alone); ``+nowork`` judges parts in the centered clip against each other (the
+  rule before ``judge_by_work``); ``+mean`` aggregates with a plain weighted mean.
+
+Everything is simulated: no failures, no network; figures are labelled so. Writes
+``benchmarks/results/speedup.{md,json}`` (and ``.png`` when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from averaging.math import robust  # noqa: E402
+from averaging.math.flat import FlatLayout  # noqa: E402
+from averaging.math.merge import apply_correction_, eager_jump, landing_correction, merge_correction, stand_in  # noqa: E402
+from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
+from averaging.math.wire import WireFormat, accounted_for, returned  # noqa: E402
+from node.process.config import load_config  # noqa: E402
+from node.training.data import BatchSampler, eval_batches, load_corpus, split_corpus  # noqa: E402
+from node.training.model import build_model  # noqa: E402
+from node.training.trainer import Trainer, inner_lr  # noqa: E402
+
+_DATA: dict = {}
+PARTS = 4  # parts per all-reduce (a group of four's butterfly): robust aggregation runs per part
+
+
+def _setup(config_path: str) -> None:
+    torch.set_num_threads(1)
+    config = load_config(Path(config_path))
+    split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
+                         block_bytes=config.data.eval_block_bytes)
+    _DATA.update(config=config, split=split,
+                 evals=eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches))
+
+
+def _sampler(seed: int, rank: int) -> BatchSampler:
+    c, split = _DATA["config"], _DATA["split"]
+    return BatchSampler(split.tokens, c.model.seq_len, c.data.batch_size, seed=[seed, rank], held_out=split.held_out)
+
+
+def _trainer(seed: int, lr: float, rounds: float) -> Trainer:
+    """A peer whose schedule (10% warmup, cosine) spans ``rounds``."""
+    c = _DATA["config"]
+    inner = dataclasses.replace(c.inner, lr=lr, total_rounds=float(rounds), warmup_rounds=0.1 * rounds)
+    return Trainer(build_model(c.model, seed=seed), inner, c.train, torch.device("cpu"))
+
+
+def _eval(trainer: Trainer, layout: FlatLayout, flat: torch.Tensor) -> float:
+    return trainer.evaluate_anchor(layout.views(flat), _DATA["evals"])
+
+
+def run_lone(seed: int, steps: int, lr: float) -> dict:
+    """One peer, plain AdamW, ``steps`` steps (its schedule spans them)."""
+    trainer, sampler = _trainer(seed, lr, steps), _sampler(seed, 0)
+    for step in range(steps):
+        trainer.inner_step(*sampler.next_batch(), inner_lr(trainer.inner, float(step)))
+    layout = FlatLayout.of(trainer.model.named_parameters())
+    return {"final_eval": _eval(trainer, layout, layout.pack(dict(trainer.model.named_parameters()), layout.new_buffer()))}
+
+
+def spread_steps(peers: int, steps: int, spread: str) -> list[int]:
+    """Inner steps per round of each peer: all ``steps``, or the fastest ``steps`` and the others in
+    ``spread``'s ratio (``1:1.5:2:3``: slowest first), cycled to ``peers``."""
+    if spread == "equal":
+        return [steps] * peers
+    ratio = [float(x) for x in spread.split(":")]
+    fastest = max(ratio)
+    order = sorted(ratio, reverse=True)
+    return [max(1, round(steps * order[i % len(order)] / fastest)) for i in range(peers)]
+
+
+def aggregate(sends: list[torch.Tensor], weights: list[float], config: robust.RobustConfig, *, work_scaled: bool,
+              keep_norm: bool) -> torch.Tensor:
+    """The all-reduce: per part, weights bounded and aggregated as a reducer does (``keep_norm``:
+    then rescaled to its senders' length, ``averaging.math.robust.keep_norm``)."""
+    bounded = robust.bound_weights(weights, max_ratio=config.max_weight_ratio)
+    chunks = [s.chunk(PARTS) for s in sends]
+    out = []
+    for k in range(len(chunks[0])):
+        parts = [c[k] for c in chunks]
+        value = robust.aggregate(parts, bounded, config, work_scaled=work_scaled).value
+        out.append(robust.keep_norm(value, parts, bounded, clip_ratio=config.clip_ratio)[0] if keep_norm else value)
+    return torch.cat(out)
+
+
+def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: float, mu: float, rule: str,
+              delay: float, compression: str) -> dict:
+    """One simulated swarm; returns its anchor's final eval loss."""
+    mode, *flags = rule.split("+")
+    wire = WireFormat.of(compression)
+    config = robust.RobustConfig(aggregation="mean" if "mean" in flags else "centered_clip")
+    trainers = [_trainer(seed, lr, rounds) for _ in steps]
+    samplers = [_sampler(seed, rank) for rank in range(len(steps))]
+    layout = FlatLayout.of(trainers[0].model.named_parameters())
+    pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
+    anchor = pack(trainers[0])
+    momentum = torch.zeros_like(anchor)
+    pending = None  # (new anchor, old anchor, per peer (accounted, jump)) awaiting the merge
+    previous = None  # the last average that landed (eager's stand-in for the others' work)
+
+    def add(t: Trainer, correction: torch.Tensor) -> None:
+        views = layout.views(correction)
+        params = dict(t.model.named_parameters())
+        apply_correction_([params[name] for name in views], list(views.values()))
+
+    def land_one(i: int, landed) -> None:
+        """The round engine's merge for peer ``i``: the new anchor plus its work since the snapshot
+        (eager: minus the jump it already took)."""
+        new, old, per_peer = landed
+        accounted, jump = per_peer[i]
+        correction = merge_correction(new, old, accounted, contributed=True)
+        add(trainers[i], correction if jump is None else landing_correction(correction, jump))
+
+    for r in range(rounds):
+        for i, (t, s, n) in enumerate(zip(trainers, samplers, steps)):
+            lands = max(1, round(delay * n))  # this peer's step after which the average lands
+            for step in range(n):
+                t.inner_step(*s.next_batch(), inner_lr(t.inner, r + step / n))
+                if pending is not None and step + 1 == lands:
+                    land_one(i, pending)
+        pending = None
+        grads = [pseudo_gradient(anchor, pack(t)) for t in trainers]
+        sends = [wire.to_send(g) for g in grads]
+        weights = [float(n) for n in steps]  # tokens: every step is one batch
+        average = aggregate(sends, weights, config, work_scaled="nowork" not in flags, keep_norm="norm" in flags)
+        old = anchor.clone()
+        per_peer = []
+        for t, g, sent, w in zip(trainers, grads, sends, weights):
+            accounted = accounted_for(g, sent, averaged=True, local=False, error_feedback=wire.error_feedback)
+            jump = None
+            if mode in ("eager", "eager-own"):
+                guess = sent if mode == "eager-own" else stand_in(sent, previous, w / sum(weights))
+                jump = eager_jump(old, guess, accounted, momentum, lr=outer_lr, mu=mu)
+                add(t, jump)
+            per_peer.append((accounted, jump))
+        previous = returned(average, sends[0], wire.return_code)
+        outer_step_(anchor, previous, momentum, lr=outer_lr, mu=mu, nesterov=True)
+        pending = (anchor.clone(), old, per_peer)
+        if mode == "blocking":
+            for i in range(len(trainers)):
+                land_one(i, pending)
+            pending = None
+    return {"final_eval": _eval(trainers[0], layout, anchor)}
+
+
+def _point(point: dict) -> dict:
+    t0 = time.time()
+    if point["kind"] == "lone":
+        result = run_lone(point["seed"], point["lone_steps"], point["lr"])
+    else:
+        result = run_swarm(point["seed"], point["steps"], point["rounds"], point["lr"], point["outer_lr"],
+                           point["mu"], point["rule"], point["delay"], point["compression"])
+    print(f"{label(point)} seed {point['seed']}: eval {result['final_eval']:.4f} ({time.time() - t0:.0f} s)",
+          file=sys.stderr, flush=True)
+    return {**point, **result, "seconds": time.time() - t0}
+
+
+def label(p: dict) -> str:
+    if p["kind"] == "lone":
+        return f"lone {p['lone_steps']} steps lr={p['lr']:g}"
+    return f"{p['rule']} N={len(p['steps'])} {p['spread']} outer={p['outer_lr']:g}/{p['mu']:g}"
+
+
+def equivalent_steps(loss: float, curve: list[tuple[int, float]]) -> tuple[float, str]:
+    """Lone steps that reach ``loss`` (log-linear between the curve's points), and '' or '>'/'<'
+    when it lies past the curve's ends (then the end is returned)."""
+    curve = sorted(curve)
+    if loss <= curve[-1][1]:
+        return float(curve[-1][0]), ">"
+    if loss >= curve[0][1]:
+        return float(curve[0][0]), "<"
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
+        if l1 <= loss <= l0:
+            f = (l0 - loss) / (l0 - l1) if l0 != l1 else 0.0
+            return math.exp(math.log(s0) + f * (math.log(s1) - math.log(s0))), ""
+    return float(curve[-1][0]), ">"
+
+
+def report(points: list[dict], args, command: str, minutes: float) -> tuple[str, dict]:
+    seeds = sorted({p["seed"] for p in points})
+    fastest_steps = args.rounds * args.steps
+    lone: dict[int, dict[int, float]] = {}  # seed -> steps -> best loss over lrs
+    for p in points:
+        if p["kind"] == "lone":
+            best = lone.setdefault(p["seed"], {})
+            best[p["lone_steps"]] = min(best.get(p["lone_steps"], math.inf), p["final_eval"])
+    rows, summary = [], {}
+    by_label: dict[str, list[dict]] = {}
+    for p in points:
+        if p["kind"] != "lone":
+            by_label.setdefault(label(p), []).append(p)
+    for key, runs in by_label.items():
+        speedups, marks = [], set()
+        for p in runs:
+            steps, mark = equivalent_steps(p["final_eval"], sorted(lone[p["seed"]].items()))
+            speedups.append(steps / fastest_steps)
+            marks.add(mark)
+        mark = "".join(sorted(marks - {""}))
+        loss = statistics.fmean(p["final_eval"] for p in runs)
+        speed = statistics.fmean(speedups)
+        spread = f" (seeds {min(speedups):.2f}-{max(speedups):.2f})" if len(speedups) > 1 else ""
+        summary[key] = {"eval": loss, "speedup": speed, "per_seed": speedups, "bound": mark}
+        rows.append((runs[0]["rule"], len(runs[0]["steps"]), runs[0]["spread"],
+                     f"| {key} | {'+'.join(map(str, runs[0]['steps']))} | {loss:.4f} | {mark}{speed:.2f}x{spread} |"))
+    lone_rows = [f"| {s:,} ({s / fastest_steps:g}x) | " + " / ".join(f"{lone[seed][s]:.4f}" for seed in seeds) + " |"
+                 for s in sorted(next(iter(lone.values())))]
+    lines = [f"# The swarm trains like N x one peer (simulated, no network): {args.rounds} rounds, fastest peer "
+             f"{args.steps} inner steps a round, {len(seeds)} seed(s)", "",
+             f"Command: `{command}` ({minutes:.0f} min). Model, data and eval batches of {args.config.name}; "
+             f"sends in {args.compression} with error feedback; overlap/eager merge {args.delay:g} of the next round "
+             f"in. Speedup = lone AdamW steps (lr best of {args.lrs}, schedule per length) reaching the swarm's eval "
+             f"loss / the fastest member's {fastest_steps:,} steps. '>' : better than the longest lone run (a lower "
+             "bound); '<': worse than the shortest (an upper bound).", "",
+             "| lone steps | best eval loss per seed |", "|---|---|", *lone_rows, "",
+             "| swarm | inner steps a round | eval loss (mean) | speedup vs its fastest member alone |",
+             "|---|---|---|---|", *[r[-1] for r in sorted(rows)]]
+    return "\n".join(lines) + "\n", summary
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Speedup vs peers, one line per rule and spread (skipped without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for key, row in summary.items():
+        rule, peers, spread, _ = key.split(" ", 3)
+        lines.setdefault(f"{rule} {spread}", []).append((int(peers.removeprefix("N=")), row["speedup"]))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, values in sorted(lines.items()):
+        values.sort()
+        ax.plot([v[0] for v in values], [v[1] for v in values], marker="o", label=name)
+    top = max(v[0] for values in lines.values() for v in values)
+    ax.plot([1, top], [1, top], color="grey", linestyle=":", label="ideal (N x)")
+    ax.set_xlabel("peers")
+    ax.set_ylabel("speedup vs the fastest member alone")
+    ax.set_title("simulated swarm, no network")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    floats = lambda s: [float(v) for v in s.split(",") if v]  # noqa: E731
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--peers", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4])
+    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=12, help="inner steps a round of the fastest peer")
+    parser.add_argument("--spread", type=lambda s: s.split(","), default=["equal", "1:1.5:2:3"])
+    parser.add_argument("--rules", type=lambda s: s.split(","), default=["blocking", "overlap", "eager"])
+    parser.add_argument("--outer", type=lambda s: [tuple(float(x) for x in v.split(":")) for v in s.split(",")],
+                        default=[(1.0, 0.5)], help="outer lr:momentum pairs")
+    parser.add_argument("--inner-lr", type=float, default=0.006)
+    parser.add_argument("--delay", type=float, default=0.5, help="fraction of the next round before the merge")
+    parser.add_argument("--compression", default="int4")
+    parser.add_argument("--lone-lengths", type=floats, default=[1, 2, 3, 4, 6])
+    parser.add_argument("--lrs", type=floats, default=[0.006, 0.012])
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speedup")
+    parser.add_argument("--lone-from", type=Path, help="reuse the lone-peer runs of this earlier result's .json "
+                        "(same rounds, steps, lrs, lengths and config) instead of running them again")
+    args = parser.parse_args()
+    fastest = args.rounds * args.steps
+    plan = [dict(kind="lone", seed=s, lone_steps=round(k * fastest), lr=lr)
+            for s in range(args.seeds) for k in args.lone_lengths for lr in args.lrs]
+    reused: list[dict] = []
+    if args.lone_from:
+        stored = json.loads(args.lone_from.with_suffix(".json").read_text())
+        for key in ("rounds", "steps", "lrs", "lone_lengths", "config"):
+            if stored["args"][key] != str(getattr(args, key)):
+                raise SystemExit(f"--lone-from: that run used {key} = {stored['args'][key]}, not {getattr(args, key)}")
+        reused = [p for p in stored["points"] if p["kind"] == "lone" and p["seed"] < args.seeds]
+        plan = [p for p in plan if not any(q["seed"] == p["seed"] and q["lone_steps"] == p["lone_steps"]
+                                           and q["lr"] == p["lr"] for q in reused)]
+    for s in range(args.seeds):
+        for n in args.peers:
+            for spread in args.spread if n > 1 else ["equal"]:
+                for rule in args.rules:
+                    for o, m in args.outer:
+                        plan.append(dict(kind="swarm", seed=s, steps=spread_steps(n, args.steps, spread), spread=spread,
+                                         rounds=args.rounds, lr=args.inner_lr, outer_lr=o, mu=m, rule=rule,
+                                         delay=args.delay, compression=args.compression))
+    plan.sort(key=lambda p: -(p.get("lone_steps") or sum(p.get("steps", [0])) * p.get("rounds", 0)))  # longest first
+    started = time.time()
+    with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config),)) as pool:
+        points = reused + list(pool.map(_point, plan))
+    minutes = (time.time() - started) / 60
+    command = ".venv/bin/python benchmarks/speedup.py " + shlex.join(sys.argv[1:])
+    text, summary = report(points, args, command, minutes)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"simulated": True, "command": command, "minutes": minutes, "args": {k: str(v) for k, v in vars(args).items()},
+         "summary": summary, "points": points}, indent=1))
+    args.out.with_suffix(".md").write_text(text)
+    plot(summary, args.out.with_suffix(".png"))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
