@@ -235,6 +235,35 @@ class SwarmSummary:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class SwarmThroughput:
+    """This peer's tokens/s beside the swarm's: what the other live peers add to it."""
+
+    mine: float  # this peer's rate
+    others: float  # sum over the other peers' records
+    other_peers: int  # how many records ``others`` sums
+
+    @property
+    def total(self) -> float:
+        return self.mine + self.others
+
+    @property
+    def share(self) -> float | None:
+        """This peer's fraction of ``total`` (None: nothing measured yet, rather than a division by zero)."""
+        return self.mine / self.total if self.total > 0 else None
+
+    @classmethod
+    def of(cls, records: Iterable[ProgressRecord], *, me: str, mine: float | None = None) -> SwarmThroughput:
+        """``records``: the live peers', as ``read_records`` returns them (expired entries dropped,
+        malformed ones refused, so each rate is finite and at most ``MAX_RATE``). ``mine``: this
+        peer's current rate, which its own record repeats a heartbeat late; None: take the record's."""
+        records = list(records)
+        others = [r.tokens_per_s for r in records if r.peer_id != me]
+        if mine is None:
+            mine = next((r.tokens_per_s for r in records if r.peer_id == me), 0.0)
+        return cls(mine=mine, others=sum(others), other_peers=len(others))
+
+
 def _mean(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None

@@ -25,7 +25,7 @@ from rich.text import Text
 
 from averaging.state.verdict import Applied
 from node.observe.fmt import human_bytes, number, short_id
-from protocols.progress import ProgressRecord, SwarmSummary
+from protocols.progress import ProgressRecord, SwarmThroughput
 
 logger = logging.getLogger(__name__)
 
@@ -127,35 +127,34 @@ class LiveView:
     def render(self) -> Panel:
         s, now = self.status, time.time()
         records = list(s.peer_records)
-        others = [r for r in records if r.peer_id != s.peer_id]
+        # Our live rate, not our record's (a heartbeat old): the rows then add up on screen.
+        rate = SwarmThroughput.of(records, me=s.peer_id, mine=s.tokens_per_s)
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold cyan", justify="right", no_wrap=True)
         grid.add_column()
-        _swarm_rows(grid, s, records, alone=not others)
+        _swarm_rows(grid, s, rate)
         if s.phase == "joining":
             _joining_rows(grid, s)
         else:
             _round_rows(grid, s, now)
-        _training_rows(grid, s, self.loss_history, self.eval_history)
+        _training_rows(grid, s, rate, self.loss_history, self.eval_history)
         _network_rows(grid, s)
         parts: list = [grid]
-        if others:
+        if rate.other_peers:
             parts.append(peer_table(records, me=s.peer_id, now=now, limit=MAX_PEER_ROWS))
         title = f"shoal · run {s.run_id} · peer {short_id(s.peer_id)}" + (f" · {s.device}" if s.device else "")
         return Panel(Group(*parts), title=title, expand=False)
 
 
-def _swarm_rows(grid: Table, s: NodeStatus, records: list[ProgressRecord], *, alone: bool) -> None:
-    if s.peers <= 1 and alone:
+def _swarm_rows(grid: Table, s: NodeStatus, rate: SwarmThroughput) -> None:
+    if s.peers <= 1 and not rate.other_peers:
         grid.add_row("swarm", Text("alone: waiting for other peers to join", style="bold yellow"))
         return
-    summary = SwarmSummary.of(records, me=s.peer_id)
-    online = max(s.peers, summary.peers)
-    total = summary.tokens_per_s if records else s.tokens_per_s
+    online = max(s.peers, rate.other_peers + 1)
     line = Text(f"{online} peers online", style="bold green")
-    line.append(f"   {total:,.0f} tokens/s total")
-    if summary.share is not None:
-        line.append(f"   this peer {summary.share:.0%}")
+    line.append(f"   {rate.total:,.0f} tokens/s total")
+    if rate.share is not None:
+        line.append(f"   this peer {rate.share:.0%}")
     grid.add_row("swarm", line)
 
 
@@ -178,14 +177,23 @@ def _round_rows(grid: Table, s: NodeStatus, now: float) -> None:
     grid.add_row("", bar)
 
 
-def _training_rows(grid: Table, s: NodeStatus, loss_history: Sequence[float], eval_history: Sequence[float]) -> None:
+def _training_rows(grid: Table, s: NodeStatus, rate: SwarmThroughput, loss_history: Sequence[float],
+                   eval_history: Sequence[float]) -> None:
     loss = Text(f"{number(s.loss)} ")
     loss.append(sparkline(loss_history), style="magenta")
     loss.append(f"   eval {number(s.eval_loss)} ")
     loss.append(sparkline(eval_history), style="green")
     grid.add_row("loss", loss)
     util = f"   utilization {s.utilization:.0%}" if s.utilization is not None else ""
-    grid.add_row("tokens/s", f"{s.tokens_per_s:,.0f}{util}")
+    grid.add_row("tokens/s", f"{s.tokens_per_s:,.0f}{swarm_beside(rate)}{util}")
+
+
+def swarm_beside(rate: SwarmThroughput) -> str:
+    """What follows this peer's tokens/s: the swarm's, and what the other peers add ("" alone)."""
+    if not rate.other_peers:
+        return ""
+    others = f"{rate.other_peers} other peer" + ("s" if rate.other_peers > 1 else "")
+    return f" this peer   {rate.total:,.0f} swarm (+{rate.others:,.0f} from {others})"
 
 
 def _network_rows(grid: Table, s: NodeStatus) -> None:
@@ -271,8 +279,9 @@ class PlainView:
     def round_done(self, status: NodeStatus) -> None:
         self.status = status
         util = f" utilization={status.utilization:.0%}" if status.utilization is not None else ""
+        swarm = SwarmThroughput.of(status.peer_records, me=status.peer_id, mine=status.tokens_per_s).total
         logger.info(
             f"round {status.finished_round}: peers={status.peers} loss={number(status.loss)} eval_loss={number(status.eval_loss)} "
-            f"tokens/s={status.tokens_per_s:,.0f}{util} sync={status.last_sync} group={status.group_size} "
-            f"sync_s={status.sync_s:.2f}"
+            f"tokens/s={status.tokens_per_s:,.0f} swarm_tokens/s={swarm:,.0f}{util} sync={status.last_sync} "
+            f"group={status.group_size} sync_s={status.sync_s:.2f}"
         )

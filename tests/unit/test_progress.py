@@ -13,10 +13,12 @@ from hivemind.utils import ValueWithExpiration
 
 from protocols.messages import MAX_ROUND, MessageError
 from protocols.progress import (
+    MAX_RATE,
     MAX_TEXT,
     PROGRESS_VERSION,
     ProgressRecord,
     SwarmSummary,
+    SwarmThroughput,
     before_first_step,
     decode,
     encode,
@@ -208,6 +210,44 @@ def test_swarm_summary_round_ties_go_to_the_latest_and_empty_is_none():
     assert (empty.peers, empty.tokens_per_s, empty.round, empty.loss, empty.share) == (0, 0.0, None, None, None)
     idle = SwarmSummary.of([record(tokens_per_s=0.0)], me=ED25519_ID)
     assert idle.share is None  # nothing measured yet: no share rather than a division by zero
+
+
+def test_swarm_throughput_puts_this_peers_live_rate_beside_the_others_records():
+    other = base58.b58encode(b"\x12\x20" + bytes(32)).decode()
+    records = [record(ED25519_ID, tokens_per_s=1000.0), record(other, tokens_per_s=3000.0),
+               record(RSA_ID, tokens_per_s=0.0, phase="joining")]  # a joiner is online, adds nothing yet
+    rate = SwarmThroughput.of(records, me=ED25519_ID, mine=1500.0)
+    assert (rate.mine, rate.others, rate.other_peers, rate.total) == (1500.0, 3000.0, 2, 4500.0)
+    assert rate.share == pytest.approx(1 / 3)
+    # without a live figure, our own record's (a heartbeat late); the view of an outsider: all are others
+    assert SwarmThroughput.of(records, me=ED25519_ID).total == 4000.0
+    assert SwarmThroughput.of(records, me="an-outsider") == SwarmThroughput(mine=0.0, others=4000.0, other_peers=3)
+    # alone, or before anything was measured
+    assert SwarmThroughput.of([record(ED25519_ID)], me=ED25519_ID, mine=800.0) == \
+        SwarmThroughput(mine=800.0, others=0.0, other_peers=0)
+    assert SwarmThroughput.of([], me=ED25519_ID, mine=0.0).share is None
+
+
+def test_swarm_throughput_counts_live_peers_only_and_refuses_what_is_not_a_rate():
+    """Expired records drop out; a record without a rate, or with a NaN or absurd one, is
+    malformed: counted, left out of the sum, never shown."""
+    live = base58.b58encode(b"\x12\x20" + bytes(32)).decode()
+    found = {
+        subkey(ED25519_ID): entry(encode(record(tokens_per_s=1000.0))),
+        subkey(live): entry(encode(record(live, tokens_per_s=3000.0))),
+        b"\x12\x20" + bytes(range(32)): entry(encode(record(tokens_per_s=9000.0)), expiration=NOW - 0.001),
+        b"\x12\x20" + bytes(range(1, 33)): entry(encoded(tokens_per_s=1e30)),
+        b"\x12\x20" + bytes(range(2, 34)): entry(encoded(tokens_per_s=math.nan)),
+        b"\x12\x20" + bytes(range(3, 35)): entry(encoded(tokens_per_s=-1.0)),
+        b"\x12\x20" + bytes(range(4, 36)): entry({k: v for k, v in encoded().items() if k != "tokens_per_s"}),
+    }
+    records, malformed = read_records(found, NOW)
+    assert sorted(records) == sorted([ED25519_ID, live]) and malformed == 4
+    rate = SwarmThroughput.of(records.values(), me=ED25519_ID, mine=1200.0)
+    assert (rate.total, rate.other_peers) == (4200.0, 1)
+    # the most one stranger's record can add is MAX_RATE
+    assert read_records({subkey(live): entry(encoded(tokens_per_s=MAX_RATE))}, NOW)[0][live].tokens_per_s == MAX_RATE
+    assert read_records({subkey(live): entry(encoded(tokens_per_s=MAX_RATE * 1.01))}, NOW) == ({}, 1)
 
 
 def test_per_round_bytes_round_trip_and_older_records_lack_them():

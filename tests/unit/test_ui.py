@@ -57,6 +57,23 @@ def test_a_training_peer_in_a_swarm_shows_every_section():
     assert "3,000" in text and "7s ago" in text
 
 
+def tokens_row(text: str) -> str:
+    return next(line for line in text.splitlines() if line.lstrip("│ ").startswith("tokens/s"))
+
+
+def test_this_peers_tokens_per_s_has_the_swarms_beside_it():
+    text = draw_status(status())
+    assert "1,000 this peer   4,000 swarm (+3,000 from 1 other peer)   utilization 93%" in tokens_row(text)
+    # our live rate, not our record's from a heartbeat ago: the swarm row and this row agree
+    text = draw_status(status(tokens_per_s=1500.0, peers=3, peer_records=(
+        progress(ME, tokens_per_s=1000.0), progress(OTHER), progress("12D3KooW" + "1" * 44, tokens_per_s=500.0))))
+    assert "1,500 this peer   5,000 swarm (+3,500 from 2 other peers)" in tokens_row(text)
+    assert "5,000 tokens/s total" in text and "this peer 30%" in text
+    # alone: the swarm is this peer, nothing to put beside it
+    alone = tokens_row(draw_status(status(peers=1, peer_records=(progress(ME),))))
+    assert "1,000   utilization 93%" in alone and "swarm" not in alone
+
+
 def test_sparklines_follow_the_rounds():
     view = LiveView(console=Console(file=io.StringIO(), width=100))
     for round, loss in enumerate((4.0, 3.0, 2.0, 1.0), start=1):
@@ -155,7 +172,7 @@ def test_plain_view_logs_one_line_per_round(caplog):
         view.update(status())
         view.round_done(status())
     assert len(caplog.records) == 1
-    assert "round 11" in caplog.text and "utilization=93%" in caplog.text
+    assert "round 11" in caplog.text and "tokens/s=1,000 swarm_tokens/s=4,000 utilization=93%" in caplog.text
 
 
 @pytest.mark.parametrize("values, expected", [((), ""), ((1.0, 1.0), "▅▅"), ((0.0, 1.0), "▁█"), ((2.0, float("nan"), 1.0), "█▁")])
