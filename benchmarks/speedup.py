@@ -58,43 +58,24 @@ from averaging.math.flat import FlatLayout  # noqa: E402
 from averaging.math.merge import apply_correction_, eager_jump, landing_correction, merge_correction, stand_in  # noqa: E402
 from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
 from averaging.math.wire import WireFormat, accounted_for, returned  # noqa: E402
-from node.process.config import load_config  # noqa: E402
-from node.training.data import BatchSampler, eval_batches, load_corpus, split_corpus  # noqa: E402
+from benchmarks.lr_sweep import _DATA, _eval, _samplers, _setup  # noqa: E402 - the same peers, data and eval
 from node.training.model import build_model  # noqa: E402
 from node.training.trainer import Trainer, inner_lr  # noqa: E402
 
-_DATA: dict = {}
 PARTS = 4  # parts per all-reduce (a group of four's butterfly): robust aggregation runs per part
 
 
-def _setup(config_path: str) -> None:
-    torch.set_num_threads(1)
-    config = load_config(Path(config_path))
-    split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
-                         block_bytes=config.data.eval_block_bytes)
-    _DATA.update(config=config, split=split,
-                 evals=eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches))
-
-
-def _sampler(seed: int, rank: int) -> BatchSampler:
-    c, split = _DATA["config"], _DATA["split"]
-    return BatchSampler(split.tokens, c.model.seq_len, c.data.batch_size, seed=[seed, rank], held_out=split.held_out)
-
-
 def _trainer(seed: int, lr: float, rounds: float) -> Trainer:
-    """A peer whose schedule (10% warmup, cosine) spans ``rounds``."""
+    """A peer whose schedule (10% warmup, cosine) spans ``rounds``; model, data and eval batches are
+    ``lr_sweep``'s, loaded once per worker by its ``_setup``."""
     c = _DATA["config"]
     inner = dataclasses.replace(c.inner, lr=lr, total_rounds=float(rounds), warmup_rounds=0.1 * rounds)
     return Trainer(build_model(c.model, seed=seed), inner, c.train, torch.device("cpu"))
 
 
-def _eval(trainer: Trainer, layout: FlatLayout, flat: torch.Tensor) -> float:
-    return trainer.evaluate_anchor(layout.views(flat), _DATA["evals"])
-
-
 def run_lone(seed: int, steps: int, lr: float) -> dict:
     """One peer, plain AdamW, ``steps`` steps (its schedule spans them)."""
-    trainer, sampler = _trainer(seed, lr, steps), _sampler(seed, 0)
+    trainer, sampler = _trainer(seed, lr, steps), _samplers(seed, 1, 0)[0]
     for step in range(steps):
         trainer.inner_step(*sampler.next_batch(), inner_lr(trainer.inner, float(step)))
     layout = FlatLayout.of(trainer.model.named_parameters())
@@ -133,7 +114,7 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
     wire = WireFormat.of(compression)
     config = robust.RobustConfig(aggregation="mean" if "mean" in flags else "centered_clip")
     trainers = [_trainer(seed, lr, rounds) for _ in steps]
-    samplers = [_sampler(seed, rank) for rank in range(len(steps))]
+    samplers = _samplers(seed, len(steps), 0)  # every peer draws from the whole corpus
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
     anchor = pack(trainers[0])
@@ -330,7 +311,7 @@ def main() -> int:
                                          delay=args.delay, compression=args.compression))
     plan.sort(key=lambda p: -(p.get("lone_steps") or sum(p.get("steps", [0])) * p.get("rounds", 0)))  # longest first
     started = time.time()
-    with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config),)) as pool:
+    with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config), args.rounds)) as pool:
         points = reused + list(pool.map(_point, plan))
     minutes = (time.time() - started) / 60
     command = ".venv/bin/python benchmarks/speedup.py " + shlex.join(sys.argv[1:])
