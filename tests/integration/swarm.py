@@ -59,6 +59,17 @@ def is_partial(record: dict) -> bool:
     return (record["error"] or "").startswith(PARTIAL_ERROR)
 
 
+# hivemind's error when a step's matchmaking ended with no group (AllreduceException).
+NO_GROUP_ERROR = "could not find a group"
+
+
+def found_no_group(record: dict) -> bool:
+    """A round in which this peer's matchmaking found no group in time (on two starved cores a
+    throttled follower can miss its leader's answer): it folds its pseudo-gradient into the next
+    round, is a step behind the others there, and replays their step."""
+    return record["applied"] == "folded" and NO_GROUP_ERROR in (record["error"] or "")
+
+
 def took_part(record: dict) -> bool:
     """The peer's pseudo-gradient went into its group's all-reduce (whether or not all of the
     average came back)."""

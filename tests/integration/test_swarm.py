@@ -22,6 +22,7 @@ from tests.integration.swarm import (
     TINY,
     anchor_at,
     every_round_checkpoints,
+    found_no_group,
     is_partial,
     rounds_of,
     shoal_command,
@@ -75,17 +76,32 @@ def test_three_peers_train_one_model(swarm, compression, returns):
     # averaged round finds (it is listed as diverged there) and repairs by replaying that step.
     caught_up = {(ids[name], r) for name, rounds in per_peer.items() for r, record in rounds.items()
                  if record["caught_up"]}
+    # A member whose matchmaking found no group in time (CI, two starved cores: the throttled
+    # follower missed its leader's answer once) folds, and the others average without it: a fault
+    # of the load, handled; at most one such round in a run, shown here if it happens.
+    no_group = {(ids[name], r) for name, rounds in per_peer.items() for r in common if found_no_group(rounds[r])}
+    assert len(no_group) <= 1, sorted(no_group)
     for name, rounds in per_peer.items():
-        # Each round record says what the all-reduce moved, sends and returns each in their code.
-        expected = round_payload(init.numel(), 3, send_bytes_per_value=wire.send_bytes_per_value(),
-                                 return_bytes_per_value=wire.return_bytes_per_value(), client_mode=name == "c")
         for r in common:
             shown = (name, r, rounds[r]["applied"], rounds[r]["error"], rounds[r]["diverged"], sorted(partial),
-                     sorted(caught_up))
+                     sorted(caught_up), sorted(no_group))
+            if (ids[name], r) in no_group:
+                assert (rounds[r]["bytes_sent"], rounds[r]["bytes_received"]) == (0, 0), shown
+                after = rounds.get(r + 1)  # the next round replays the step it missed, or averages
+                assert after is None or after["caught_up"] or after["applied"] == "averaged", shown
+                continue
+            members = 3 - sum(rnd == r for _, rnd in no_group)
+            # A group assembled with the member that then gave up waits out its parts: partial, of 3.
+            assert rounds[r]["group_size"] == members or (
+                (ids[name], r) in partial and rounds[r]["group_size"] == 3), shown
+            # Each round record says what the all-reduce moved, sends and returns each in their code.
+            expected = round_payload(init.numel(), rounds[r]["group_size"],
+                                     send_bytes_per_value=wire.send_bytes_per_value(),
+                                     return_bytes_per_value=wire.return_bytes_per_value(), client_mode=name == "c")
             assert (rounds[r]["bytes_sent"], rounds[r]["bytes_received"]) == expected, shown
-            assert rounds[r]["group_size"] == 3, shown
             assert rounds[r]["applied"] == "averaged" or (ids[name], r) in partial, shown
-            assert all((peer, r - 1) in partial or (peer, r) in caught_up for peer in rounds[r]["diverged"]), shown
+            assert all((peer, r - 1) in partial or (peer, r - 1) in no_group or (peer, r) in caught_up
+                       for peer in rounds[r]["diverged"]), shown
         assert set(range(min(rounds), last + 1)) <= set(rounds), f"{name} skipped a round: {sorted(rounds)}"
 
     # Overlap: the all-reduce runs in the background while the fast peers train, whatever the slow one does.
@@ -124,11 +140,13 @@ def test_three_peers_train_one_model(swarm, compression, returns):
     # step from the group's history (a joiner whose donors had not applied it yet) replayed its fp16
     # copy: each such step adds up to 7 x 2^-11 of one step, which is at most the whole movement.
     replayed = {name: sum(record["caught_up"] for record in rounds.values()) for name, rounds in per_peer.items()}
+    # A member that found no group in the last round replays that step only after the run ends.
+    compared = last - 1 if any(r == last for _, r in no_group) else last
     anchors = {}
     for peer in peers:
         checkpoint = load_latest_valid(peer.checkpoint_dir)  # the one written when it left
         assert checkpoint is not None and checkpoint.round >= last, (peer.name, checkpoint)
-        anchors[peer.name] = anchor_at(peer, last)
+        anchors[peer.name] = anchor_at(peer, compared)
     moved = (anchors["a"] - init).square().mean().sqrt()
     bound = 7 * 2 * (FP16_UNIT_ROUNDOFF if wire.return_code == "fp16" else 2**-20) * len(common)
     for x, y in itertools.combinations(anchors, 2):
