@@ -615,7 +615,7 @@ def test_outer_config_rejects_bad_values_naming_the_field(kwargs, match):
 def test_outer_config_accepts_the_bounds():
     assert OuterConfig(lr=10.0, momentum=0.0).lr == 10.0
     assert OuterConfig(lr=1e-6, momentum=0.999).momentum == 0.999
-    assert (OuterConfig().lr, OuterConfig().momentum, OuterConfig().nesterov) == (0.7, 0.9, True)
+    assert (OuterConfig().lr, OuterConfig().momentum, OuterConfig().nesterov) == (1.0, 0.5, True)
 
 
 def test_a_report_claiming_more_outer_steps_than_rounds_is_refused():
