@@ -47,6 +47,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import Counter
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
@@ -105,7 +106,7 @@ def run_swarm(seed: int, outer: tuple[float, float], args, hosts, root: Path, ev
     per_peer = {n: {"throttle": t, "first_round": min(per, default=None), "rounds": len(per),
                     "inner_steps_per_round": statistics.fmean(r["inner_steps"] for r in per.values()) if per else 0,
                     "tokens": sum(r["tokens"] for r in per.values()),
-                    "applied": {a: sum(r["applied"] == a for r in per.values()) for a in {r["applied"] for r in per.values()}}}
+                    "applied": dict(Counter(r["applied"] for r in per.values()))}
                 for (n, per), t in zip(rounds.items(), throttles, strict=True)}
     curve = [(k, r["eval_loss"]) for k, r in sorted(rounds["peer-0"].items()) if r.get("eval_loss") is not None]
     return {"kind": "swarm", "outer": [lr, mu], "seed": seed, "exit_codes": codes, "peers": per_peer,

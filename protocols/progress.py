@@ -215,15 +215,14 @@ class SwarmSummary:
     tokens: int  # contributed so far, all peers
     loss: float | None  # mean of the peers' reported training losses
     eval_loss: float | None
-    share: float | None  # this peer's fraction of tokens_per_s (None: unknown or nothing measured)
 
     @classmethod
-    def of(cls, records: Iterable[ProgressRecord], me: str | None = None) -> SwarmSummary:
+    def of(cls, records: Iterable[ProgressRecord]) -> SwarmSummary:
+        """This peer's share of the rate is ``SwarmThroughput``'s (with its live rate)."""
         records = list(records)
         total = sum(r.tokens_per_s for r in records)
         rounds = Counter(r.round for r in records)
         common = max(rounds.items(), key=lambda item: (item[1], item[0]))[0] if rounds else None
-        mine = [r.tokens_per_s for r in records if r.peer_id == me]
         return cls(
             peers=len(records),
             tokens_per_s=total,
@@ -231,7 +230,6 @@ class SwarmSummary:
             tokens=sum(r.tokens for r in records),
             loss=_mean(r.loss for r in records),
             eval_loss=_mean(r.eval_loss for r in records),
-            share=mine[0] / total if mine and total > 0 else None,
         )
 
 

@@ -194,21 +194,23 @@ def test_swarm_summary():
         record(other, round=12, tokens_per_s=3000.0, tokens=20, loss=2.0, eval_loss=2.5),
         record(third, round=13, tokens_per_s=0.0, tokens=0, loss=None, eval_loss=3.5),
     ]
-    summary = SwarmSummary.of(records, me=ED25519_ID)
+    summary = SwarmSummary.of(records)
     assert summary.peers == 3 and summary.tokens_per_s == 4000.0 and summary.tokens == 30
     assert summary.round == 12  # most peers are in 12, one in 13
     assert summary.loss == pytest.approx(2.5) and summary.eval_loss == pytest.approx(3.0)
-    assert summary.share == pytest.approx(0.25)
-    assert SwarmSummary.of(records, me="someone-else").share is None
+    # this peer's share, from its record's rate: SwarmThroughput's
+    assert SwarmThroughput.of(records, me=ED25519_ID).share == pytest.approx(0.25)
+    assert SwarmThroughput.of(records, me="someone-else").share == 0.0  # an outsider adds nothing
 
 
 def test_swarm_summary_round_ties_go_to_the_latest_and_empty_is_none():
     other = base58.b58encode(b"\x12\x20" + bytes(32)).decode()
     summary = SwarmSummary.of([record(round=4), record(other, round=5)])
     assert summary.round == 5
-    empty = SwarmSummary.of([], me=ED25519_ID)
-    assert (empty.peers, empty.tokens_per_s, empty.round, empty.loss, empty.share) == (0, 0.0, None, None, None)
-    idle = SwarmSummary.of([record(tokens_per_s=0.0)], me=ED25519_ID)
+    empty = SwarmSummary.of([])
+    assert (empty.peers, empty.tokens_per_s, empty.round, empty.loss) == (0, 0.0, None, None)
+    assert SwarmThroughput.of([], me=ED25519_ID).share is None
+    idle = SwarmThroughput.of([record(tokens_per_s=0.0)], me=ED25519_ID)
     assert idle.share is None  # nothing measured yet: no share rather than a division by zero
 
 
