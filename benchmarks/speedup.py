@@ -287,7 +287,7 @@ def main() -> int:
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speedup")
     parser.add_argument("--lone-from", type=Path, help="reuse the lone-peer runs of this earlier result's .json "
-                        "(same rounds, steps, lrs, lengths and config) instead of running them again")
+                        "(same rounds x steps, lrs, lengths and config) instead of running them again")
     args = parser.parse_args()
     fastest = args.rounds * args.steps
     plan = [dict(kind="lone", seed=s, lone_steps=round(k * fastest), lr=lr)
@@ -295,7 +295,11 @@ def main() -> int:
     reused: list[dict] = []
     if args.lone_from:
         stored = json.loads(args.lone_from.with_suffix(".json").read_text())
-        for key in ("rounds", "steps", "lrs", "lone_lengths", "config"):
+        # A lone run depends on its steps alone (rounds x steps x length), not on how a swarm cuts them.
+        if int(stored["args"]["rounds"]) * int(stored["args"]["steps"]) != fastest:
+            raise SystemExit(f"--lone-from: that run's fastest member took {stored['args']['rounds']} x "
+                             f"{stored['args']['steps']} steps, not {args.rounds} x {args.steps}")
+        for key in ("lrs", "lone_lengths", "config"):
             if stored["args"][key] != str(getattr(args, key)):
                 raise SystemExit(f"--lone-from: that run used {key} = {stored['args'][key]}, not {getattr(args, key)}")
         reused = [p for p in stored["points"] if p["kind"] == "lone" and p["seed"] < args.seeds]
