@@ -4,7 +4,7 @@
         [--rules overlap,eager,...] [--lone-lengths 1,2,3,4,6] [--lrs 0.006,0.012] [--seeds 1] [--jobs 2]
 
 What a contributor asks: does joining pay? Each swarm run ends at an eval loss; a lone peer's curve
-(plain AdamW, its lr tuned over ``--lrs`` and its cosine schedule spanning its own length, at
+(plain AdamW, or the best of ``--lone-opts``, its lr tuned over ``--lrs`` and its cosine schedule spanning its own length, at
 ``--lone-lengths`` multiples of the fastest member's steps) converts that loss into the steps a lone
 peer needs to reach it ("equivalent lone steps", interpolated in log steps). Speedup = that / the
 steps of the swarm's fastest member, the peer a user compares against. Equal speeds: every peer
@@ -25,7 +25,13 @@ the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
   share, the last landed average for the others') and trains from there; when the average lands
   the parameters move by the difference (``eager_jump`` / ``landing_correction``); ``eager-own``
   uses its own pseudo-gradient alone as the stand-in;
-- suffixes: ``+norm`` gives each part of the average the token-weighted mean of its senders' norms
+- suffixes on any rule: ``+muon`` trains inner steps with Muon (``inner.optimizer = "muon"``: Muon
+  on the Linear weights, AdamW on the rest, the same lr, MuLoCo's recipe); ``+reset`` clears the
+  inner optimizer's state at every outer step (fresh moments from the new anchor); ``+avgstate``
+  replaces every peer's inner optimizer state by the token-weighted mean of all peers' at every
+  outer step (DES-LOC's moment sync at the outer period: twice the traffic of the parameters,
+  free here); ``+mwarm`` ramps the outer momentum linearly from 0 over the first 10% of rounds;
+- ``+norm`` gives each part of the average the token-weighted mean of its senders' norms
   (the average's direction, the members' length: ``averaging.math.robust.keep_norm``, what a
   reducer can do alone); ``+nowork`` judges parts in the centered clip against each other (the
   rule before ``judge_by_work``); ``+mean`` aggregates with a plain weighted mean.
@@ -65,17 +71,18 @@ from node.training.trainer import Trainer, inner_lr  # noqa: E402
 PARTS = 4  # parts per all-reduce (a group of four's butterfly): robust aggregation runs per part
 
 
-def _trainer(seed: int, lr: float, rounds: float) -> Trainer:
+def _trainer(seed: int, lr: float, rounds: float, optimizer: str = "adamw") -> Trainer:
     """A peer whose schedule (10% warmup, cosine) spans ``rounds``; model, data and eval batches are
     ``lr_sweep``'s, loaded once per worker by its ``_setup``."""
     c = _DATA["config"]
-    inner = dataclasses.replace(c.inner, lr=lr, total_rounds=float(rounds), warmup_rounds=0.1 * rounds)
+    inner = dataclasses.replace(c.inner, lr=lr, total_rounds=float(rounds), warmup_rounds=0.1 * rounds,
+                                optimizer=optimizer)
     return Trainer(build_model(c.model, seed=seed), inner, c.train, torch.device("cpu"))
 
 
-def run_lone(seed: int, steps: int, lr: float) -> dict:
-    """One peer, plain AdamW, ``steps`` steps (its schedule spans them)."""
-    trainer, sampler = _trainer(seed, lr, steps), _samplers(seed, 1, 0)[0]
+def run_lone(seed: int, steps: int, lr: float, optimizer: str = "adamw") -> dict:
+    """One peer, plain AdamW (or ``optimizer``), ``steps`` steps (its schedule spans them)."""
+    trainer, sampler = _trainer(seed, lr, steps, optimizer), _samplers(seed, 1, 0)[0]
     for step in range(steps):
         trainer.inner_step(*sampler.next_batch(), inner_lr(trainer.inner, float(step)))
     layout = FlatLayout.of(trainer.model.named_parameters())
@@ -107,13 +114,23 @@ def aggregate(sends: list[torch.Tensor], weights: list[float], config: robust.Ro
     return torch.cat(out)
 
 
+def average_inner_state(trainers: list[Trainer], weights: list[float]) -> None:
+    """Every peer's inner optimizer state := the weighted mean of all peers' (``+avgstate``)."""
+    states = [t.inner_state() for t in trainers]
+    total = sum(weights)
+    mean = {key: sum(w / total * s[key].float() for s, w in zip(states, weights)).to(states[0][key].dtype)
+            for key in states[0] if not key.endswith(".step")}
+    for t, s in zip(trainers, states):
+        t.load_inner_state({**s, **mean})
+
+
 def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: float, mu: float, rule: str,
               delay: float, compression: str) -> dict:
     """One simulated swarm; returns its anchor's final eval loss."""
     mode, *flags = rule.split("+")
     wire = WireFormat.of(compression)
     config = robust.RobustConfig(aggregation="mean" if "mean" in flags else "centered_clip")
-    trainers = [_trainer(seed, lr, rounds) for _ in steps]
+    trainers = [_trainer(seed, lr, rounds, "muon" if "muon" in flags else "adamw") for _ in steps]
     samplers = _samplers(seed, len(steps), 0)  # every peer draws from the whole corpus
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
@@ -148,17 +165,27 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
         weights = [float(n) for n in steps]  # tokens: every step is one batch
         average = aggregate(sends, weights, config, work_scaled="nowork" not in flags, keep_norm="norm" in flags)
         old = anchor.clone()
+        if "reset" in flags:
+            for t in trainers:
+                for optimizer in t.optimizers:
+                    optimizer.state.clear()
+        if "avgstate" in flags:
+            average_inner_state(trainers, weights)
+        if "mwarm" in flags:  # the momentum ramps 0 -> mu over the first 10% of rounds
+            mu_now = mu * min(1.0, r / max(1.0, 0.1 * rounds))
+        else:
+            mu_now = mu
         per_peer = []
         for t, g, sent, w in zip(trainers, grads, sends, weights):
             accounted = accounted_for(g, sent, averaged=True, local=False, error_feedback=wire.error_feedback)
             jump = None
             if mode in ("eager", "eager-own"):
                 guess = sent if mode == "eager-own" else stand_in(sent, previous, w / sum(weights))
-                jump = eager_jump(old, guess, accounted, momentum, lr=outer_lr, mu=mu)
+                jump = eager_jump(old, guess, accounted, momentum, lr=outer_lr, mu=mu_now)
                 add(t, jump)
             per_peer.append((accounted, jump))
         previous = returned(average, sends[0], wire.return_code)
-        outer_step_(anchor, previous, momentum, lr=outer_lr, mu=mu, nesterov=True)
+        outer_step_(anchor, previous, momentum, lr=outer_lr, mu=mu_now, nesterov=True)
         pending = (anchor.clone(), old, per_peer)
         if mode == "blocking":
             for i in range(len(trainers)):
@@ -170,7 +197,7 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
 def _point(point: dict) -> dict:
     t0 = time.time()
     if point["kind"] == "lone":
-        result = run_lone(point["seed"], point["lone_steps"], point["lr"])
+        result = run_lone(point["seed"], point["lone_steps"], point["lr"], point.get("optimizer", "adamw"))
     else:
         result = run_swarm(point["seed"], point["steps"], point["rounds"], point["lr"], point["outer_lr"],
                            point["mu"], point["rule"], point["delay"], point["compression"])
@@ -181,7 +208,8 @@ def _point(point: dict) -> dict:
 
 def label(p: dict) -> str:
     if p["kind"] == "lone":
-        return f"lone {p['lone_steps']} steps lr={p['lr']:g}"
+        return f"lone {p['lone_steps']} steps lr={p['lr']:g}" + ("" if p.get("optimizer", "adamw") == "adamw" else
+                                                                   f" {p['optimizer']}")
     return f"{p['rule']} N={len(p['steps'])} {p['spread']} outer={p['outer_lr']:g}/{p['mu']:g}"
 
 
@@ -203,7 +231,7 @@ def equivalent_steps(loss: float, curve: list[tuple[int, float]]) -> tuple[float
 def report(points: list[dict], args, command: str, minutes: float) -> tuple[str, dict]:
     seeds = sorted({p["seed"] for p in points})
     fastest_steps = args.rounds * args.steps
-    lone: dict[int, dict[int, float]] = {}  # seed -> steps -> best loss over lrs
+    lone: dict[int, dict[int, float]] = {}  # seed -> steps -> best loss over lrs and optimizers
     for p in points:
         if p["kind"] == "lone":
             best = lone.setdefault(p["seed"], {})
@@ -232,7 +260,8 @@ def report(points: list[dict], args, command: str, minutes: float) -> tuple[str,
              f"{args.steps} inner steps a round, {len(seeds)} seed(s)", "",
              f"Command: `{command}` ({minutes:.0f} min). Model, data and eval batches of {args.config.name}; "
              f"sends in {args.compression} with error feedback; overlap/eager merge {args.delay:g} of the next round "
-             f"in. Speedup = lone AdamW steps (lr best of {args.lrs}, schedule per length) reaching the swarm's eval "
+             f"in. Speedup = lone steps (best of {'/'.join(args.lone_opts)} and of lr {args.lrs}, schedule per length) "
+             "reaching the swarm's eval "
              f"loss / the fastest member's {fastest_steps:,} steps. '>' : better than the longest lone run (a lower "
              "bound); '<': worse than the shortest (an upper bound).", "",
              "| lone steps | best eval loss per seed |", "|---|---|", *lone_rows, "",
@@ -282,6 +311,8 @@ def main() -> int:
     parser.add_argument("--compression", default="int4")
     parser.add_argument("--lone-lengths", type=floats, default=[1, 2, 3, 4, 6])
     parser.add_argument("--lrs", type=floats, default=[0.006, 0.012])
+    parser.add_argument("--lone-opts", type=lambda s: s.split(","), default=["adamw"],
+                        help="inner optimizers of the lone peer (adamw, muon): its curve takes the best")
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
@@ -290,8 +321,8 @@ def main() -> int:
                         "(same rounds x steps, lrs, lengths and config) instead of running them again")
     args = parser.parse_args()
     fastest = args.rounds * args.steps
-    plan = [dict(kind="lone", seed=s, lone_steps=round(k * fastest), lr=lr)
-            for s in range(args.seeds) for k in args.lone_lengths for lr in args.lrs]
+    plan = [dict(kind="lone", seed=s, lone_steps=round(k * fastest), lr=lr, optimizer=o)
+            for s in range(args.seeds) for k in args.lone_lengths for lr in args.lrs for o in args.lone_opts]
     reused: list[dict] = []
     if args.lone_from:
         stored = json.loads(args.lone_from.with_suffix(".json").read_text())
@@ -299,12 +330,12 @@ def main() -> int:
         if int(stored["args"]["rounds"]) * int(stored["args"]["steps"]) != fastest:
             raise SystemExit(f"--lone-from: that run's fastest member took {stored['args']['rounds']} x "
                              f"{stored['args']['steps']} steps, not {args.rounds} x {args.steps}")
-        for key in ("lrs", "lone_lengths", "config"):
-            if stored["args"][key] != str(getattr(args, key)):
-                raise SystemExit(f"--lone-from: that run used {key} = {stored['args'][key]}, not {getattr(args, key)}")
-        reused = [p for p in stored["points"] if p["kind"] == "lone" and p["seed"] < args.seeds]
-        plan = [p for p in plan if not any(q["seed"] == p["seed"] and q["lone_steps"] == p["lone_steps"]
-                                           and q["lr"] == p["lr"] for q in reused)]
+        if stored["args"]["config"] != str(args.config):
+            raise SystemExit(f"--lone-from: that run used config = {stored['args']['config']}, not {args.config}")
+        same = lambda p, q: all(p.get(k, "adamw") == q.get(k, "adamw") for k in ("seed", "lone_steps", "lr", "optimizer"))  # noqa: E731
+        # The runs this one plans and that one ran; a lone point depends on nothing else.
+        reused = [q for q in stored["points"] if q["kind"] == "lone" and any(same(p, q) for p in plan)]
+        plan = [p for p in plan if not any(same(p, q) for q in reused)]
     for s in range(args.seeds):
         for n in args.peers:
             for spread in args.spread if n > 1 else ["equal"]:

@@ -24,6 +24,8 @@ class InnerConfig:
     warmup_rounds: float = 1.0  # linear warmup, in rounds (fractions allowed)
     total_rounds: float = 200.0  # cosine decay horizon, in rounds
     min_lr_ratio: float = 0.1  # floor of the cosine, as a fraction of lr
+    optimizer: str = "adamw"  # adamw | muon (Muon on the Linear weights, AdamW on the rest; the same lr)
+    muon_momentum: float = 0.95  # Muon's own momentum (torch's default), used only with optimizer = "muon"
 
     def __post_init__(self):
         if not 0 < self.lr < 1:
@@ -37,6 +39,10 @@ class InnerConfig:
             raise ConfigError(f"inner.total_rounds ({self.total_rounds}) must exceed inner.warmup_rounds ({self.warmup_rounds})")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"inner.min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"inner.optimizer ({self.optimizer!r}) is unknown; use \"adamw\" or \"muon\"")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"inner.muon_momentum ({self.muon_momentum}) must be in [0, 1)")
 
 
 @dataclass(kw_only=True, slots=True)

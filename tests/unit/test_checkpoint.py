@@ -219,22 +219,23 @@ def test_failed_save_leaves_nothing_behind(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [good.name]
 
 
-def test_the_inner_optimizer_resumes_bit_exactly(tmp_path):
-    """Train, checkpoint (with the inner AdamW state), resume into a fresh trainer: the next steps
-    of both are identical to the bit, as if the peer had never stopped."""
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_inner_optimizer_resumes_bit_exactly(tmp_path, optimizer):
+    """Train, checkpoint (with the inner AdamW or Muon state), resume into a fresh trainer: the next
+    steps of both are identical to the bit, as if the peer had never stopped."""
     from node.training.config import InnerConfig, TrainConfig
     from node.training.model import ModelConfig, build_model
     from node.training.trainer import Trainer
 
     config = ModelConfig(d_model=32, n_layer=1, n_head=2, seq_len=16)
     batches = [torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    original = Trainer(build_model(config, seed=0), InnerConfig(), TrainConfig(), torch.device("cpu"))
+    original = Trainer(build_model(config, seed=0), InnerConfig(optimizer=optimizer), TrainConfig(), torch.device("cpu"))
     for batch in batches[:3]:
         original.inner_step(batch[:, :-1], batch[:, 1:], lr=1e-3)
     params = {n: p.detach().clone() for n, p in original.model.named_parameters()}
     path = save_checkpoint(tmp_path, round=1, params=params, outer_state={"momentum.x": torch.zeros(1)},
                            meta={"run_id": "r"}, local_state=original.inner_state())
-    resumed = Trainer(build_model(config, seed=1), InnerConfig(), TrainConfig(), torch.device("cpu"))
+    resumed = Trainer(build_model(config, seed=1), InnerConfig(optimizer=optimizer), TrainConfig(), torch.device("cpu"))
     checkpoint = load_checkpoint(path)
     with torch.no_grad():
         for name, param in resumed.model.named_parameters():
@@ -246,7 +247,7 @@ def test_the_inner_optimizer_resumes_bit_exactly(tmp_path):
     for (name, a), (_, b) in zip(original.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
     # Without the state, a restarted optimizer would have diverged (the test can fail):
-    fresh = Trainer(build_model(config, seed=1), InnerConfig(), TrainConfig(), torch.device("cpu"))
+    fresh = Trainer(build_model(config, seed=1), InnerConfig(optimizer=optimizer), TrainConfig(), torch.device("cpu"))
     with torch.no_grad():
         for name, param in fresh.model.named_parameters():
             param.copy_(checkpoint.params[name])
@@ -271,3 +272,23 @@ def test_an_inner_state_for_another_model_is_refused(tmp_path):
         trainer.load_inner_state({**state, name: torch.zeros(3)})
     with pytest.raises(CheckpointError, match="incomplete"):
         trainer.load_inner_state({k: v for k, v in state.items() if not k.endswith(".step")})
+
+
+def test_an_inner_state_of_another_optimizer_is_refused():
+    """A checkpoint written with AdamW resumed under inner.optimizer = "muon" (or back) names the
+    mismatch instead of loading moments that mean something else."""
+    from node.training.config import InnerConfig, TrainConfig
+    from node.training.model import ModelConfig, build_model
+    from node.training.trainer import Trainer
+
+    config, batch = ModelConfig(d_model=32, n_layer=1, n_head=2, seq_len=16), torch.randint(0, 256, (2, 17))
+    trainers = {}
+    for optimizer in ("adamw", "muon"):
+        trainers[optimizer] = Trainer(build_model(config, seed=0), InnerConfig(optimizer=optimizer), TrainConfig(),
+                                      torch.device("cpu"))
+        trainers[optimizer].inner_step(batch[:, :-1], batch[:, 1:], lr=1e-3)
+    assert any(k.endswith(".momentum_buffer") for k in trainers["muon"].inner_state())
+    with pytest.raises(CheckpointError, match="another inner.optimizer"):
+        trainers["muon"].load_inner_state(trainers["adamw"].inner_state())
+    with pytest.raises(CheckpointError, match="another inner.optimizer"):
+        trainers["adamw"].load_inner_state(trainers["muon"].inner_state())
