@@ -140,12 +140,17 @@ def test_three_peers_train_one_model(swarm, compression, returns):
     # step from the group's history (a joiner whose donors had not applied it yet) replayed its fp16
     # copy: each such step adds up to lr/(1-mu) x 2^-11 of one step, which is at most the whole movement.
     replayed = {name: sum(record["caught_up"] for record in rounds.values()) for name, rounds in per_peer.items()}
-    # A member that found no group in the last round replays that step only after the run ends.
-    compared = last - 1 if any(r == last for _, r in no_group) else last
+    # A member that did not apply the last round's average (it found no group, or got part of it
+    # back) replays that step only after the run ends: compare at the round before.
+    compared = last - 1 if any(rounds[last]["applied"] != "averaged" for rounds in per_peer.values()) else last
     anchors = {}
     for peer in peers:
         checkpoint = load_latest_valid(peer.checkpoint_dir)  # the one written when it left
-        assert checkpoint is not None and checkpoint.round >= last, (peer.name, checkpoint)
+        # A peer that did not apply the last round's average (no group, or part of it back) left a
+        # step behind: it would have replayed that step in the next round (CI: 3 vs 4, int4 run).
+        behind = per_peer[peer.name][last]["applied"] != "averaged"
+        assert checkpoint is not None and checkpoint.round >= last - behind, (
+            peer.name, checkpoint.round if checkpoint else None, per_peer[peer.name][last])
         anchors[peer.name] = anchor_at(peer, compared)
     moved = (anchors["a"] - init).square().mean().sqrt()
     gain = config.outer.lr / (1 - config.outer.momentum)
