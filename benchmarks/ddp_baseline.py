@@ -72,8 +72,9 @@ def main() -> int:
         model = DistributedDataParallel(model)
         model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
     module = model.module if not args.no_sync else model
-    # shoal's own inner AdamW (no weight decay on biases and norms), on the same parameters.
-    optimizer = Trainer(module, config.inner, config.train, torch.device("cpu")).optimizer
+    # shoal's own inner optimizer (AdamW without weight decay on biases and norms, or Muon on the
+    # Linear weights and AdamW on the rest, as inner.optimizer says), on the same parameters.
+    optimizers = Trainer(module, config.inner, config.train, torch.device("cpu")).optimizers
 
     def step(sync: bool) -> None:
         x, y = sampler.next_batch()
@@ -83,8 +84,9 @@ def main() -> int:
             loss.backward()
         if sync:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.inner.grad_clip)
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            for optimizer in optimizers:
+                optimizer.step()
+        model.zero_grad(set_to_none=True)
 
     calibration = []
     for _ in range(5):
@@ -112,8 +114,9 @@ def main() -> int:
             progress = tokens / rank_budget * config.inner.total_rounds
         else:
             progress = (time.time() - started) / config.round.seconds
-        for group in optimizer.param_groups:
-            group["lr"] = inner_lr(config.inner, progress)
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = inner_lr(config.inner, progress)
         step(sync=True)
         if args.throttle > 1:
             time.sleep((args.throttle - 1) * compute_per_step / args.throttle)

@@ -2,7 +2,7 @@
 their fastest member training alone, at equal wall-clock and at twice it.
 
     .venv/bin/python benchmarks/speedup_real.py [--rounds 15] [--round-seconds 10] [--seeds 2] \\
-        [--throttle 2.5] [--spread 1:1.5:2:3] [--mbit 10] [--outer 0.7:0.9,1.0:0.5]
+        [--throttle 2.5] [--spread 1:1.5:2:3] [--mbit 10] [--outer 0.7:0.9,1.0:0.5] [--set inner.optimizer=muon]
 
 (as root for the capped links; without root the peers run on loopback with no cap, and the report
 says so). The simulated half of the question is ``speedup.py``.
@@ -20,6 +20,9 @@ Per seed, each run alone on the machine:
   --no-sync``: the stronger baseline; a lone ``shoal run`` would also take outer steps alone,
   which ``speedup.py`` finds costs it), at the same throttle, for the swarm's wall-clock and
   twice it, each with its schedule spanning its own length; the two run side by side.
+
+``--set section.field=value`` (repeatable) changes the config of every run, swarm and alone alike
+(e.g. ``inner.optimizer=muon``: the lone peer then trains with Muon too).
 
 Wall-clock is the user's: the swarm's rounds are counted from the first peer's schedule start,
 so the rounds lost while the others start are lost to the swarm (the report lists each peer's
@@ -75,6 +78,19 @@ def outer_settings(text: str) -> list[tuple[float, float]]:
     return [(float(lr), float(mu)) for lr, mu in (item.split(":") for item in text.split(",") if item)]
 
 
+def setting(text: str) -> tuple[str, object]:
+    """``section.field=value``; the value as TOML would read it (a number or a string)."""
+    key, sep, value = text.partition("=")
+    if not sep or "." not in key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected section.field=value")
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
+
+
 def run_swarm(seed: int, outer: tuple[float, float], args, hosts, root: Path, evaluator: Evaluator) -> dict:
     """4 peers, ``args.rounds`` rounds; the final shared model and what each peer did per round."""
     lr, mu = outer
@@ -85,7 +101,7 @@ def run_swarm(seed: int, outer: tuple[float, float], args, hosts, root: Path, ev
                  # what a user gets: the node's defaults, not learning.toml's fp16 and LAN timings
                  "averaging.compression": DEFAULTS.compression,
                  "averaging.matchmaking_seconds": DEFAULTS.matchmaking_seconds,
-                 "averaging.request_timeout": DEFAULTS.request_timeout}
+                 "averaging.request_timeout": DEFAULTS.request_timeout, **dict(args.set)}
     evaluating = write_config(args.config, root / f"{name}.toml", overrides)
     silent = write_config(args.config, root / f"{name}-quiet.toml", {**overrides, "train.eval_every_rounds": 10**6})
     throttles = [args.throttle * s for s in args.spread]
@@ -124,7 +140,7 @@ def run_alone(seed: int, args, root: Path) -> dict[str, dict]:
         name = f"alone-{rounds}-s{seed}"
         config = write_config(args.config, root / f"{name}.toml", {
             "inner.total_rounds": float(rounds), "inner.warmup_rounds": 0.1 * rounds,
-            "round.seconds": args.round_seconds, "train.seed": seed})
+            "round.seconds": args.round_seconds, "train.seed": seed, **dict(args.set)})
         recs = run_ddp_ranks(config, [args.throttle], None, root, name, budget=["--budget", str(rounds * args.round_seconds)],
                              no_sync=True, port=29700 + rounds + seed, timeout=rounds * args.round_seconds * 3 + 300)
         points = [r for r in recs.get("peer-0", []) if r.get("event") == "round"]
@@ -164,7 +180,9 @@ def report(results: dict) -> str:
         f"Model: {meta['parameters']:,} parameters ({meta['config']}); {link}; throttles "
         f"{', '.join(f'{t:g}' for t in meta['throttles'])} (speeds 1 : {' : '.join(f'{s:g}' for s in meta['spread'][1:])} slower), "
         f"one torch thread each; {meta['rounds']} rounds of {meta['round_seconds']:g} s (R); overlap mode, "
-        f"int4, the node's default averaging; seeds {meta['seeds']}. Real processes, real DHT and all-reduce: not simulated.",
+        f"int4, the node's default averaging; seeds {meta['seeds']}"
+        + (f"; every run with {', '.join(f'{k} = {v}' for k, v in meta['set'].items())}" if meta.get("set") else "")
+        + ". Real processes, real DHT and all-reduce: not simulated.",
         "", "| run | eval loss (mean ± half-range) | per seed | like x times the fastest alone |", "|---|---|---|---|"]
     by_seed: dict[int, dict[str, float | None]] = {}
     for run in runs.values():
@@ -210,6 +228,8 @@ def main() -> int:
                         help="outer lr:momentum settings, one swarm run each per seed")
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speedup_real")
+    parser.add_argument("--set", type=setting, action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="a config change for every run (repeatable)")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     if args.report_only:
@@ -229,7 +249,8 @@ def main() -> int:
         "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "rounds": args.rounds,
         "round_seconds": args.round_seconds, "seeds": seeds, "throttles": [args.throttle * s for s in args.spread],
         "spread": args.spread, "mbit": args.mbit, "capped": capped, "config": args.config.name,
-        "parameters": count_parameters(evaluator.trainer.model), "outer": args.outer}, "runs": {}, "failed": {}}
+        "parameters": count_parameters(evaluator.trainer.model), "outer": args.outer,
+        "set": dict(args.set)}, "runs": {}, "failed": {}}
     root = Path(tempfile.mkdtemp(prefix="shoal-speedup-"))
     print(f"work in {root}", file=sys.stderr, flush=True)
     try:
