@@ -34,6 +34,7 @@ MAX_SUBKEY_BYTES = 64
 MAX_SHARDS = 2**16
 ROUND_BYTES = ("round_bytes_sent", "round_bytes_received")
 MAX_LATENESS = 86400.0  # seconds a sync may end after its deadline (a round is at most a day)
+MAX_CLOCK_OFFSET = 3600.0  # protocols.swarm_time.MAX_OFFSET_S: no peer corrects its clock further
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,9 @@ class ProgressRecord:
     # Outer steps applied to the peer's shared model (0: still the run's initial weights, which
     # every peer builds from the run's seed); None in records of older peers.
     rounds_done: int | None = None
+    # Seconds this peer's clock is behind the swarm's (negative: ahead), as it measured
+    # (``protocols.swarm_time``); None: not measured yet, or an older peer.
+    clock_offset_s: float | None = None
 
 
 def encode(record: ProgressRecord) -> dict[str, Any]:
@@ -90,6 +94,7 @@ def encode(record: ProgressRecord) -> dict[str, Any]:
         **{key: getattr(record, key) for key in ROUND_BYTES if getattr(record, key) is not None},
         **({"sync_late_s": record.sync_late_s} if record.sync_late_s is not None else {}),
         **({"rounds_done": record.rounds_done} if record.rounds_done is not None else {}),
+        **({"clock_offset_s": record.clock_offset_s} if record.clock_offset_s is not None else {}),
     }
 
 
@@ -145,6 +150,7 @@ def decode(peer_id: str, value: Any) -> ProgressRecord:
         **{key: bounded_int(value, key, 0, MAX_COUNT) for key in ROUND_BYTES if value.get(key) is not None},
         sync_late_s=_number(value, "sync_late_s", -MAX_LATENESS, MAX_LATENESS, optional=True),
         rounds_done=bounded_int(value, "rounds_done", 0, MAX_ROUND) if value.get("rounds_done") is not None else None,
+        clock_offset_s=_number(value, "clock_offset_s", -MAX_CLOCK_OFFSET, MAX_CLOCK_OFFSET, optional=True),
     )
 
 

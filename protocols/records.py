@@ -48,9 +48,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2PContext
 from hivemind.proto import dht_pb2
-from hivemind.utils import get_dht_time
 
-from protocols import manifest, progress
+from protocols import manifest, progress, swarm_time
 from protocols.identity import PeerKey, peer_id_of, verify_peer_signature
 from protocols.keys import peers_key, run_key
 from protocols.messages import MessageError
@@ -109,11 +108,11 @@ class ShoalRecordValidator(RecordValidatorBase):
     """Schema, size, expiration and owner signature of the records of the runs in ``run_ids``."""
 
     def __init__(self, run_ids: Iterable[str], identity: PeerKey | None, *, pinned_run_key: bytes | None = None,
-                 clock: Callable[[], float] = get_dht_time):
+                 clock: Callable[[], float] | None = None):
         self._identity = identity
         self._own_subkey = msgpack.packb(identity.public) if identity is not None else None
         self._pinned = pinned_run_key
-        self._clock = clock
+        self._clock = clock or swarm_time.now  # in the DHT's process: swarm time, as the expirations
         self._kinds: dict[bytes, tuple[str, float]] = {}
         for run_id in run_ids:
             self._kinds[DHTID.generate(source=run_key(run_id)).to_bytes()] = ("manifest", MANIFEST_TTL)

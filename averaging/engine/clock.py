@@ -1,7 +1,9 @@
 """Where the round engine reads time and waits: the real clock, or a test's fake one.
 
 Every clock read and every wait of the engine goes through a ``Clock``: the real one unless a test
-passes a fake whose time moves only when the test says so (``tests/unit/fake_clock.py``).
+passes a fake whose time moves only when the test says so (``tests/unit/fake_clock.py``). The real
+one runs on swarm time (``protocols.swarm_time``: this machine's clock corrected by the offset it
+measured against its peers), so a peer with a wrong clock keeps the swarm's schedule.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from typing import Protocol, TypeVar
+
+from protocols import swarm_time
 
 T = TypeVar("T")
 
@@ -35,10 +39,10 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    """The real clock."""
+    """The real clock, on swarm time."""
 
     def now(self) -> float:
-        return time.time()
+        return swarm_time.now()
 
     def monotonic(self) -> float:
         return time.perf_counter()
@@ -47,7 +51,7 @@ class SystemClock:
         time.sleep(seconds)
 
     def sleep_until(self, when: float) -> None:
-        time.sleep(max(0.0, when - time.time()))
+        time.sleep(max(0.0, when - swarm_time.now()))
 
     def wait(self, job: Future[T]) -> T:
         return job.result()

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -88,7 +89,15 @@ def _cpu_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _write_tensors(path: Path, tensors: dict[str, Tensor]) -> dict:
-    save_file(_cpu_copies(tensors), str(path))
+    try:
+        save_file(_cpu_copies(tensors), str(path))
+    except SafetensorError as e:
+        # safetensors reports a failed write as its own error ("I/O error: No space left on device
+        # (os error 28)"): raised as the OSError it is, so callers handle a full disk in one place.
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
     _fsync_path(path)
     return {"sha256": _sha256(path), "size": path.stat().st_size}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path
 from hivemind import DHT
 
 from node.library.cleanup import close_hivemind, hivemind_sockets
-from protocols import records, safe_decoding
+from protocols import records, safe_decoding, swarm_time
 from protocols.errors import ConfigError, NetworkError
 from protocols.identity import PeerKey
 
@@ -96,6 +97,7 @@ def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str
     p2pd has read it. The key is kept as ``dht.shoal_key`` (``PeerKey``)."""
     safe_decoding.install()
     records.install()
+    swarm_time.install()
     if reachability.client_mode and not initial_peers:
         raise ConfigError("--client-mode needs --initial-peer: a peer nobody can connect to cannot start a swarm")
     temp_dir = None
@@ -120,8 +122,23 @@ def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str
                   records.SwarmKeyValidator(rules.swarm_key)]
     sockets_before = hivemind_sockets()
     try:
-        dht = _start(initial_peers, listen, announce, timeout, identity_path, reachability, validators,
-                     sockets_before, check_identity=not fresh)
+        try:
+            dht = _start(initial_peers, listen, announce, timeout, identity_path, reachability, validators,
+                         sockets_before, check_identity=not fresh)
+        except _ClockSkew as e:
+            # hivemind refuses to bootstrap when an initial peer's time is more than 3 s from ours;
+            # its error gives both times, so we start again on the peer's (the first estimate of
+            # swarm time; the monitor's probes refine it). Once: a second refusal is reported.
+            if abs(swarm_time.offset() + e.skew) > swarm_time.MAX_OFFSET_S:
+                raise e.error from None
+            swarm_time.set_offset(swarm_time.offset() + e.skew)
+            logger.warning(f"this machine's clock is {abs(e.skew):.1f}s {'ahead of' if e.skew < 0 else 'behind'} "
+                           "its initial peer's: starting again on the peer's time (enable NTP to fix the clock)")
+            try:
+                dht = _start(initial_peers, listen, announce, timeout, identity_path, reachability, validators,
+                             sockets_before, check_identity=False)
+            except _ClockSkew as again:
+                raise again.error from None
     finally:
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
@@ -156,6 +173,10 @@ def _start(initial_peers, listen, announce, timeout, identity_path, reachability
         if check_identity and ("unmarshal" in reason or "proto" in reason.lower()):
             raise ConfigError(f"identity file {identity_path} is not a libp2p private key; delete it to create a "
                               "new one (this peer's id will change)") from None
+        if initial_peers and (skew := bootstrap_skew(str(e))) is not None:
+            raise _ClockSkew(skew, NetworkError(
+                f"the initial peers' clocks disagree with this machine's by {abs(skew):.1f}s and with each other; "
+                "enable NTP on this machine (timedatectl set-ntp true) and try again")) from None
         if initial_peers:
             raise NetworkError(
                 f"could not reach any initial peer ({', '.join(initial_peers)}) within {timeout:.0f}s ({reason[:160]}); "
@@ -163,6 +184,24 @@ def _start(initial_peers, listen, announce, timeout, identity_path, reachability
             ) from None
         raise NetworkError(f"could not start the DHT on {', '.join(listen) or 'the default address'}: {reason[:200]}; "
                            "check --listen (is the port free?)") from None
+
+
+class _ClockSkew(Exception):
+    """The bootstrap was refused for our clock: ``skew`` seconds behind the peer's (negative: ahead)."""
+
+    def __init__(self, skew: float, error: NetworkError):
+        super().__init__(str(error))
+        self.skew, self.error = skew, error
+
+
+# hivemind's ping validation error: "local time must be within 3 seconds  of others(local: <t>, peer: <t>)"
+_SKEW = re.compile(r"local time must be within .*local: (-?[0-9.]+), peer: (-?[0-9.]+)")
+
+
+def bootstrap_skew(reason: str) -> float | None:
+    """Seconds the initial peer's clock is ahead of ours, from hivemind's refusal (None: another error)."""
+    found = _SKEW.search(reason)
+    return float(found.group(2)) - float(found.group(1)) if found else None
 
 
 def prepare_identity(path: Path) -> str:

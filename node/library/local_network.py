@@ -82,6 +82,9 @@ class LocalDirectory:
     def refusal(self) -> str | None:
         return None  # an in-process swarm has no swarm key
 
+    def clock_samples(self, peer_ids: list[str]) -> list:
+        return []  # peers in one process share its clock
+
     def publish_progress(self, record: ProgressRecord, *, ttl: float) -> None:
         self.hub.store(self.run_id, "progress", self.peer_id, progress.encode(record), ttl)
 

@@ -14,11 +14,17 @@ import time
 from collections.abc import Callable
 
 from node.library.run_record import MANIFEST_TTL, RunDirectory, RunTrust, converge
+from node.library.swarm_clock import ClockKeeper
 from protocols.manifest import RunManifest
 from protocols.progress import ProgressRecord
 from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
+
+# Clock probes: every tick while the swarm's time is first learnt, then every few ticks (a clock
+# drifts by milliseconds a day; a new peer with another clock moves the median a little).
+CLOCK_FIRST_TICKS = 5
+CLOCK_EVERY_TICKS = 6
 
 
 class PeerMonitor:
@@ -34,6 +40,8 @@ class PeerMonitor:
         self.peers: dict[str, ProgressRecord] = {}
         self.malformed = 0  # records ignored at the last read (validation failed)
         self.others_seen_at = -math.inf  # time.time() of the last read that found another live peer
+        self.clock = ClockKeeper()
+        self._ticks = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shoal-monitor", daemon=True)
 
@@ -80,5 +88,9 @@ class PeerMonitor:
             self.others_seen_at = time.time()
         joined, left = set(live) - set(self.peers), set(self.peers) - set(live)
         self.peers = live
+        self._ticks += 1
+        others = sorted(set(live) - {self.peer_id})
+        if others and (self._ticks <= CLOCK_FIRST_TICKS or self._ticks % CLOCK_EVERY_TICKS == 0 or joined):
+            self.clock.update(self.directory.clock_samples(others))
         if joined or left:
             self._on_change(joined, left)

@@ -26,16 +26,17 @@ from typing import Any, Protocol
 
 from hivemind import DHT
 from hivemind.p2p import PeerID
-from hivemind.utils import get_dht_time
 
+from node.library import swarm_clock
 from node.library.atomic import write_atomically
-from protocols import manifest, progress, records
+from protocols import manifest, progress, records, swarm_time
 from protocols.errors import ConfigError, NetworkError
 from protocols.identity import RunKey, format_run_key, peer_id_of
 from protocols.keys import peers_key, run_key
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
 from protocols.progress import ProgressRecord
+from protocols.swarm_time import ClockSample
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class RunDirectory(Protocol):
 
     def publish_progress(self, record: ProgressRecord, *, ttl: float) -> None: ...
 
+    def clock_samples(self, peer_ids: list[str]) -> list[ClockSample]:
+        """Clock readings of these peers (``node.library.swarm_clock``), [] where time is shared."""
+
     def progress(self) -> tuple[dict[str, ProgressRecord], int]:
         """The live peers' valid progress records by peer id, and how many were ignored."""
 
@@ -129,23 +133,23 @@ class DhtDirectory:
         self.dht, self.run_id, self.owner = dht, run_id, owner
 
     def now(self) -> float:
-        return get_dht_time()
+        return swarm_time.now()
 
     def publish_manifest(self, ours: RunManifest, *, ttl: float) -> None:
         assert self.owner is not None, "a read-only directory publishes nothing"
         self.dht.store(run_key(self.run_id), subkey=self.owner, value=ours.signed_value(),
-                       expiration_time=get_dht_time() + ttl)
+                       expiration_time=swarm_time.now() + ttl)
 
     def manifests(self) -> tuple[list[RunManifest], int]:
         found = self.dht.get(run_key(self.run_id), latest=True)
         if found is None or not isinstance(found.value, dict):
             return [], 0
-        return decode_manifests([getattr(item, "value", None) for item in found.value.values()], get_dht_time())
+        return decode_manifests([getattr(item, "value", None) for item in found.value.values()], swarm_time.now())
 
     def publish_progress(self, record: ProgressRecord, *, ttl: float) -> None:
         assert self.owner is not None, "a read-only directory publishes nothing"
         self.dht.store(peers_key(self.run_id), subkey=self.owner, value=progress.encode(record),
-                       expiration_time=get_dht_time() + ttl)
+                       expiration_time=swarm_time.now() + ttl)
 
     def progress(self) -> tuple[dict[str, ProgressRecord], int]:
         found = self.dht.get(peers_key(self.run_id), latest=True)
@@ -157,11 +161,14 @@ class DhtDirectory:
                 by_peer[PeerID.from_base58(peer_id_of(subkey)).to_bytes()] = item
             except MessageError:
                 bad_subkeys += 1
-        records, malformed = progress.read_records(by_peer if isinstance(value, dict) else value, get_dht_time())
+        records, malformed = progress.read_records(by_peer if isinstance(value, dict) else value, swarm_time.now())
         return records, malformed + bad_subkeys
 
     def refusal(self) -> str | None:
         return private_swarm_refusal(self.dht)
+
+    def clock_samples(self, peer_ids: list[str]) -> list[ClockSample]:
+        return swarm_clock.probe(self.dht, peer_ids)
 
 
 def private_swarm_refusal(dht: DHT) -> str | None:

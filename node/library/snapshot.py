@@ -65,7 +65,8 @@ class SwarmSnapshot:
                  "phase": r.phase, "version": r.version, "tokens": r.tokens, "bytes_sent": r.bytes_sent,
                  "bytes_received": r.bytes_received, "round_bytes_sent": r.round_bytes_sent,
                  "round_bytes_received": r.round_bytes_received, "shard": r.shard, "sync_late_s": r.sync_late_s,
-                 "rounds_done": r.rounds_done, "last_seen_s": max(self.time - r.time, 0.0)}
+                 "rounds_done": r.rounds_done, "clock_offset_s": r.clock_offset_s,
+                 "last_seen_s": max(self.time - r.time, 0.0)}
                 for r in peers
             ],
         }

@@ -43,6 +43,7 @@ from node.library.resume import (
     state_from_checkpoint,
 )
 from node.library.run_record import MANIFEST_TTL, RunTrust, join_run
+from protocols import swarm_time
 from protocols.errors import CheckpointError
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
@@ -404,6 +405,11 @@ class DiLoCoSwarm:
         return sent
 
     @property
+    def clock_advice(self) -> str | None:
+        """What to tell the user while this machine's clock is off the swarm's by over a second."""
+        return self._monitor.clock.advice
+
+    @property
     def utilization(self) -> float | None:
         """Share of the last finished round's wall-clock time spent in inner steps."""
         stats = self.last_stats
@@ -431,4 +437,5 @@ class DiLoCoSwarm:
             round_bytes_received=self.last_stats.bytes_received if self.last_stats else None,
             time=self._directory.now(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
             shard=beat.shard, sync_late_s=self._loop.sync_lateness, rounds_done=self._shared.rounds_done,
+            clock_offset_s=swarm_time.offset() if self._monitor.clock.peers_measured else None,
         )

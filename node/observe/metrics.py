@@ -10,8 +10,11 @@ for ``jq`` or a browser.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +36,8 @@ ROUND_FIELDS = (
     "loss",
     "eval_loss",
 )
+logger = logging.getLogger(__name__)
+
 _RESERVED = ("event", "peer", "time")
 
 
@@ -58,10 +63,15 @@ class MetricsWriter:
         self.path = Path(path) if path is not None else None
         self.peer_id = peer_id
         self._lock = threading.Lock()
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
+        self._good = 0  # the file's size after the last line that was written whole
+        self._dropping = False  # the last write failed
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            # Unbuffered, appending: each line is one write() call that nothing else holds back,
+            # so a failed one leaves nothing queued to spill into the file later.
+            self._file = open(self.path, "ab", buffering=0)
+            self._good = os.fstat(self._file.fileno()).st_size
 
     def write(self, event: str, **fields: Any) -> dict:
         """Write one record and return it (as written: NaN/inf already replaced by None)."""
@@ -69,13 +79,32 @@ class MetricsWriter:
             raise ValueError(f"metrics fields {clash} are reserved; MetricsWriter fills them in")
         record = _finite_or_none({"event": event, "peer": self.peer_id, "time": time.time(), **fields})
         # Serialize outside the lock; allow_nan=False guarantees strict JSON (raises otherwise).
-        line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
+        data = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
         with self._lock:
             if self._file is not None:
-                # One write() call per line, so concurrent writers never interleave inside a line.
-                self._file.write(line)
-                self._file.flush()
+                try:
+                    # One write() call per line, so concurrent writers never interleave inside a line.
+                    if self._file.write(data) != len(data):
+                        raise OSError(errno.ENOSPC, "short write (is the disk full?)")
+                    self._good += len(data)
+                    if self._dropping:
+                        self._dropping = False
+                        logger.info(f"metrics file {self.path}: writing again")
+                except OSError as e:  # a full disk costs these lines, never the run
+                    self._drop(e)
         return record
+
+    def _drop(self, error: OSError) -> None:
+        """After a failed write: cut the file back to its last whole line (a full disk may have
+        taken part of this one; truncating frees space, so it works there). Said once per streak."""
+        if not self._dropping:
+            logger.error(f"metrics file {self.path}: {error.strerror or error}; its lines are dropped until it "
+                         "can be written again (free space there)")
+        self._dropping = True
+        try:
+            os.ftruncate(self._file.fileno(), self._good)
+        except OSError:
+            pass
 
     def write_round(self, record: RoundRecord) -> dict:
         return self.write("round", **record.fields())

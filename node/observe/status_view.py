@@ -12,6 +12,7 @@ from averaging.engine.policy import round_advice
 from node.library.snapshot import SwarmSnapshot
 from node.observe.fmt import number, short_id
 from node.observe.ui import peer_table
+from protocols.swarm_time import WARN_S
 
 
 def render_snapshot(snapshot: SwarmSnapshot) -> Panel:
@@ -38,6 +39,11 @@ def render_snapshot(snapshot: SwarmSnapshot) -> Panel:
         for record in sorted(snapshot.records.values(), key=lambda r: r.peer_id):
             if advice := round_advice(record.sync_late_s, schedule.round_seconds):
                 grid.add_row("round length", Text(f"peer {short_id(record.peer_id)}: {advice}", style="yellow"))
+    for record in sorted(snapshot.records.values(), key=lambda r: r.peer_id):
+        if record.clock_offset_s is not None and abs(record.clock_offset_s) > WARN_S:
+            side = "ahead of" if record.clock_offset_s < 0 else "behind"
+            grid.add_row("clock", Text(f"peer {short_id(record.peer_id)}: clock {abs(record.clock_offset_s):.1f}s {side} "
+                                       "the swarm's (corrected; its owner should enable NTP)", style="yellow"))
     parts: list = [grid]
     if snapshot.records:
         parts.append(peer_table(list(snapshot.records.values()), now=snapshot.time))

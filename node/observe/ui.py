@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ from rich.text import Text
 
 from averaging.state.verdict import Applied
 from node.observe.fmt import human_bytes, number, short_id
+from protocols import swarm_time
 from protocols.progress import ProgressRecord, SwarmThroughput
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class NodeStatus:
     round_bytes_sent: int | None = None  # the last finished round's all-reduce payload (None: no round yet)
     round_bytes_received: int | None = None
     sync_advice: str | None = None  # syncs end more than a round late: what to change (round_advice)
+    clock_advice: str | None = None  # this clock is off the swarm's by over a second (swarm_time.describe_offset)
     robust: dict[str, int] = field(default_factory=dict)  # what robust aggregation refused since start, by kind
     peer_records: Sequence[ProgressRecord] = ()  # the swarm's progress records (replace, never mutate)
 
@@ -125,7 +126,7 @@ class LiveView:
 
     # -- drawing (rich's refresh thread) ---------------------------------------------------------
     def render(self) -> Panel:
-        s, now = self.status, time.time()
+        s, now = self.status, swarm_time.now()  # round times and records are in swarm time
         records = list(s.peer_records)
         # Our live rate, not our record's (a heartbeat old): the rows then add up on screen.
         rate = SwarmThroughput.of(records, me=s.peer_id, mine=s.tokens_per_s)
@@ -206,6 +207,8 @@ def _network_rows(grid: Table, s: NodeStatus) -> None:
     grid.add_row("network", f"group {s.group_size}   sync {s.sync_s:.2f}s   last {s.last_sync}{bandwidth}")
     if s.sync_advice:
         grid.add_row("round length", Text(s.sync_advice, style="yellow"))
+    if s.clock_advice:
+        grid.add_row("clock", Text(s.clock_advice, style="yellow"))
     if any(s.robust.values()):
         grid.add_row("refused", Text(robust_summary(s.robust), style="yellow"))
 

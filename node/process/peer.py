@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from node.api import Applied, DiLoCoSwarm, Heartbeat, Network, RoundStats, choose_shard, round_advice
+from node.library.checkpoint import list_checkpoints
 from node.observe.download_log import DownloadLog
 from node.observe.exporter import MetricsExporter
 from node.observe.metrics import MetricsWriter, RoundRecord
@@ -36,6 +37,7 @@ from node.training.data import (
 )
 from node.training.model import build_model, count_parameters
 from node.training.trainer import Trainer, device_label, inner_lr, resolve_device
+from protocols import swarm_time
 from protocols.addresses import format_join_command
 from protocols.errors import CheckpointError, ShoalError
 from protocols.identity import format_run_key
@@ -85,6 +87,7 @@ class Peer:
         self.status = NodeStatus(run_id=config.run_id, max_rounds=options.max_rounds)
         self.last_eval: float | None = None
         self._eval_s = 0.0  # how long the last eval took
+        self._checkpoint_failing = False  # the last periodic checkpoint could not be written
         try:
             model, split = self._build_local()
             self._join(model, network)
@@ -162,12 +165,15 @@ class Peer:
         resumed = self.swarm.resume_from_checkpoints(checkpoint_dir, on_invalid=broken)
         if resumed is None:
             return
-        if resumed.local_state:
-            self.trainer.load_inner_state(resumed.local_state)
-        logger.info(f"resumed from {resumed.path} (round {resumed.round}"
-                    f"{', with the inner optimizer' if resumed.local_state else ''})")
-        self.metrics.write("resume", path=str(resumed.path), round=resumed.round,
-                           inner_optimizer=bool(resumed.local_state))
+        inner = bool(resumed.local_state)
+        if inner:
+            try:
+                self.trainer.load_inner_state(resumed.local_state)
+            except CheckpointError as e:  # e.g. written under another inner.optimizer: the model is what counts
+                logger.warning(f"{e}; the inner optimizer starts fresh, the shared model is resumed")
+                inner = False
+        logger.info(f"resumed from {resumed.path} (round {resumed.round}{', with the inner optimizer' if inner else ''})")
+        self.metrics.write("resume", path=str(resumed.path), round=resumed.round, inner_optimizer=inner)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def announce(self) -> None:
@@ -272,7 +278,7 @@ class Peer:
             self.exporter.observe_round(record)
         self._show_round(stats)
         if self.options.checkpoint_dir is not None and stats.round % self.config.train.checkpoint_every_rounds == 0:
-            self.save_checkpoint()
+            self._periodic_checkpoint(stats.round)
 
     def _shard_ranges(self, n_tokens: int, shard: int | None = None) -> list[tuple[int, int]]:
         data = self.config.data
@@ -306,6 +312,7 @@ class Peer:
         status.eval_loss, status.group_size, status.sync_s = self.last_eval, stats.group_size, stats.sync_s
         status.round_bytes_sent, status.round_bytes_received = stats.bytes_sent, stats.bytes_received
         status.sync_advice = round_advice(self.swarm.sync_lateness, self.swarm.schedule.round_seconds)
+        status.clock_advice = self.swarm.clock_advice
         for kind, count in stats.robust.items():
             status.robust[kind] = status.robust.get(kind, 0) + count
         if stats.applied == Applied.AVERAGED and stats.allreduce_s > 0:
@@ -321,7 +328,7 @@ class Peer:
         """Eval runs on the training thread: skip it (the record's eval_loss is null) when it would
         push this round's snapshot past its deadline, which would make a slow peer miss rounds."""
         deadline = self.swarm.schedule.round_end(self.swarm.round)
-        return time.time() + 2 * self._eval_s <= deadline
+        return swarm_time.now() + 2 * self._eval_s <= deadline
 
     def _update_status(self, loss: float) -> None:
         swarm, status = self.swarm, self.status
@@ -345,6 +352,25 @@ class Peer:
         path, round = self.swarm.save_checkpoint(self.options.checkpoint_dir, local_state=self.trainer.inner_state())
         self.metrics.write("checkpoint", round=round, path=str(path))
         return path
+
+    def _periodic_checkpoint(self, round: int) -> None:
+        """A checkpoint between rounds. A disk that is full (or gone read-only) costs this one
+        checkpoint, never the run: the write is atomic, so the last good one is untouched, and
+        training goes on; the user is told once per streak of failures, with the fix."""
+        try:
+            self.save_checkpoint()
+        except OSError as e:
+            self.metrics.write("checkpoint_failed", round=round, error=f"{e.strerror or e}"[:200])
+            if not self._checkpoint_failing:
+                kept = list_checkpoints(self.options.checkpoint_dir)
+                logger.error(f"checkpoint of round {round} not written to {self.options.checkpoint_dir}: "
+                             f"{e.strerror or e}; the last good checkpoint ({kept[0].name if kept else 'none yet'}) "
+                             "is kept and training goes on; free space there (or pass another --checkpoint-dir)")
+            self._checkpoint_failing = True
+        else:
+            if self._checkpoint_failing:
+                logger.info(f"checkpoints written again (round {round})")
+            self._checkpoint_failing = False
 
     def _heartbeat(self) -> Heartbeat:
         """Our figures for the progress record (monitor thread; reads a status the loop replaces)."""

@@ -3,6 +3,7 @@ import math
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +143,35 @@ def test_read_metrics_skips_only_a_truncated_final_line(tmp_path):
     path.write_text('{"event": "a"}\n{broken\n{"event": "c"}\n')
     with pytest.raises(ValueError, match=":2:"):
         read_metrics(path)
+
+
+def test_a_full_disk_drops_lines_and_never_raises(tmp_path, caplog):
+    """/dev/full answers every write with ENOSPC: the writer says so once and goes on."""
+    writer = MetricsWriter(Path("/dev/full"), peer_id="p")
+    with caplog.at_level("ERROR"):
+        for round in range(3):
+            assert writer.write("round", round=round)["round"] == round
+    assert [r.message for r in caplog.records].count(next(r.message for r in caplog.records)) == 1
+    assert "No space left on device" in caplog.records[0].message
+    writer.close()
+
+
+def test_a_line_torn_by_a_full_disk_is_cut_and_the_file_stays_readable(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path, peer_id="p")
+    writer.write("round", round=1)
+    real = writer._file
+
+    class HalfFull:  # the disk takes 10 bytes of the next line, then is full
+        def write(self, data):
+            return real.write(data[:10])
+
+        def fileno(self):
+            return real.fileno()
+
+    writer._file = HalfFull()
+    writer.write("round", round=2)
+    writer._file = real  # space again
+    writer.write("round", round=3)
+    writer.close()
+    assert [r["round"] for r in read_metrics(path)] == [1, 3]

@@ -53,7 +53,8 @@ def test_json_has_the_documented_keys():
     assert first == {"peer_id": A, "round": 7, "tokens_per_s": 3000.0, "loss": 2.0, "eval_loss": 2.5,
                      "device": "cuda:0", "utilization": 0.8, "mode": "full", "phase": "training", "version": "0.1.0",
                      "tokens": 100, "bytes_sent": 5, "bytes_received": 6, "shard": None, "round_bytes_sent": None,
-                     "round_bytes_received": None, "sync_late_s": None, "rounds_done": None, "last_seen_s": 2.0}
+                     "round_bytes_received": None, "sync_late_s": None, "rounds_done": None, "clock_offset_s": None,
+                     "last_seen_s": 2.0}
     assert second["round_bytes_sent"] == 3 and second["round_bytes_received"] == 4
     assert second["sync_late_s"] == 14.5 and second["rounds_done"] == 6
 
@@ -84,6 +85,15 @@ def test_a_peer_whose_syncs_outlast_the_round_gets_the_round_length_to_use():
     # 14.5 s late in 10 s rounds: a quarter more plus a second of room, whole seconds.
     assert "syncs end 14.5s after the deadline, longer than a round (10s): use --round-seconds 20" in text
     assert text.count("--round-seconds") == 1  # the peer whose syncs fit gets no advice
+
+
+def test_a_peer_with_a_wrong_clock_is_named_with_the_fix():
+    console = Console(file=io.StringIO(), width=200)
+    console.print(render_snapshot(snapshot(records={A: progress(A, clock_offset_s=-5.04), B: progress(B, clock_offset_s=0.3)})))
+    text = console.file.getvalue()
+    assert "clock 5.0s ahead of the swarm's" in text and "NTP" in text
+    assert text.count("NTP") == 1  # a clock 0.3 s off is not worth a line
+    assert snapshot(records={A: progress(A, clock_offset_s=-5.04)}).to_json()["peer_list"][0]["clock_offset_s"] == -5.04
 
 
 def manifest(start: float, d_model: int = 64) -> RunManifest:

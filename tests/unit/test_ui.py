@@ -106,6 +106,14 @@ def test_what_robust_aggregation_refused_is_shown_only_when_something_was():
     assert "3 parts" in row and "1 peers banned" in row and "returned" not in row and "the log" in row
 
 
+def test_a_wrong_clock_gets_its_line_only_when_off():
+    from protocols.swarm_time import describe_offset
+
+    assert "NTP" not in draw_status(status())
+    text = draw_status(status(clock_advice=describe_offset(-5.0, 2)))
+    assert "clock" in text and "5.0s ahead of" in text and "NTP" in text
+
+
 def test_alone_is_said_plainly():
     text = draw_status(status(peers=1, peer_records=(progress(ME),), last_sync="local", group_size=1))
     assert "alone: waiting for other peers to join" in text

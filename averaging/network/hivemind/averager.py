@@ -45,7 +45,6 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
 from averaging.math.robust import BanList, RobustConfig
@@ -61,6 +60,7 @@ from averaging.network.hivemind.fetching import UPDATE_VERSION, StateFetching
 from averaging.network.hivemind.matchmaking import ShoalMatchmaking, ShoalPotentialLeaders
 from averaging.network.hivemind.serving import StateServing
 from averaging.network.interface import StateProvider, UpdateProvider
+from protocols import swarm_time
 from protocols.admission import admitted, make_proof
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
             async for tensor, update in azip(as_aiter(*tensors), runner):
                 tensor.add_(update, alpha=self._averaging_alpha)
-                self.last_updated = get_dht_time()
+                self.last_updated = swarm_time.now()
                 self._state_updated.set()
         else:
             async for _ in runner:

@@ -48,6 +48,7 @@ from averaging.network.slices import (
     slice_deadline_s,
 )
 from averaging.state.served import AppliedUpdate, CheckSlice, DownloadedState
+from protocols import swarm_time
 from protocols.messages import MAX_ROUND
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class HivemindBackend:
             control = self._averager.step(
                 gather=gather if proof is None else {**gather, "admit": proof},
                 scheduled_time=scheduled_time,
-                timeout=max(timeout, scheduled_time - time.time() + self._request_timeout),
+                timeout=max(timeout, scheduled_time - swarm_time.now() + self._request_timeout),
                 require_trigger=True,
                 wait=False,
             )
@@ -176,7 +177,7 @@ class HivemindBackend:
         with self._averager.get_tensors() as (buffer,):
             buffer.copy_(vector)
         control.weight = float(weight)
-        started, started_wall = time.perf_counter(), time.time()
+        started, started_wall = time.perf_counter(), swarm_time.now()
         control.allow_allreduce()
         # 2. Wait for the group; a failure keeps the caller's vector as it was.
         try:
@@ -185,7 +186,7 @@ class HivemindBackend:
             control.cancel()
             return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error=describe(e))
         sync_s = time.perf_counter() - started
-        allreduce_s = time.time() - max(started_wall, control.scheduled_time)
+        allreduce_s = swarm_time.now() - max(started_wall, control.scheduled_time)
         if not gathered:
             return AverageOutcome(ok=False, sync_s=sync_s, error="averaging returned no group")
         missing = gathered.pop(PARTIAL_KEY, 0.0)

@@ -20,10 +20,10 @@ import math
 from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS, TimedStorage
 
 from averaging.math.robust import BanList
+from protocols import swarm_time
 
 
 def declared_expiration(now: float, *, scheduled_time: float, min_matchmaking_time: float, search_end: float,
@@ -65,14 +65,14 @@ class ShoalPotentialLeaders(PotentialLeaders):
         # REFETCH_S before we see it.
         discrepancy = MAX_DHT_TIME_DISCREPANCY_SECONDS
         fetched = -math.inf
-        while get_dht_time() < self.search_end_time:
-            wait = min(fetched + REFETCH_S, self.search_end_time) - get_dht_time()
+        while swarm_time.now() < self.search_end_time:
+            wait = min(fetched + REFETCH_S, self.search_end_time) - swarm_time.now()
             if wait > 0:
                 await asyncio.sleep(wait)
-            fetched = get_dht_time()
+            fetched = swarm_time.now()
             new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
             self.max_assured_time = max(self.max_assured_time,
-                                        get_dht_time() + self.min_matchmaking_time - discrepancy)
+                                        swarm_time.now() + self.min_matchmaking_time - discrepancy)
             self.leader_queue.clear()
             for peer, peer_expiration_time in new_peers:
                 if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
@@ -83,7 +83,7 @@ class ShoalPotentialLeaders(PotentialLeaders):
             await asyncio.wait(
                 {asyncio.create_task(self.running.wait()), asyncio.create_task(self.update_triggered.wait())},
                 return_when=asyncio.ALL_COMPLETED,
-                timeout=self.search_end_time - get_dht_time() if math.isfinite(self.search_end_time) else None)
+                timeout=self.search_end_time - swarm_time.now() if math.isfinite(self.search_end_time) else None)
             self.update_triggered.clear()
 
     async def _declare_averager_periodically(self, step, key_manager) -> None:
@@ -93,7 +93,7 @@ class ShoalPotentialLeaders(PotentialLeaders):
                 while True:
                     await self.running.wait()
                     expiration = declared_expiration(
-                        get_dht_time(), scheduled_time=step.scheduled_time,
+                        swarm_time.now(), scheduled_time=step.scheduled_time,
                         min_matchmaking_time=self.min_matchmaking_time, search_end=self.search_end_time,
                         margin=self.margin)
                     if expiration is None:
@@ -102,7 +102,7 @@ class ShoalPotentialLeaders(PotentialLeaders):
                     self.declared_expiration_time = expiration
                     self.declared_expiration.set()
                     await key_manager.declare_averager(group_key, self.peer_id, expiration_time=expiration)
-                    await asyncio.sleep(self.declared_expiration_time - get_dht_time())
+                    await asyncio.sleep(self.declared_expiration_time - swarm_time.now())
                     if self.running.is_set() and len(self.leader_queue) == 0:
                         await key_manager.update_key_on_not_enough_peers()
             finally:
