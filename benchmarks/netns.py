@@ -4,6 +4,8 @@ Each peer gets a namespace ``shoalb<i>`` with one veth link to the bridge ``shoa
 ``10.213.0.<i+1>/24``, and a ``tc ... tbf`` token bucket on both ends of its link (upload and
 download capped at the same rate). netem is not available here, so there is no added latency.
 Everything is removed on exit, also after an error. Needs root; ``available()`` says.
+``split`` cuts some hosts off the others (their links moved to a second bridge, ``<bridge>x``,
+where they still reach each other) and ``heal`` joins them again: an outage between two halves.
 """
 
 from __future__ import annotations
@@ -74,11 +76,25 @@ class Network:
     def __exit__(self, *exc) -> None:
         self.teardown()
 
+    def split(self, indices: list[int]) -> None:
+        """Move these hosts' links to the second bridge: they reach each other, not the rest."""
+        other = f"{BRIDGE}x"
+        _ip("link", "add", other, "type", "bridge", check=False)  # exists after an earlier split
+        _ip("link", "set", other, "up")
+        for i in indices:
+            _ip("link", "set", f"{PREFIX}v{i}", "master", other)
+
+    def heal(self) -> None:
+        """Every host's link back on the first bridge."""
+        for i in range(self.count):
+            _ip("link", "set", f"{PREFIX}v{i}", "master", BRIDGE)
+
     def teardown(self) -> None:
         for i in range(max(self.count, 8)):
             _ip("netns", "del", f"{PREFIX}{i}", check=False)
             _ip("link", "del", f"{PREFIX}v{i}", check=False)
         _ip("link", "del", BRIDGE, check=False)
+        _ip("link", "del", f"{BRIDGE}x", check=False)
 
 
 _SENT = re.compile(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+)")

@@ -20,7 +20,8 @@ from typing import Any
 
 from hivemind.p2p import PeerID
 
-from protocols.addresses import _peer_id_problem
+from protocols.addresses import _peer_id_problem, parse_peer_multiaddr
+from protocols.errors import AddressError
 from protocols.messages import MAX_ROUND, MessageError, bounded_int
 
 PROGRESS_VERSION = 1
@@ -35,6 +36,8 @@ MAX_SHARDS = 2**16
 ROUND_BYTES = ("round_bytes_sent", "round_bytes_received")
 MAX_LATENESS = 86400.0  # seconds a sync may end after its deadline (a round is at most a day)
 MAX_CLOCK_OFFSET = 3600.0  # protocols.swarm_time.MAX_OFFSET_S: no peer corrects its clock further
+MAX_ADDRS = 8  # addresses a record may list (a peer announces a few: one per interface and transport)
+MAX_ADDR_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,10 @@ class ProgressRecord:
     # Seconds this peer's clock is behind the swarm's (negative: ahead), as it measured
     # (``protocols.swarm_time``); None: not measured yet, or an older peer.
     clock_offset_s: float | None = None
+    # Where the peer can be dialled (its visible multiaddrs, each ending in its own /p2p/ id), so
+    # that others can find it again after an outage (``node.library.rediscovery``); None: not
+    # dialable (client mode) or an older peer.
+    addrs: tuple[str, ...] | None = None
 
 
 def encode(record: ProgressRecord) -> dict[str, Any]:
@@ -95,7 +102,30 @@ def encode(record: ProgressRecord) -> dict[str, Any]:
         **({"sync_late_s": record.sync_late_s} if record.sync_late_s is not None else {}),
         **({"rounds_done": record.rounds_done} if record.rounds_done is not None else {}),
         **({"clock_offset_s": record.clock_offset_s} if record.clock_offset_s is not None else {}),
+        **({"addrs": list(record.addrs)} if record.addrs is not None else {}),
     }
+
+
+def _addrs(obj: dict, peer_id: str) -> tuple[str, ...] | None:
+    """The record's dialable addresses: each a valid peer multiaddr whose last /p2p/ part is the
+    record's own peer id (a record signed by one key cannot send us dialling someone else)."""
+    value = obj.get("addrs")
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_ADDRS:
+        raise MessageError(f"addrs: expected a list of at most {MAX_ADDRS} addresses")
+    out = []
+    for text in value:
+        if not isinstance(text, str) or len(text) > MAX_ADDR_CHARS:
+            raise MessageError(f"addrs: expected strings of at most {MAX_ADDR_CHARS} characters")
+        try:
+            normalized = parse_peer_multiaddr(text, flag="addrs")
+        except AddressError as e:
+            raise MessageError(str(e)[:160]) from None
+        if normalized.rsplit("/p2p/", 1)[-1] != peer_id:
+            raise MessageError("addrs: an address of another peer")
+        out.append(normalized)
+    return tuple(out)
 
 
 def _number(obj: dict, key: str, low: float, high: float, *, optional: bool = False) -> float | None:
@@ -151,6 +181,7 @@ def decode(peer_id: str, value: Any) -> ProgressRecord:
         sync_late_s=_number(value, "sync_late_s", -MAX_LATENESS, MAX_LATENESS, optional=True),
         rounds_done=bounded_int(value, "rounds_done", 0, MAX_ROUND) if value.get("rounds_done") is not None else None,
         clock_offset_s=_number(value, "clock_offset_s", -MAX_CLOCK_OFFSET, MAX_CLOCK_OFFSET, optional=True),
+        addrs=_addrs(value, peer_id),
     )
 
 

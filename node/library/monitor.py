@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from node.library.rediscovery import Rediscovery
 from node.library.run_record import MANIFEST_TTL, RunDirectory, RunTrust, converge
 from node.library.swarm_clock import ClockKeeper
 from protocols.manifest import RunManifest
@@ -33,7 +34,7 @@ class PeerMonitor:
 
     def __init__(self, directory: RunDirectory, ours: RunManifest, *, peer_id: str, period: float,
                  status: Callable[[], ProgressRecord], on_change: Callable[[set[str], set[str]], None],
-                 trust: RunTrust | None = None):
+                 trust: RunTrust | None = None, rediscovery: Rediscovery | None = None):
         self.directory, self.manifest, self.peer_id, self.period = directory, ours, peer_id, period
         self.trust = trust if trust is not None else RunTrust(pinned=ours.organiser or None)
         self._status, self._on_change = status, on_change
@@ -41,6 +42,7 @@ class PeerMonitor:
         self.malformed = 0  # records ignored at the last read (validation failed)
         self.others_seen_at = -math.inf  # time.time() of the last read that found another live peer
         self.clock = ClockKeeper()
+        self.rediscovery = rediscovery  # None: nothing to re-dial (an in-process swarm, a test)
         self._ticks = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shoal-monitor", daemon=True)
@@ -92,5 +94,7 @@ class PeerMonitor:
         others = sorted(set(live) - {self.peer_id})
         if others and (self._ticks <= CLOCK_FIRST_TICKS or self._ticks % CLOCK_EVERY_TICKS == 0 or joined):
             self.clock.update(self.directory.clock_samples(others))
+        if self.rediscovery is not None:
+            self.rediscovery.tick(live, self.directory.reconnect)
         if joined or left:
             self._on_change(joined, left)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
-from node.library import swarm_clock
+from node.library import rediscovery, swarm_clock
 from node.library.atomic import write_atomically
 from protocols import manifest, progress, records, swarm_time
 from protocols.errors import ConfigError, NetworkError
@@ -103,6 +104,10 @@ class RunDirectory(Protocol):
     def clock_samples(self, peer_ids: list[str]) -> list[ClockSample]:
         """Clock readings of these peers (``node.library.swarm_clock``), [] where time is shared."""
 
+    def reconnect(self, targets: list[tuple[str, tuple[str, ...]]]) -> Future:
+        """Dial these (peer id, addresses) and refresh routing, in the background
+        (``node.library.rediscovery``): a future of the peers reached."""
+
     def progress(self) -> tuple[dict[str, ProgressRecord], int]:
         """The live peers' valid progress records by peer id, and how many were ignored."""
 
@@ -169,6 +174,9 @@ class DhtDirectory:
 
     def clock_samples(self, peer_ids: list[str]) -> list[ClockSample]:
         return swarm_clock.probe(self.dht, peer_ids)
+
+    def reconnect(self, targets: list[tuple[str, tuple[str, ...]]]) -> Future:
+        return rediscovery.reconnect(self.dht, targets)
 
 
 def private_swarm_refusal(dht: DHT) -> str | None:

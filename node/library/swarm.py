@@ -36,6 +36,7 @@ from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.library.dht import Reachability, RecordRules
 from node.library.monitor import PeerMonitor
 from node.library.network import HivemindNetwork, Network
+from node.library.rediscovery import PeerCache, Rediscovery, peer_of
 from node.library.resume import (
     find_resume_point,
     legacy_config_hash,
@@ -44,7 +45,8 @@ from node.library.resume import (
 )
 from node.library.run_record import MANIFEST_TTL, RunTrust, join_run
 from protocols import swarm_time
-from protocols.errors import CheckpointError
+from protocols.addresses import parse_peer_multiaddr
+from protocols.errors import AddressError, CheckpointError
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
 from protocols.progress import ProgressRecord, before_first_step
@@ -54,6 +56,7 @@ from protocols.version import shoal_version
 logger = logging.getLogger(__name__)
 
 ALONE_AFTER_ROUNDS = 2  # rounds without a joiner or another live record before a peer steps alone (_alone)
+PUBLISHED_ADDRS = 4  # addresses in our record (each ~90 bytes, stored every heartbeat): enough to be found
 
 __all__ = ["DiLoCoSwarm", "Heartbeat", "LiveRound", "Resumed", "RoundStats"]
 
@@ -138,7 +141,7 @@ class DiLoCoSwarm:
         self.tokens_contributed = 0
         self.last_stats: RoundStats | None = None
         self._network: Network | None = None
-        folder = Path(trust_dir) if trust_dir is not None else None
+        folder = self._trust_dir = Path(trust_dir) if trust_dir is not None else None
         self.trust = RunTrust(pinned=run_key, explicit=run_key is not None,
                               pin_file=folder / f"{run_id}.run-key" if folder else None,
                               organiser_file=folder / f"{run_id}.organiser.key" if folder else None)
@@ -191,9 +194,11 @@ class DiLoCoSwarm:
         self._worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
                                   matchmaking_grace=avg.matchmaking_seconds)
         self._closers.insert(0, self._worker.close)
+        period = min(5.0, max(1.0, self.rounds.seconds / 3))
         self._monitor = PeerMonitor(self._directory, self.manifest, peer_id=self.peer_id,
-                                    period=min(5.0, max(1.0, self.rounds.seconds / 3)), status=self._status,
-                                    on_change=on_peers_changed or (lambda joined, left: None), trust=self.trust)
+                                    period=period, status=self._status,
+                                    on_change=on_peers_changed or (lambda joined, left: None), trust=self.trust,
+                                    rediscovery=self._rediscovery(period))
         self._closers.insert(0, self._monitor.stop)
         self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
         named_now = lambda: dict(self.model.named_parameters())  # noqa: E731 - follows .to(device)
@@ -207,6 +212,13 @@ class DiLoCoSwarm:
             device=self.device, wire=avg.wire, client_mode=self.reachability.client_mode,
             swarm_lateness=self._others_lateness,
         )
+
+    def _rediscovery(self, period: float) -> Rediscovery:
+        """Re-dialling the initial peers and the peers met (kept in ``trust_dir``, the checkpoint
+        folder, across restarts) when the swarm seems to shrink: ``node.library.rediscovery``."""
+        path = self._trust_dir / f"{self.run_id}.peers.json" if self._trust_dir is not None else None
+        return Rediscovery(initial_peers=self.initial_peers, cache=PeerCache.load(path), peer_id=self.peer_id,
+                           period=period)
 
     def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
         """Our shared state for a peer downloading it (hivemind's fetcher thread, in this process)."""
@@ -438,4 +450,17 @@ class DiLoCoSwarm:
             time=self._directory.now(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
             shard=beat.shard, sync_late_s=self._loop.sync_lateness, rounds_done=self._shared.rounds_done,
             clock_offset_s=swarm_time.offset() if self._monitor.clock.peers_measured else None,
+            addrs=self._dialable_addrs(),
         )
+
+    def _dialable_addrs(self) -> tuple[str, ...] | None:
+        """Our addresses as others can dial them, for their rediscovery; None in client mode."""
+        if self.reachability.client_mode:
+            return None
+        valid = []
+        for maddr in self.maddrs:
+            try:
+                valid.append(parse_peer_multiaddr(maddr, flag="our address"))
+            except AddressError:
+                continue
+        return tuple(a for a in valid if peer_of(a) == self.peer_id)[:PUBLISHED_ADDRS] or None

@@ -19,6 +19,7 @@ import torch
 
 from node.api import Applied, DiLoCoSwarm, Heartbeat, Network, RoundStats, choose_shard, round_advice
 from node.library.checkpoint import list_checkpoints
+from node.library.rediscovery import ReunionWatch
 from node.observe.download_log import DownloadLog
 from node.observe.exporter import MetricsExporter
 from node.observe.metrics import MetricsWriter, RoundRecord
@@ -87,6 +88,7 @@ class Peer:
         self.status = NodeStatus(run_id=config.run_id, max_rounds=options.max_rounds)
         self.last_eval: float | None = None
         self._eval_s = 0.0  # how long the last eval took
+        self._reunion = ReunionWatch()  # a split swarm meeting again (the ``reunion`` event)
         self._checkpoint_failing = False  # the last periodic checkpoint could not be written
         try:
             model, split = self._build_local()
@@ -306,6 +308,20 @@ class Peer:
             self.metrics.write("error", round=stats.round, kind="averaging", message=stats.error)
         if stats.resynced:
             self.metrics.write("resync", round=stats.round, diverged=stats.diverged)
+        met = self._reunion.observe(round=stats.round, group_size=stats.group_size, applied=stats.applied,
+                                    tokens=stats.tokens, resynced=stats.resynced, diverged=stats.diverged)
+        if met is not None:
+            self.metrics.write("reunion", **met)
+            if met["kept"]:
+                logger.info(f"round {stats.round}: the swarm is whole again (a group of {met['group_size']} after "
+                            f"{met['apart_rounds']} round(s) in groups of at most {met['apart_group_size']}); "
+                            f"{len(met['rejoined'])} member(s) held another anchor and re-sync to ours")
+            else:
+                logger.warning(f"round {stats.round}: the swarm is whole again (a group of {met['group_size']} after "
+                               f"{met['apart_rounds']} round(s) in groups of at most {met['apart_group_size']}); "
+                               "our side's anchor was replaced by the group's (re-sync): the "
+                               f"{met['steps_dropped']} outer step(s) it took apart are not in the shared model "
+                               "(no merge of lineages yet: docs/design.md)")
 
     def _show_round(self, stats: RoundStats) -> None:
         status = self.status

@@ -1,15 +1,19 @@
-"""The faults of a home machine, on real processes: the disk fills up under the checkpoints."""
+"""The faults of a home machine, on real processes: the disk fills up under the checkpoints, and the
+network splits the swarm in two for a while."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
+import sys
+import time
 
 import pytest
 
 from node.library.checkpoint import TMP_PREFIX, list_checkpoints, load_latest_valid
 from node.observe.metrics import read_metrics
-from tests.integration.swarm import TINY, every_round_checkpoints, rounds_of, wait_until
+from tests.integration.swarm import REPO, TINY, anchor_at, every_round_checkpoints, rounds_of, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -46,3 +50,73 @@ def test_a_full_disk_costs_checkpoints_never_the_run(swarm):
         wait_until(lambda: peer.proc.poll() is not None, 10, "the peer did not exit")
     finally:
         subprocess.run(["umount", "-l", str(checkpoints)], capture_output=True)
+
+
+# -- a network split ------------------------------------------------------------------------------
+sys.path.insert(0, str(REPO / "benchmarks"))
+import netns  # noqa: E402
+
+SPLIT_ROUND_S = 6.0
+SPLIT_S = 30.0  # the outage of issue 31: long enough for every record and routing entry across it to expire
+
+
+@pytest.mark.timeout(420)
+def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
+    """Four peers in network namespaces; after a round of all four, peers 2-3 are cut off from
+    0-1 for 30 s, then the link is back. Both halves train in pairs meanwhile; after the heal the
+    peers find each other again (rediscovery: the peers met are re-dialled) and average in one
+    group of four within a few rounds; their anchors then agree."""
+    if not netns.available():
+        pytest.skip("network namespaces need root, ip and tc")
+    netns.BRIDGE, netns.PREFIX, netns.SUBNET = "shoaltbr0", "shoalt", "10.217.0"  # ours alone
+    config = every_round_checkpoints(swarm.root / "tiny.toml", TINY)
+    with netns.Network(4, mbit=200) as net:
+        def start(i: int, initial: list[str] | None):
+            return swarm.start(f"p{i}", "--round-seconds", str(SPLIT_ROUND_S), config=config, initial=initial,
+                               prefix=net.hosts[i].prefix(), listen=f"/ip4/{net.hosts[i].address}/tcp/0")
+
+        def address(peer, i: int) -> list[str]:
+            return [m for m in peer.wait_for_address() if net.hosts[i].address in m][:1]
+
+        p0 = start(0, None)
+        p1, p2 = start(1, address(p0, 0)), start(2, address(p0, 0))
+        p3 = start(3, address(p2, 2))  # its only initial peer is on its side of the split
+        peers = [p0, p1, p2, p3]
+
+        def rounds_with(size: int, after: float) -> list[list[int]]:
+            """Per peer, its rounds after ``after`` (a round's deadline) averaged in a group of ``size``."""
+            return [[r for r, rec in rounds_of(p).items() if rec["group_size"] == size and rec["applied"] == "averaged"
+                     and schedule_start(p) + r * SPLIT_ROUND_S > after] for p in peers]
+
+        wait_until(lambda: all(rounds_with(4, 0.0)), 240, "the four peers never averaged in one group")
+        net.split([2, 3])
+        cut = time.time()
+        time.sleep(SPLIT_S)
+        net.heal()
+        healed = time.time()
+        halves = rounds_with(2, cut)
+        assert all(halves), ("both halves train in pairs during the split", halves)
+        wait_until(lambda: all(rounds_with(4, healed)), 120,
+                   f"not one group of four after the heal:\n{_tails(peers)}")
+        whole = rounds_with(4, healed)
+        heal_round = math.ceil((healed - schedule_start(p0)) / SPLIT_ROUND_S)
+        assert max(min(rounds) for rounds in whole) <= heal_round + 5, (heal_round, whole)  # a few rounds
+        last = max(max(rounds) for rounds in whole)
+        wait_until(lambda: all(last + 1 in rounds_of(p) for p in peers), 60, "the swarm stopped after the heal")
+        for peer in peers:
+            peer.interrupt()
+        for peer in peers:
+            assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
+        assert any("rediscovery:" in p.log() and "reached" in p.log() for p in peers), _tails(peers)
+        anchors = [anchor_at(p, last + 1) for p in peers]
+        spread = max(float((a - anchors[0]).norm() / anchors[0].norm()) for a in anchors[1:])
+        assert spread < 1e-3, spread  # one anchor again (one half re-synced to the other's)
+
+
+def schedule_start(peer) -> float:
+    return next(r for r in read_metrics(peer.metrics_path) if r["event"] == "start")["schedule_start"]
+
+
+def _tails(peers) -> str:
+    return "\n".join(f"--- {p.name} rounds {[(r, rec['group_size'], rec['applied']) for r, rec in sorted(rounds_of(p).items())]}"
+                     f"\n{p.log()[-1500:]}" for p in peers)
