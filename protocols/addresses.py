@@ -112,6 +112,11 @@ def parse_peer_multiaddr(text: str, flag: str = "--initial-peer") -> str:
     return normalized
 
 
+def peer_id_of(maddr: str) -> str:
+    """The peer id a peer multiaddr (``parse_peer_multiaddr``'s output) ends with."""
+    return maddr.rsplit("/p2p/", 1)[-1]
+
+
 def parse_listen_multiaddr(text: str, flag: str = "--listen") -> str:
     """Validate an address to listen on; return its normalized form.
 

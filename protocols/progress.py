@@ -20,7 +20,7 @@ from typing import Any
 
 from hivemind.p2p import PeerID
 
-from protocols.addresses import _peer_id_problem, parse_peer_multiaddr
+from protocols.addresses import _peer_id_problem, parse_peer_multiaddr, peer_id_of
 from protocols.errors import AddressError
 from protocols.messages import MAX_ROUND, MessageError, bounded_int
 
@@ -122,7 +122,7 @@ def _addrs(obj: dict, peer_id: str) -> tuple[str, ...] | None:
             normalized = parse_peer_multiaddr(text, flag="addrs")
         except AddressError as e:
             raise MessageError(str(e)[:160]) from None
-        if normalized.rsplit("/p2p/", 1)[-1] != peer_id:
+        if peer_id_of(normalized) != peer_id:
             raise MessageError("addrs: an address of another peer")
         out.append(normalized)
     return tuple(out)

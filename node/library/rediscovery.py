@@ -35,7 +35,7 @@ from functools import partial
 from pathlib import Path
 
 from node.library.atomic import write_atomically
-from protocols.addresses import parse_peer_multiaddr
+from protocols.addresses import parse_peer_multiaddr, peer_id_of
 from protocols.errors import AddressError
 from protocols.progress import MAX_ADDRS, ProgressRecord
 
@@ -48,11 +48,6 @@ CACHE_LIMIT = 64  # peers remembered, the most recently seen first
 CACHE_MAX_AGE_S = 7 * 86400.0
 CONNECT_TIMEOUT_S = 5.0
 CACHE_VERSION = 1
-
-
-def peer_of(maddr: str) -> str:
-    """The peer id an address ends with (``/p2p/<id>``)."""
-    return maddr.rsplit("/p2p/", 1)[-1]
 
 
 @dataclass
@@ -78,7 +73,7 @@ class PeerCache:
             for peer, entry in data["peers"].items():
                 addrs = tuple(parse_peer_multiaddr(a, flag="cached address") for a in entry["addrs"][:MAX_ADDRS])
                 seen = float(entry["seen"])
-                if addrs and all(peer_of(a) == peer for a in addrs) and now - seen < CACHE_MAX_AGE_S:
+                if addrs and all(peer_id_of(a) == peer for a in addrs) and now - seen < CACHE_MAX_AGE_S:
                     cache.peers[peer] = (addrs, seen)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, AddressError) as e:
             logger.warning(f"ignoring the peer cache {path} ({str(e)[:120]}); it is rebuilt as peers are met")
@@ -154,7 +149,7 @@ class Rediscovery:
     heartbeat must not wait: our own record would expire); one at a time, read at a later tick."""
 
     def __init__(self, *, initial_peers: list[str], cache: PeerCache, peer_id: str, period: float):
-        self.initial = [(peer_of(a), (a,)) for a in initial_peers]
+        self.initial = [(peer_id_of(a), (a,)) for a in initial_peers]
         self.cache, self.peer_id, self.period = cache, peer_id, period
         self.backoff = Backoff()
         self.tries = 0  # dials of missing peers (not the periodic sweep of the initial peers)

@@ -36,7 +36,7 @@ from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.library.dht import Reachability, RecordRules
 from node.library.monitor import PeerMonitor
 from node.library.network import HivemindNetwork, Network
-from node.library.rediscovery import PeerCache, Rediscovery, peer_of
+from node.library.rediscovery import PeerCache, Rediscovery
 from node.library.resume import (
     find_resume_point,
     legacy_config_hash,
@@ -45,7 +45,7 @@ from node.library.resume import (
 )
 from node.library.run_record import MANIFEST_TTL, RunTrust, join_run
 from protocols import swarm_time
-from protocols.addresses import parse_peer_multiaddr
+from protocols.addresses import parse_peer_multiaddr, peer_id_of
 from protocols.errors import AddressError, CheckpointError
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
@@ -463,4 +463,4 @@ class DiLoCoSwarm:
                 valid.append(parse_peer_multiaddr(maddr, flag="our address"))
             except AddressError:
                 continue
-        return tuple(a for a in valid if peer_of(a) == self.peer_id)[:PUBLISHED_ADDRS] or None
+        return tuple(a for a in valid if peer_id_of(a) == self.peer_id)[:PUBLISHED_ADDRS] or None

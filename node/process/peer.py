@@ -312,14 +312,12 @@ class Peer:
                                     tokens=stats.tokens, resynced=stats.resynced, diverged=stats.diverged)
         if met is not None:
             self.metrics.write("reunion", **met)
+            whole = (f"round {stats.round}: the swarm is whole again (a group of {met['group_size']} after "
+                     f"{met['apart_rounds']} round(s) in groups of at most {met['apart_group_size']}); ")
             if met["kept"]:
-                logger.info(f"round {stats.round}: the swarm is whole again (a group of {met['group_size']} after "
-                            f"{met['apart_rounds']} round(s) in groups of at most {met['apart_group_size']}); "
-                            f"{len(met['rejoined'])} member(s) held another anchor and re-sync to ours")
+                logger.info(whole + f"{len(met['rejoined'])} member(s) held another anchor and re-sync to ours")
             else:
-                logger.warning(f"round {stats.round}: the swarm is whole again (a group of {met['group_size']} after "
-                               f"{met['apart_rounds']} round(s) in groups of at most {met['apart_group_size']}); "
-                               "our side's anchor was replaced by the group's (re-sync): the "
+                logger.warning(whole + "our side's anchor was replaced by the group's (re-sync): the "
                                f"{met['steps_dropped']} outer step(s) it took apart are not in the shared model "
                                "(no merge of lineages yet: docs/design.md)")
 
