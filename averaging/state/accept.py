@@ -34,6 +34,17 @@ MAX_CLAIMED_SCALE_RATIO = 2.0
 MAX_CATCH_UP_TO_LAST_RATIO = 10.0
 
 
+# A donor's momentum may be at most this many times the RMS of the last step its state claims
+# (its scale), over (1 - outer momentum): honest momentum is a geometric sum of recent steps,
+# ``m = g_t + mu g_(t-1) + ...``, so ``|m| <= max|g| / (1 - mu)``; the factor allows recent steps
+# this much larger than the last one (a short round after a stall makes a small last step). It
+# bounds what a donor serving the true anchor with poisoned momentum can inject (the anchor is
+# checked against the group's claim; the momentum, identical on honest peers, is not
+# fingerprinted): loose, it still stops gross injection, and a member it pushes off the group's
+# anchor re-syncs.
+MAX_MOMENTUM_TO_STEP_RATIO = 1000.0
+
+
 class StateTooFarAhead(MessageError):
     """A donor's state is two or more outer steps past the reference it must be checked against.
     Donors only move further ahead, so downloading again against the same reference cannot help."""
@@ -113,13 +124,41 @@ def matches(state: SharedState, fp: Fingerprint, claim: AnchorClaim) -> bool:
         fp, a, claim.scale, claim.scale, rel_tol=state.rel_tol, abs_tol=state.abs_tol)
 
 
+def scales_agree(a: torch.Tensor, b: torch.Tensor, max_ratio: float = MAX_CLAIMED_SCALE_RATIO) -> bool:
+    """Whether two claimed scales are the same step's, chunk by chunk, within ``max_ratio``: honest
+    peers at one outer step applied the same averaged pseudo-gradient (the same bytes with int8/int4
+    returns), so their scales are equal up to the return codec's noise."""
+    if a.shape != b.shape:
+        return False
+    low, high = torch.minimum(a, b), torch.maximum(a, b)
+    return bool((high <= max_ratio * low + 1e-30).all())
+
+
 def same_state(state: SharedState, a: Any, b: Any) -> bool:
     """Whether two donors' state metadata describe the same anchor (up to the noise of the
-    all-reduce's return codec): the slices of a download must all come from one state."""
+    all-reduce's return codec): the slices of a download must all come from one state. Their
+    scales must agree too: a claimed scale widens the tolerance of the comparison itself, so a
+    donor claiming a huge one would otherwise "agree" with every state and serve slices into
+    any download (and a fresh joiner, which has no scale of its own to cap it with, adopted it)."""
     try:
-        return claims_agree(state_claim(state, a), state_claim(state, b), state.rel_tol, state.abs_tol)
+        ours, theirs = state_claim(state, a), state_claim(state, b)
     except MessageError:
         return False
+    return scales_agree(ours.scale, theirs.scale) and claims_agree(ours, theirs, state.rel_tol, state.abs_tol)
+
+
+def momentum_problem(state: SharedState, momentum: torch.Tensor, claim: AnchorClaim) -> str | None:
+    """Why a donor's momentum is not one that honest steps of the claimed size could have built
+    (``MAX_MOMENTUM_TO_STEP_RATIO``), or None. ``claim``: the state's, its scale capped by ours if
+    we have one."""
+    sizes = claim.fingerprint.chunk_sizes()
+    step_rms = float((claim.scale.square() * sizes).sum().div(sizes.sum()).sqrt()) if len(claim.scale) else 0.0
+    bound = MAX_MOMENTUM_TO_STEP_RATIO * step_rms / max(1.0 - state.config.momentum, 1e-3)
+    size = rms(momentum)
+    if size > bound:
+        return (f"its momentum (RMS {size:.3g}) is larger than steps of its claimed size (RMS {step_rms:.3g}) "
+                f"could have built (at most {bound:.3g})")
+    return None
 
 
 # -- a download, slice by slice and whole -----------------------------------------------------------
@@ -208,6 +247,10 @@ def check_state(state: SharedState, downloaded: DownloadedState, *, require_clai
         if not matches(state, fingerprint(tensors[0]), claim):
             raise MessageError(f"state from {peer}: the anchor does not match its donors' fingerprint "
                                "(donors that diverged, or one that sent another state than it claims)")
+        problem = momentum_problem(state, tensors[1], claim) if claim.rounds_done > 0 else None
+        if problem is not None:
+            raise MessageError(f"state from {peer}: {problem}")
+        scale = claim.scale.tolist()  # the state's scale as capped: a donor cannot widen our tolerance
     if reference is not None:
         _check_against(state, reference, tensors, rounds[1], step, peer=peer)
     return rounds, list(scale)

@@ -71,6 +71,7 @@ class HivemindNetwork:
             min_group_size=avg.min_group_size, min_matchmaking_time=avg.matchmaking_seconds,
             request_timeout=avg.request_timeout, allreduce_timeout=avg.allreduce_timeout, client_mode=client_mode,
             robust=avg.robust, admission=admission_key(self.swarm_key) if self.swarm_key is not None else None,
+            signer=self.dht.shoal_key,
         )
         return self._backend
 

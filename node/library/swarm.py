@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +94,18 @@ class LiveRound:
     steps: int
     tokens: int
     compute_s: float
+
+
+def donor_order(records: Mapping[str, ProgressRecord], *, me: str, rng: random.Random | None = None) -> list[str]:
+    """The peers to download the swarm's state from, in the order to ask them. Client-mode peers
+    accept no connections, so they cannot serve. The order follows nothing a donor claims alone
+    (a record claiming the newest round was asked first, so one hostile record put itself at the
+    head of every join): donors whose outer-step count most records share come first, shuffled;
+    the download then assembles the state most donors serve (``averaging.network.slices``)."""
+    donors = [p for p, record in records.items() if p != me and record.mode != "client"]
+    (rng or random.Random()).shuffle(donors)
+    shared = Counter(records[p].rounds_done for p in donors)
+    return sorted(donors, key=lambda p: -shared[records[p].rounds_done])  # stable: shuffled within
 
 
 class DiLoCoSwarm:
@@ -361,9 +375,7 @@ class DiLoCoSwarm:
         if not self.initial_peers:
             return None
         self._monitor.tick()
-        # Client-mode peers accept no connections: they cannot serve their state.
-        donors = sorted((p for p, record in self._monitor.peers.items() if p != self.peer_id and record.mode != "client"),
-                        key=lambda p: -self._monitor.peers[p].round)
+        donors = donor_order(self._monitor.peers, me=self.peer_id)
         if not donors:
             return None
         if before_first_step((self._monitor.peers[p] for p in donors),

@@ -54,6 +54,7 @@ from averaging.math import robust
 from averaging.math.robust import BanList, RobustConfig
 from averaging.network.hivemind import codecs as hivemind_codecs
 from protocols.admission import admitted
+from protocols.signed_claims import signature_problem
 
 logger = logging.getLogger(__name__)
 
@@ -335,6 +336,11 @@ class GroupRefused(ValueError):
     """The group a leader assembled is not one we take part in."""
 
 
+class ForgedGroup(GroupRefused):
+    """A group only its leader could have got wrong: it misstates a member's entry (our own, or a
+    claim its member did not sign). The leader is banned and the round folds (never a re-sync)."""
+
+
 def gathered_proof(serializer, raw: bytes) -> bytes | None:
     """The admission proof in a peer's matchmaking metadata (``[bandwidth, mode, user data]``, as a
     join request or a group entry carries it; our user data is our claim plus ``admit``)."""
@@ -345,17 +351,35 @@ def gathered_proof(serializer, raw: bytes) -> bytes | None:
     return _proof_in(serializer, user_data)
 
 
-def _proof_in(serializer, user_data: object) -> bytes | None:
+def gathered_signature_problem(serializer, raw: bytes, *, peer_id: str, prefix: str) -> str | None:
+    """Why a peer's matchmaking metadata (its join request's ``gather``) does not carry a claim it
+    signed (``protocols.signed_claims``), or None: a leader checks each follower's as it arrives."""
     try:
-        data = serializer.loads(user_data) if isinstance(user_data, bytes) else None
-    except Exception:  # noqa: BLE001 - undecodable: no proof
+        _, declared_mode, user_data = serializer.loads(raw)
+        declared_mode = AveragingMode(declared_mode)
+    except Exception as e:  # noqa: BLE001 - undecodable
+        return f"undecodable metadata ({type(e).__name__})"
+    return signature_problem(_user_claim(serializer, user_data), peer_id=peer_id, prefix=prefix,
+                             mode=declared_mode.value)
+
+
+def _user_claim(serializer, user_data: object) -> object:
+    """A member's user data (bytes of its gathered object) decoded, or None."""
+    try:
+        return serializer.loads(user_data) if isinstance(user_data, bytes) else None
+    except Exception:  # noqa: BLE001 - undecodable: no claim
         return None
+
+
+def _proof_in(serializer, user_data: object) -> bytes | None:
+    data = _user_claim(serializer, user_data)
     proof = data.get("admit") if isinstance(data, dict) else None
     return proof if isinstance(proof, bytes) else None
 
 
 def vet_group(group_info: GroupInfo, *, peer_id: PeerID, bandwidth: float | None, mode: AveragingMode,
-              max_group_size: int, serializer, admission: bytes | None = None) -> GroupInfo:
+              max_group_size: int, serializer, admission: bytes | None = None,
+              signed_prefix: str | None = None) -> GroupInfo:
     """The group to run, with every declared bandwidth replaced by None; raises ``GroupRefused``.
 
     In hivemind 1.1.12 a follower takes the leader's peer order and gathered metadata
@@ -366,8 +390,11 @@ def vet_group(group_info: GroupInfo, *, peer_id: PeerID, bandwidth: float | None
     reducer gets an equal share, whatever the leader says, and the peer order (random, chosen by
     the leader) then only decides which equal share each reducer gets. A leader can still forge
     another peer's mode (claim it is a client, which reduces nothing); each peer refuses a group
-    that misstates its own entry, so an honest reducer never takes part in such a group. Forging
-    a third peer's entry undetectably would need signed metadata, which hivemind does not have.
+    that misstates its own entry, so an honest reducer never takes part in such a group.
+
+    With ``signed_prefix`` (every real node: ``protocols.signed_claims``) each member's user data
+    must be a claim signed by that member for this run and its declared mode: a leader that
+    forges or alters a third member's claim or mode is caught too (``ForgedGroup``).
 
     In a private swarm (``admission``) every member's user data must carry its proof of the swarm
     key (``protocols.admission``): a leader cannot slip in a peer that lacks it."""
@@ -375,7 +402,7 @@ def vet_group(group_info: GroupInfo, *, peer_id: PeerID, bandwidth: float | None
     if len(peers) > max_group_size:
         raise GroupRefused(f"group of {len(peers)} peers, over the cap of {max_group_size}")
     if len(set(peers)) != len(peers) or len(gathered) != len(peers) or peer_id not in peers:
-        raise GroupRefused("malformed group (duplicate peers, metadata count, or we are not in it)")
+        raise ForgedGroup("malformed group (duplicate peers, metadata count, or we are not in it)")
     rewritten = []
     for peer, raw in zip(peers, gathered):
         try:
@@ -383,14 +410,19 @@ def vet_group(group_info: GroupInfo, *, peer_id: PeerID, bandwidth: float | None
             declared_bandwidth, declared_mode, user_data = entry
             declared_mode = AveragingMode(declared_mode)
         except Exception as e:  # noqa: BLE001 - anything undecodable refuses the group
-            raise GroupRefused(f"undecodable metadata for {peer}: {type(e).__name__}") from None
+            raise ForgedGroup(f"undecodable metadata for {peer}: {type(e).__name__}") from None
         if declared_bandwidth is not None and not (isinstance(declared_bandwidth, (int, float))
                                                    and math.isfinite(declared_bandwidth) and declared_bandwidth >= 0):
             raise GroupRefused(f"bandwidth {declared_bandwidth!r:.20} for {peer}")
         if admission is not None and not admitted(admission, str(peer), _proof_in(serializer, user_data)):
             raise GroupRefused(f"{peer} did not prove the swarm key")
         if peer == peer_id and (declared_mode != mode or declared_bandwidth != bandwidth):
-            raise GroupRefused(f"the leader misstated our own entry (mode {declared_mode.name}, "
-                               f"bandwidth {declared_bandwidth!r:.20})")
+            raise ForgedGroup(f"the leader misstated our own entry (mode {declared_mode.name}, "
+                              f"bandwidth {declared_bandwidth!r:.20})")
+        if signed_prefix is not None:
+            problem = signature_problem(_user_claim(serializer, user_data), peer_id=str(peer), prefix=signed_prefix,
+                                        mode=declared_mode.value)
+            if problem is not None:
+                raise ForgedGroup(f"the entry of {peer}: {problem}")
         rewritten.append(serializer.dumps([None, declared_mode.value, user_data]))
     return GroupInfo(group_info.group_id, tuple(peers), tuple(rewritten))

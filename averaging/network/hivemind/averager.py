@@ -50,10 +50,12 @@ from hivemind.utils.asyncio import achain, as_aiter, azip
 from averaging.math.robust import BanList, RobustConfig
 from averaging.network.hivemind import pins
 from averaging.network.hivemind.allreduce import (
+    ForgedGroup,
     GroupRefused,
     RobustAllReduceRunner,
     RobustCounters,
     gathered_proof,
+    gathered_signature_problem,
     vet_group,
 )
 from averaging.network.hivemind.fetching import UPDATE_VERSION, StateFetching
@@ -90,8 +92,11 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
 
     def __init__(self, *args, state_provider: StateProvider, update_provider: UpdateProvider | None = None,
                  registration_wait: float = 10.0, robust: RobustConfig | None = None,
-                 admission: bytes | None = None, **kwargs):
+                 admission: bytes | None = None, signed_claims: bool = False, **kwargs):
+        """``signed_claims``: every member's gathered claim must be signed by it
+        (``protocols.signed_claims``); a leader that relays a forged one is banned."""
         self._state_provider = state_provider
+        self._signed_claims = signed_claims
         # A private swarm's admission key (protocols.admission): every request we serve and every
         # member of a group we join must prove it; None (a public swarm) admits everyone.
         self._admission = admission
@@ -141,6 +146,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         matchmaking.__class__ = ShoalMatchmaking
         matchmaking.ban_list = self._ban_list
         matchmaking.matched = {}
+        matchmaking.leaders = {}
         # A group must reach its followers before they give up (matchmaking.declared_expiration):
         # a leader's answer can wait up to request_timeout behind its own join request, plus latency.
         matchmaking.potential_leaders.__class__ = ShoalPotentialLeaders
@@ -237,13 +243,17 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
 
     # -- robust all-reduce (averager process) ------------------------------------------------
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
-        # The leader's group, vetted: size cap, our own entry, bandwidths dropped (vet_group).
+        # The leader's group, vetted: size cap, our own entry, every member's signed claim,
+        # bandwidths dropped (vet_group).
+        leader = self._matchmaking.leaders.pop(group_info.group_id, None)
         try:
             group_info = vet_group(group_info, peer_id=self.peer_id, bandwidth=self.bandwidth, mode=self.mode,
                                    max_group_size=self._max_group_size, serializer=self.serializer,
-                                   admission=self._admission)
+                                   admission=self._admission, signed_prefix=self.prefix if self._signed_claims else None)
         except GroupRefused as e:
             logger.warning(f"refused group {group_info.group_id.hex()[:8]} of {len(group_info.peer_ids)}: {e}")
+            if isinstance(e, ForgedGroup) and leader is not None and leader != self.peer_id:
+                self._ban(str(leader), f"led a group with forged metadata ({e})")
             raise MatchmakingException(f"refused the group: {e}") from None
         try:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
@@ -286,6 +296,11 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         if container.failed_size:
             self._partial[group_id] = container.failed_size / max(1, container.total_size)
 
+    def _ban(self, peer: str, reason: str) -> None:
+        """Put ``peer`` on the ban list (averager process; it logs the reason), counted for the host."""
+        if self._ban_list.ban(peer, reason):
+            RobustCounters._add(self.robust_counters._bans)
+
     # -- admission (a private swarm) ----------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by
     # the hint's ``_name``, which collections.abc.AsyncIterator[...] does not have.
@@ -308,6 +323,13 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
                                                          gathered_proof(self.serializer, request.gather), context):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
+        if self._signed_claims:
+            problem = gathered_signature_problem(self.serializer, request.gather, peer_id=str(context.remote_id),
+                                                 prefix=self.prefix)
+            if problem is not None:  # its own request, over its own connection: the peer is at fault
+                self._ban(str(context.remote_id), f"asked to join with a claim it did not sign ({problem})")
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
         async for message in super().rpc_join_group(request, context):
             yield message
 

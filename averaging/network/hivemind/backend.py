@@ -49,7 +49,9 @@ from averaging.network.slices import (
 )
 from averaging.state.served import AppliedUpdate, CheckSlice, DownloadedState
 from protocols import swarm_time
+from protocols.identity import PeerKey
 from protocols.messages import MAX_ROUND
+from protocols.signed_claims import sign_claim
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +82,14 @@ class HivemindBackend:
         state_lengths: Sequence[int] | None = None,
         robust: RobustConfig | None = RobustConfig(),
         admission: bytes | None = None,
+        signer: PeerKey | None = None,
     ):
-        """``admission``: a private swarm's admission key (``protocols.admission.admission_key``)."""
+        """``admission``: a private swarm's admission key (``protocols.admission.admission_key``).
+        ``signer``: this peer's libp2p identity (the DHT's): our claims are signed with it and every
+        member's must be (``protocols.signed_claims``). Every real node has one; without it (tests
+        on bare hivemind DHTs) claims travel unsigned and unchecked."""
+        if signer is not None and signer.peer_id != str(dht.peer_id):
+            raise ValueError("the signer must be the DHT's own identity")
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
         assert request_timeout < min_matchmaking_time
         wire = wire or WireFormat()
@@ -111,8 +119,10 @@ class HivemindBackend:
             shutdown_timeout=3,
             robust=robust,
             admission=admission,
+            signed_claims=signer is not None,
             **extra,
         )
+        self._signer = signer
         self.peer_id = str(dht.peer_id)
         # What state_provider returns: by default anchor and momentum (SharedState.shared_state).
         self._state_lengths = list(state_lengths) if state_lengths is not None else [numel, numel]
@@ -132,6 +142,8 @@ class HivemindBackend:
             # finishing round r-1 can never pull a peer of round r into its group (or wait for it).
             self._averager.set_group_bits(round_bits(round))
             proof = self._averager.proof()
+            if self._signer is not None:
+                gather = sign_claim(gather, self._signer, prefix=self._averager.prefix, mode=self._averager.mode.value)
             control = self._averager.step(
                 gather=gather if proof is None else {**gather, "admit": proof},
                 scheduled_time=scheduled_time,

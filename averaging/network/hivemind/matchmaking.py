@@ -46,6 +46,8 @@ def declared_expiration(now: float, *, scheduled_time: float, min_matchmaking_ti
     return expiration if expiration > now else None
 
 
+MAX_LEADERS_KEPT = 64  # groups whose leader a follower remembers until the group runs
+
 # The least time between two fetches of the declared leaders from the DHT (one search).
 REFETCH_S = 0.25
 
@@ -123,12 +125,22 @@ class ShoalMatchmaking(Matchmaking):
     # id(step) -> the group ids that step's matchmaking assembled (``ShoalAverager._step`` pops it
     # when the step ends, to answer late parts for those groups at once).
     matched: dict[int, list[bytes]]
+    # group id -> the leader that sent us that group (as a follower)
+    leaders: dict[bytes, PeerID]
 
     async def look_for_group(self, step):
         group = await super().look_for_group(step)
         if group is not None:
             self.matched.setdefault(id(step), []).append(group.group_id)
         return group
+
+    async def follower_assemble_group(self, leader: PeerID, msg):
+        # Who relayed the group's metadata: the peer to ban if that metadata was forged
+        # (``ShoalAverager._aggregate_with_group`` pops it; bounded in case a step never runs it).
+        self.leaders[msg.group_id] = leader
+        while len(self.leaders) > MAX_LEADERS_KEPT:
+            del self.leaders[next(iter(self.leaders))]
+        return await super().follower_assemble_group(leader, msg)
 
     async def _request_join_group(self, leader: PeerID):
         if self.ban_list.is_banned(str(leader)):
