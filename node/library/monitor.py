@@ -34,13 +34,17 @@ class PeerMonitor:
 
     def __init__(self, directory: RunDirectory, ours: RunManifest, *, peer_id: str, period: float,
                  status: Callable[[], ProgressRecord], on_change: Callable[[set[str], set[str]], None],
-                 trust: RunTrust | None = None, rediscovery: Rediscovery | None = None):
+                 trust: RunTrust | None = None, rediscovery: Rediscovery | None = None,
+                 present: Callable[[list[str]], list[str]] | None = None):
+        """``present(others)``: of the other live peers, those that count as members of the swarm
+        (``node.library.acquaintances``); None: every record does."""
         self.directory, self.manifest, self.peer_id, self.period = directory, ours, peer_id, period
+        self._present = present
         self.trust = trust if trust is not None else RunTrust(pinned=ours.organiser or None)
         self._status, self._on_change = status, on_change
         self.peers: dict[str, ProgressRecord] = {}
         self.malformed = 0  # records ignored at the last read (validation failed)
-        self.others_seen_at = -math.inf  # time.time() of the last read that found another live peer
+        self.others_seen_at = -math.inf  # time.time() of the last read that found another peer present
         self.clock = ClockKeeper()
         self.rediscovery = rediscovery  # None: nothing to re-dial (an in-process swarm, a test)
         self._ticks = 0
@@ -86,12 +90,12 @@ class PeerMonitor:
         self.manifest = converge(self.manifest, manifests, self.trust, self.directory.now())
         live, self.malformed = self.directory.progress()
         live[self.peer_id] = mine
-        if len(live) > 1:
+        others = sorted(set(live) - {self.peer_id})
+        if others and (self._present is None or self._present(others)):
             self.others_seen_at = time.time()
         joined, left = set(live) - set(self.peers), set(self.peers) - set(live)
         self.peers = live
         self._ticks += 1
-        others = sorted(set(live) - {self.peer_id})
         if others and (self._ticks <= CLOCK_FIRST_TICKS or self._ticks % CLOCK_EVERY_TICKS == 0 or joined):
             self.clock.update(self.directory.clock_samples(others))
         if self.rediscovery is not None:

@@ -14,7 +14,6 @@ import json
 import logging
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from averaging.network.interface import Progress
 from averaging.state.served import DownloadedState
 from averaging.state.shared_state import SharedState
 from averaging.state.verdict import Applied
+from node.library.acquaintances import Acquaintances
 from node.library.cleanup import close_hivemind, hivemind_sockets
 from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.library.dht import Reachability, RecordRules
@@ -96,16 +96,17 @@ class LiveRound:
     compute_s: float
 
 
-def donor_order(records: Mapping[str, ProgressRecord], *, me: str, rng: random.Random | None = None) -> list[str]:
-    """The peers to download the swarm's state from, in the order to ask them. Client-mode peers
-    accept no connections, so they cannot serve. The order follows nothing a donor claims alone
-    (a record claiming the newest round was asked first, so one hostile record put itself at the
-    head of every join): donors whose outer-step count most records share come first, shuffled;
-    the download then assembles the state most donors serve (``averaging.network.slices``)."""
+def donor_order(records: Mapping[str, ProgressRecord], *, me: str, max_rounds_done: int,
+                rng: random.Random | None = None) -> list[str]:
+    """The peers to download the swarm's state from, in the order to ask them: the most outer steps
+    first (a joiner wants the newest state), but a count is a donor's own word, so it counts only
+    up to what the schedule allows (``max_rounds_done``: one step a round) and donors that tie are
+    shuffled. A record claiming an impossible count used to head every join; now it ties at most
+    with the honest peers that hold the newest state, and the download assembles the state most
+    donors serve (``averaging.network.slices``). Client-mode peers accept no connections."""
     donors = [p for p, record in records.items() if p != me and record.mode != "client"]
     (rng or random.Random()).shuffle(donors)
-    shared = Counter(records[p].rounds_done for p in donors)
-    return sorted(donors, key=lambda p: -shared[records[p].rounds_done])  # stable: shuffled within
+    return sorted(donors, key=lambda p: -min(records[p].rounds_done or 0, max_rounds_done))  # stable
 
 
 class DiLoCoSwarm:
@@ -151,6 +152,7 @@ class DiLoCoSwarm:
         self.reachability = Reachability(client_mode=client_mode, use_relay=use_relay)
         self._resumed_round = -1
         self._served_at = 0.0  # when a peer last downloaded our state (see _alone)
+        self._acquaintances = Acquaintances()  # whose figures count (node.library.acquaintances)
         self._traffic = Traffic()
         self.tokens_contributed = 0
         self.last_stats: RoundStats | None = None
@@ -212,7 +214,7 @@ class DiLoCoSwarm:
         self._monitor = PeerMonitor(self._directory, self.manifest, peer_id=self.peer_id,
                                     period=period, status=self._status,
                                     on_change=on_peers_changed or (lambda joined, left: None), trust=self.trust,
-                                    rediscovery=self._rediscovery(period))
+                                    rediscovery=self._rediscovery(period), present=self._present_others)
         self._closers.insert(0, self._monitor.stop)
         self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
         named_now = lambda: dict(self.model.named_parameters())  # noqa: E731 - follows .to(device)
@@ -247,10 +249,19 @@ class DiLoCoSwarm:
         a re-sync. Nor within two rounds of hearing another peer: on a link that an all-reduce
         saturates, records miss their TTL and peers seem to leave for a round or two (a peer at
         1.1 Mbit/s logged peers=1 for two rounds and stepped alone twice, off the swarm's lineage).
-        Folding the round instead costs nothing; the work goes into our next contribution."""
+        Folding the round instead costs nothing; the work goes into our next contribution.
+        Only peers that count as members (``node.library.acquaintances``: met in a group lately, or
+        new) keep us from it: records that never average with us cannot stop a lone peer's training."""
         now, wait = time.time(), ALONE_AFTER_ROUNDS * self._monitor.schedule.round_seconds
         recent = now - self._served_at < wait or now - self._monitor.others_seen_at < wait
-        return self._monitor.peer_count <= 1 and not recent
+        others = [p for p in self._monitor.peers if p != self.peer_id]
+        return not self._acquaintances.present(others, self._loop.round) and not recent
+
+    def _present_others(self, others: list[str]) -> list[str]:
+        """The monitor's filter (its thread): of the other live records, the peers that count."""
+        round = self._loop.round if hasattr(self, "_loop") else 0
+        self._acquaintances.saw(others, round)
+        return self._acquaintances.present(others, round)
 
     # -- the training loop's calls -------------------------------------------------------------
     def resume(self, state: DownloadedState) -> int:
@@ -318,6 +329,14 @@ class DiLoCoSwarm:
         return self._monitor.peer_count
 
     @property
+    def present_peers(self) -> tuple[ProgressRecord, ...]:
+        """The live records of this peer and of the peers that count as members (met in a group
+        lately, or new): what swarm-wide choices such as the data shard follow."""
+        peers = self._monitor.peers
+        present = set(self._acquaintances.present([p for p in peers if p != self.peer_id], self._loop.round))
+        return tuple(record for p, record in peers.items() if p == self.peer_id or p in present)
+
+    @property
     def peers(self) -> tuple[ProgressRecord, ...]:
         """The live peers' latest progress records (ours included)."""
         return tuple(self._monitor.peers.values())  # the monitor swaps its dict whole
@@ -375,7 +394,8 @@ class DiLoCoSwarm:
         if not self.initial_peers:
             return None
         self._monitor.tick()
-        donors = donor_order(self._monitor.peers, me=self.peer_id)
+        donors = donor_order(self._monitor.peers, me=self.peer_id,
+                             max_rounds_done=self._monitor.schedule.round_at(self._directory.now()))
         if not donors:
             return None
         if before_first_step((self._monitor.peers[p] for p in donors),
@@ -412,6 +432,8 @@ class DiLoCoSwarm:
         """Tokens contributed and bytes moved, for the progress record and the dashboard."""
         for stats in finished:
             self.last_stats = stats
+            if stats.applied == Applied.AVERAGED:
+                self._acquaintances.met((p for p in stats.group if p != self.peer_id), stats.round)
             if stats.applied != Applied.FOLDED:
                 self.tokens_contributed += stats.tokens
             self._traffic.add(sent=stats.bytes_sent, received=stats.bytes_received)  # 0 unless an all-reduce ran
@@ -445,9 +467,11 @@ class DiLoCoSwarm:
         return self._loop.sync_lateness
 
     def _others_lateness(self) -> list[float]:
-        """The sync lateness the other live peers published (the round engine agrees on a period from it)."""
-        return [record.sync_late_s for peer, record in self._monitor.peers.items()
-                if peer != self.peer_id and record.sync_late_s is not None]
+        """The sync lateness the other live peers we averaged with lately published (the round
+        engine agrees on a period from their median): a record we never met has no say."""
+        peers = self._monitor.peers
+        voices = self._acquaintances.voices([p for p in peers if p != self.peer_id], self._loop.round)
+        return [peers[p].sync_late_s for p in voices if peers[p].sync_late_s is not None]
 
     def _status(self) -> ProgressRecord:
         """Our progress record (monitor thread): the library's own figures, then the caller's."""

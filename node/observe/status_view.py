@@ -3,6 +3,8 @@ table as the node's live view."""
 
 from __future__ import annotations
 
+import statistics
+
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
@@ -35,10 +37,12 @@ def render_snapshot(snapshot: SwarmSnapshot) -> Panel:
     if snapshot.malformed or snapshot.malformed_manifests:
         grid.add_row("ignored", Text(f"{snapshot.malformed} malformed progress records, "
                                      f"{snapshot.malformed_manifests} malformed manifests", style="yellow"))
-    if schedule is not None:
-        for record in sorted(snapshot.records.values(), key=lambda r: r.peer_id):
-            if advice := round_advice(record.sync_late_s, schedule.round_seconds):
-                grid.add_row("round length", Text(f"peer {short_id(record.peer_id)}: {advice}", style="yellow"))
+    lateness = [r.sync_late_s for r in snapshot.records.values() if r.sync_late_s is not None]
+    if schedule is not None and lateness:
+        # One row from the median, as the peers' own sync period follows a median: a row per record
+        # let a flood of records (each one DHT store) fill the view with advice.
+        if advice := round_advice(statistics.median(lateness), schedule.round_seconds):
+            grid.add_row("round length", Text(f"median of {len(lateness)} peers: {advice}", style="yellow"))
     for record in sorted(snapshot.records.values(), key=lambda r: r.peer_id):
         if record.clock_offset_s is not None and abs(record.clock_offset_s) > WARN_S:
             side = "ahead of" if record.clock_offset_s < 0 else "behind"

@@ -288,7 +288,7 @@ class Peer:
 
     def _claim_shard(self) -> None:
         """Move to the least-used shard if ours is shared while another has fewer peers."""
-        claims = {r.peer_id: r.shard for r in self.swarm.peers}
+        claims = {r.peer_id: r.shard for r in self.swarm.present_peers}  # records that never meet us do not herd us
         shard = choose_shard(self.config.data.num_shards, self.peer_id, claims, self.shard)
         if shard == self.shard:
             return
