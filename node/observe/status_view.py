@@ -3,8 +3,6 @@ table as the node's live view."""
 
 from __future__ import annotations
 
-import statistics
-
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
@@ -15,6 +13,8 @@ from node.library.snapshot import SwarmSnapshot
 from node.observe.fmt import number, short_id
 from node.observe.ui import peer_table
 from protocols.swarm_time import WARN_S
+
+MAX_ADVICE_ROWS = 3
 
 
 def render_snapshot(snapshot: SwarmSnapshot) -> Panel:
@@ -37,12 +37,14 @@ def render_snapshot(snapshot: SwarmSnapshot) -> Panel:
     if snapshot.malformed or snapshot.malformed_manifests:
         grid.add_row("ignored", Text(f"{snapshot.malformed} malformed progress records, "
                                      f"{snapshot.malformed_manifests} malformed manifests", style="yellow"))
-    lateness = [r.sync_late_s for r in snapshot.records.values() if r.sync_late_s is not None]
-    if schedule is not None and lateness:
-        # One row from the median, as the peers' own sync period follows a median: a row per record
-        # let a flood of records (each one DHT store) fill the view with advice.
-        if advice := round_advice(statistics.median(lateness), schedule.round_seconds):
-            grid.add_row("round length", Text(f"median of {len(lateness)} peers: {advice}", style="yellow"))
+    if schedule is not None:
+        # Each record names its own peer; a flood of records (one DHT store each) gets a few rows.
+        advised = [(record, advice) for record in sorted(snapshot.records.values(), key=lambda r: r.peer_id)
+                   if (advice := round_advice(record.sync_late_s, schedule.round_seconds))]
+        for record, advice in advised[:MAX_ADVICE_ROWS]:
+            grid.add_row("round length", Text(f"peer {short_id(record.peer_id)}: {advice}", style="yellow"))
+        if len(advised) > MAX_ADVICE_ROWS:
+            grid.add_row("round length", Text(f"and {len(advised) - MAX_ADVICE_ROWS} more peers", style="yellow"))
     for record in sorted(snapshot.records.values(), key=lambda r: r.peer_id):
         if record.clock_offset_s is not None and abs(record.clock_offset_s) > WARN_S:
             side = "ahead of" if record.clock_offset_s < 0 else "behind"
