@@ -1,18 +1,33 @@
-"""The sliced state download (averaging.network.slices) against fake donors: no network, no processes."""
+"""The sliced state download (averaging.network.slices) against fake donors, a donor's limits
+(averaging.network.hivemind.serving) against fake joiners, and what a joiner keeps of a hostile
+donor's answer (averaging.network.hivemind.fetching): no network, no processes."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import msgpack
 import pytest
 import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.p2p import P2P, P2PHandlerError
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, split_for_streaming
 
+from averaging.network.hivemind import serving
+from averaging.network.hivemind.averager import ShoalAverager
+from averaging.network.hivemind.fetching import UPDATE_VERSION, StateFetching
 from averaging.network.slices import (
+    MIN_DONOR_BYTES_PER_S,
     choose_round,
     choose_state,
     default_slice_count,
@@ -438,3 +453,202 @@ def test_a_slice_the_check_refuses_drops_its_donor_and_is_fetched_from_another(c
     assert "liar" not in result.served and swarm.calls["liar"] == 1
     assert any("liar" in r.message and "do not match" in r.message for r in caplog.records)
     assert all(start % 100 == 0 for start, _ in seen)  # the check sees aligned slices
+
+
+# -- a donor's limits, against joiners that stop reading or keep asking -----------------------------
+class FakeDonor(serving.StateServing):
+    """The donor's serving on a fake host (a state of anchor and momentum, ``numel`` values each)."""
+
+    allow_state_sharing = True
+
+    def __init__(self, numel: int):
+        self.total_size = numel  # hivemind's: the averaged vector's size
+        self.state = torch.randn(2 * numel, generator=torch.Generator().manual_seed(0))
+        self._state_copy, self._state_copy_lock = None, None
+
+    def _refused(self, what, proof, context) -> bool:
+        return False
+
+    async def _get_current_state_from_host_process(self):
+        numel = self.total_size
+        return b"\x80", [self.state[:numel], self.state[numel:]], None
+
+
+def slice_stream(donor: FakeDonor, peer: str):
+    """``peer``'s request for the whole state, as one slice: the donor's answer, unread."""
+    return donor.rpc_download_state_slice(averaging_pb2.JoinRequest(gather=encode_slice_request(0, 1)),
+                                          SimpleNamespace(remote_id=peer))
+
+
+async def bytes_served(donor: FakeDonor, peer: str) -> int:
+    """What an honest joiner ``peer`` receives of the whole state (0: refused)."""
+    return sum([len(m.tensor_part.buffer) async for m in slice_stream(donor, peer)])
+
+
+def test_downloads_that_stop_reading_hold_a_donors_slots_only_until_their_deadline(monkeypatch):
+    """Issue 29 (6): four identities, two downloads each that stop reading after one message
+    (hivemind's drain then never returns, so the donor's stream stays suspended at its yield), held
+    every slot of a donor for good: an honest joiner got nothing."""
+    monkeypatch.setattr(serving, "SERVE_STALL_S", 0.2)
+    donor = FakeDonor(numel=4 * STREAMING_CHUNK_SIZE_BYTES)  # a full state: 32 messages
+    full = 8 * donor.total_size
+    # A stream that stopped after its first message is past its deadline this long after it.
+    stuck_for = serving.SERVE_STALL_S + (STREAMING_CHUNK_SIZE_BYTES + 1) / MIN_DONOR_BYTES_PER_S
+
+    async def scenario() -> None:
+        stuck = [slice_stream(donor, f"sybil{i // 2}") for i in range(serving.MAX_SERVES)]
+        for stream in stuck:
+            await anext(stream)
+        assert await bytes_served(donor, "honest") == 0  # the limits hold within the deadline
+        await asyncio.sleep(stuck_for + 0.1)
+        assert await bytes_served(donor, "honest") == full
+        with pytest.raises(StopAsyncIteration):  # a stuck stream ends at its next chance
+            await anext(stuck[0])
+        for stream in stuck:
+            await stream.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_one_peer_is_served_a_few_full_states_per_window(monkeypatch, caplog):
+    """Issue 29 (6): one identity could make a donor stream forever, one download after another."""
+    monkeypatch.setattr(serving, "DOWNLOAD_WINDOW_S", 1.0)  # the budget refills in a second
+    donor = FakeDonor(numel=4096)
+    full = 8 * donor.total_size
+
+    async def scenario() -> None:
+        served = [await bytes_served(donor, "greedy") for _ in range(serving.DOWNLOAD_BUDGET_STATES + 2)]
+        assert served == [full] * serving.DOWNLOAD_BUDGET_STATES + [0, 0]
+        assert await bytes_served(donor, "other") == full  # a budget per peer
+        await asyncio.sleep(serving.DOWNLOAD_WINDOW_S)
+        assert await bytes_served(donor, "greedy") == full
+
+    with caplog.at_level(logging.WARNING, logger=serving.__name__):
+        asyncio.run(scenario())
+    refusals = [r.message for r in caplog.records if r.message.startswith("refused a state slice to greedy")]
+    assert len(refusals) == 1 and "budget" in refusals[0], refusals  # logged once a minute per peer
+
+
+# -- what a joiner keeps of a hostile donor's answer -----------------------------------------------
+DONOR = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+
+class _Sink:
+    """The joiner's end of the stream it writes its request to."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class WireDonor:
+    """A donor as a joiner's p2p sees it: ``wire`` (hivemind's framing), then the end of the stream."""
+
+    def __init__(self, wire: bytes):
+        self.wire = wire
+
+    async def call_binary_stream_handler(self, peer_id, handler_name: str):
+        reader = asyncio.StreamReader()
+        reader.feed_data(self.wire)
+        reader.feed_eof()
+        return None, reader, _Sink()
+
+
+class FakeJoiner(StateFetching):
+    serializer = MSGPackSerializer
+    prefix = "test"
+    _get_handle_name = ShoalAverager._get_handle_name
+
+    def __init__(self, wire: bytes):
+        self._p2p = WireDonor(wire)
+
+    def proof(self) -> None:
+        return None
+
+
+def framed(messages: list[averaging_pb2.DownloadData]) -> bytes:
+    """``messages`` as hivemind's ``P2P.send_protobuf`` writes them: marker, 8-byte length, message."""
+    return b"".join(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data
+                    for data in (m.SerializeToString() for m in messages))
+
+
+def answer(tensor: torch.Tensor, metadata: bytes) -> list[averaging_pb2.DownloadData]:
+    """What an honest donor sends: the tensor in hivemind's streaming parts, metadata in the first."""
+    parts = split_for_streaming(serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE))
+    return [averaging_pb2.DownloadData(tensor_part=part, metadata=metadata if i == 0 else b"")
+            for i, part in enumerate(parts)]
+
+
+# Each hostile answer stays within the bytes an honest one may take, but for the last: every refusal
+# is its own rule's, not the bound on the whole answer's.
+def junk_in_every_message(messages):
+    for message in messages[1:]:
+        message.metadata = b"\0" * 1024
+    return framed(messages)
+
+
+def huge_metadata(messages):
+    metadata = MSGPackSerializer.loads(messages[0].metadata)
+    messages[0].metadata = MSGPackSerializer.dumps({**metadata, "pad": "x" * 100 * 1024})
+    return framed(messages)
+
+
+def announcing_a_huge_message(messages):
+    return framed(messages[:1]) + P2P.MESSAGE_MARKER + (2**40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+
+
+UPDATE_NUMEL = 2**18  # 512 KiB in fp16: 8 messages
+
+
+def receive_update(wire: bytes):
+    return asyncio.run(FakeJoiner(wire)._receive_update(DONOR, 4, UPDATE_NUMEL))
+
+
+def receive_slice(wire: bytes):
+    return asyncio.run(FakeJoiner(wire)._receive_slice(DONOR, 0, 1, UPDATE_NUMEL, stall_timeout=5.0))
+
+
+def update_answer():
+    metadata = MSGPackSerializer.dumps({"v": UPDATE_VERSION, "round": 9, "rounds_done": 5})
+    return answer(torch.ones(UPDATE_NUMEL, dtype=torch.float16), metadata)
+
+
+def slice_answer():
+    return answer(torch.ones(UPDATE_NUMEL), MSGPackSerializer.dumps({"round": 9, "v": 1}))
+
+
+def test_a_joiner_takes_an_honest_answer_read_frame_by_frame():
+    update = receive_update(framed(update_answer()))
+    assert (update.round, update.rounds_done) == (9, 5) and torch.equal(update.update, torch.ones(UPDATE_NUMEL).half())
+    metadata, values = receive_slice(framed(slice_answer()))
+    assert metadata == {"round": 9, "v": 1} and torch.equal(values, torch.ones(UPDATE_NUMEL))
+
+
+def test_a_donors_refusal_reaches_the_joiner_with_its_message():
+    error = RPCError(message="MessageError: slice 9 of 8").SerializeToString()
+    wire = P2P.ERROR_MARKER + len(error).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + error
+    with pytest.raises(P2PHandlerError, match="slice 9 of 8"):
+        receive_slice(wire)
+
+
+@pytest.mark.parametrize(("hostile", "refusal"), [
+    pytest.param(junk_in_every_message, "metadata after its first message", id="junk-metadata"),
+    pytest.param(huge_metadata, "bytes of metadata", id="huge-metadata"),
+    pytest.param(announcing_a_huge_message, "past the", id="huge-message"),
+])
+@pytest.mark.parametrize("receive", [
+    pytest.param((receive_update, update_answer), id="update"),
+    pytest.param((receive_slice, slice_answer), id="slice"),
+])
+def test_a_donor_cannot_make_a_joiner_keep_more_than_the_tensor_it_asked_for(hostile, refusal, receive):
+    """Issue 29 (8): a joiner counted only each part's tensor bytes but kept the whole messages: a
+    donor padding every message with metadata (or sending one message of any size, which hivemind's
+    reader takes whole) made it hold gigabytes within the update's timeout."""
+    receive_answer, honest = receive
+    with pytest.raises(ValueError, match=refusal):
+        receive_answer(hostile(honest()))

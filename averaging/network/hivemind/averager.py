@@ -33,7 +33,6 @@ import contextlib
 import logging
 import threading
 import typing
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,11 +112,9 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         self._part_timeouts = torch.zeros(2, dtype=torch.float64).share_memory_()
         self._host_lock: asyncio.Lock | None = None  # averager process, created on its event loop
         self._running: set[asyncio.Task] = set()  # averager process: commands in flight (_kept_alive)
-        # Averager process: requests being served per peer, the shared state copy, refusals logged.
-        self._serving: Counter[str] = Counter()
+        # Averager process: the shared state copy (what is being served is StateServing's own book).
         self._state_copy: tuple[float, Any] | None = None
         self._state_copy_lock: asyncio.Lock | None = None
-        self._busy_logged: dict[str, float] = {}
         pins.check()  # the hivemind code we override is the code we reviewed
         self._robust = robust
         # The ban list lives in the averager process (this object is forked with it); the counters

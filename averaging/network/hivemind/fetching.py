@@ -3,22 +3,26 @@
 A mixin of ``ShoalAverager`` (``averaging.network.hivemind.averager``). ``fetch_slice`` and
 ``fetch_update`` block a host thread on an MPFuture while the transfer runs in the averager
 process (one task per fetch, bounded by its deadline so none lingers). Everything received is
-refused early where it could not be right: more bytes or parts than asked for, compression,
-another dtype or size, another step, non-finite values.
+refused early where it could not be right: more bytes or parts than asked for (whole messages
+counted, each refused before it is read: ``_download``), metadata past the first message or its
+cap, compression, another dtype or size, another step, non-finite values.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming
+from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES
 
 from averaging.math.wire import STATE_BYTES_PER_VALUE
 from averaging.state.served import AppliedUpdate
@@ -26,6 +30,11 @@ from protocols.state_slices import encode_slice_request, encode_update_request
 
 FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
 UPDATE_VERSION = 1  # of a served outer step's metadata
+# What a download may cost us beyond the tensor's own bytes: a donor's metadata (a served state's
+# claim is a few hundred bytes), sent once, and each message's framing (hivemind's 9 bytes, field
+# tags and lengths, the first part's dtype and size: about 40 bytes in all).
+METADATA_CAP_BYTES = 64 * 1024
+MESSAGE_OVERHEAD_BYTES = 128
 
 
 def describe(e: BaseException) -> str:
@@ -104,35 +113,28 @@ class StateFetching:
         """Receive one update, refusing early what could not be right (more bytes than an fp16
         vector of ours, another dtype or size, another step than asked for, non-finite values)."""
         max_bytes = numel * 2
-        max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
-        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-        stream = await stub.rpc_download_update(
-            averaging_pb2.JoinRequest(gather=encode_update_request(rounds_done, self.proof())))
-        metadata, parts, received = None, [], 0
-        try:
-            async for message in stream:
-                if message.metadata and metadata is None:
-                    metadata = self.serializer.loads(message.metadata)
-                received += len(message.tensor_part.buffer)
-                if received > max_bytes or len(parts) >= max_parts:
-                    raise ValueError(f"sent more than the {max_bytes} bytes of an update")
-                parts.append(message.tensor_part)
-        finally:
-            await stream.aclose()
-        if not parts:
+        received = Received(max_bytes)
+        messages = self._download(peer, "rpc_download_update",
+                                  averaging_pb2.JoinRequest(gather=encode_update_request(rounds_done, self.proof())),
+                                  received.max_message_bytes())
+        async with contextlib.aclosing(messages):
+            async for message in messages:
+                received.add(message)
+        if not received.buffers:
             raise ValueError(f"does not hold outer step {rounds_done + 1}")
-        head = parts[0]
+        head = received.head
         if head.compression != runtime_pb2.CompressionType.NONE or head.dtype != "float16" \
-                or list(head.size) != [numel] or received != max_bytes:
-            raise ValueError(f"update is {head.dtype!r:.20} of size {list(head.size)[:4]} in {received} bytes, "
-                             f"expected float16 [{numel}] in {max_bytes}")
+                or list(head.size) != [numel] or received.tensor_bytes != max_bytes:
+            raise ValueError(f"update is {head.dtype!r:.20} of size {list(head.size)[:4]} in {received.tensor_bytes}"
+                             f" bytes, expected float16 [{numel}] in {max_bytes}")
+        metadata = self.serializer.loads(received.metadata) if received.metadata else None
         if not isinstance(metadata, dict) or metadata.get("v") != UPDATE_VERSION \
                 or metadata.get("rounds_done") != rounds_done + 1:
             raise ValueError(f"update metadata does not describe outer step {rounds_done + 1}")
         round = metadata.get("round")
         if not isinstance(round, int) or isinstance(round, bool) or not 0 < round < 2**40:
             raise ValueError("update metadata has a bad round")
-        update = deserialize_torch_tensor(combine_from_streaming(parts))
+        update = received.tensor()
         if not torch.isfinite(update).all():
             raise ValueError("update has non-finite values")
         return AppliedUpdate(round, rounds_done + 1, update)
@@ -142,32 +144,107 @@ class StateFetching:
         """Receive one slice, refusing early what could not be right: more bytes or parts than the
         slice needs (a hostile donor cannot make us buffer more), compression, another dtype or size."""
         max_bytes = expected_numel * STATE_BYTES_PER_VALUE
-        max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
-        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-        stream = await stub.rpc_download_state_slice(
-            averaging_pb2.JoinRequest(gather=encode_slice_request(index, count, self.proof())))
-        metadata, parts, received = None, [], 0
+        received = Received(max_bytes)
+        messages = self._download(peer, "rpc_download_state_slice",
+                                  averaging_pb2.JoinRequest(gather=encode_slice_request(index, count, self.proof())),
+                                  received.max_message_bytes())
         try:
-            async for message in aiter_with_timeout(stream, timeout=stall_timeout):
-                if message.metadata and metadata is None:
-                    metadata = self.serializer.loads(message.metadata)
-                received += len(message.tensor_part.buffer)
-                if received > max_bytes or len(parts) >= max_parts:
-                    raise ValueError(f"sent more than the {max_bytes} bytes of slice {index}/{count}")
-                if parts and message.tensor_part.dtype:
-                    raise ValueError("sent more than one tensor")
-                parts.append(message.tensor_part)
+            async with contextlib.aclosing(messages):
+                async for message in aiter_with_timeout(messages, timeout=stall_timeout):
+                    received.add(message)
         except TimeoutError:
             raise TimeoutError(f"silent for {stall_timeout:.1f}s") from None
-        finally:
-            await stream.aclose()
-        if metadata is None or not parts:
+        if not received.metadata or not received.buffers:
             raise ValueError("did not share its state")
-        head = parts[0]
+        head = received.head
         if head.compression != runtime_pb2.CompressionType.NONE or head.dtype != "float32":
             raise ValueError(f"slice is {runtime_pb2.CompressionType.Name(head.compression)} {head.dtype!r:.20},"
                              " expected uncompressed float32")
-        if list(head.size) != [expected_numel] or received != max_bytes:
-            raise ValueError(f"slice of size {list(head.size)[:4]} in {received} bytes,"
+        if list(head.size) != [expected_numel] or received.tensor_bytes != max_bytes:
+            raise ValueError(f"slice of size {list(head.size)[:4]} in {received.tensor_bytes} bytes,"
                              f" expected [{expected_numel}]")
-        return metadata, deserialize_torch_tensor(combine_from_streaming(parts))
+        return self.serializer.loads(received.metadata), received.tensor()
+
+    async def _download(self, peer: str, method: str, request: averaging_pb2.JoinRequest,
+                        max_total_bytes: int) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """The donor's answer to ``request`` (one of our streaming RPCs ``method``), at most
+        ``max_total_bytes`` of messages in all, each refused before it is read.
+
+        Why not hivemind's stub: its reader (``P2P.receive_raw_data``, 1.1.12) reads whatever length
+        a message's 8-byte header announces, so one message of a hostile donor could fill our memory
+        before we saw it. This speaks the same framing as hivemind's ``P2P`` (``send_protobuf``: a
+        marker byte, ``MESSAGE_MARKER`` or ``ERROR_MARKER``, then the big-endian length in
+        ``HEADER_LEN`` bytes, then the message; the caller sends its request and then
+        ``END_OF_STREAM``; the donor's end of the stream ends the answer), to the handler name a
+        donor registers (``add_p2p_handlers`` with our prefix, named after our class, as the stub's)."""
+        handle = self._get_handle_name(self.prefix, method)
+        _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), handle)
+        try:
+            await P2P.send_protobuf(request, writer)
+            await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+            left = max_total_bytes
+            while True:
+                try:
+                    marker = await reader.readexactly(1)
+                except asyncio.IncompleteReadError:
+                    return  # the donor ended its answer
+                length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+                left -= 1 + P2P.HEADER_LEN + length  # the framing too: empty messages are not free
+                if left < 0:
+                    raise ValueError(f"sent a message of {length} bytes, past the {max_total_bytes} bytes its "
+                                     "answer may take")
+                data = await reader.readexactly(length)
+                if marker == P2P.ERROR_MARKER:
+                    raise P2PHandlerError(f"{method} at {peer} failed: {RPCError.FromString(data).message}")
+                if marker != P2P.MESSAGE_MARKER:
+                    raise ValueError(f"sent a message marked {marker!r}")
+                yield averaging_pb2.DownloadData.FromString(data)
+        finally:
+            writer.close()
+
+
+class Received:
+    """A tensor as a donor streams it (hivemind's ``split_for_streaming`` parts), kept small: the
+    first part's header, each part's buffer and the first message's metadata, never the messages
+    (hazard: a part of a parsed protobuf message keeps the whole message alive, whatever else it
+    carried). ``add`` refuses, raising ``ValueError``, what no honest donor sends."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.max_parts = max_bytes // STREAMING_CHUNK_SIZE_BYTES + 1
+        self.head: runtime_pb2.Tensor | None = None  # the first part without its buffer
+        self.buffers: list[bytes] = []
+        self.tensor_bytes = 0
+        self.metadata = b""
+
+    def max_message_bytes(self) -> int:
+        """What every message of an honest answer takes together, at most."""
+        return self.max_bytes + self.max_parts * MESSAGE_OVERHEAD_BYTES + METADATA_CAP_BYTES
+
+    def add(self, message: averaging_pb2.DownloadData) -> None:
+        metadata = message.metadata
+        if metadata:
+            if self.buffers:
+                raise ValueError("sent metadata after its first message")
+            if len(metadata) > METADATA_CAP_BYTES:
+                raise ValueError(f"sent {len(metadata)} bytes of metadata (at most {METADATA_CAP_BYTES})")
+            self.metadata = metadata
+        part = message.tensor_part
+        buffer = part.buffer  # a copy: the message can go
+        if len(self.buffers) >= self.max_parts or self.tensor_bytes + len(buffer) > self.max_bytes:
+            raise ValueError(f"sent more than the {self.max_bytes} bytes asked for")
+        if self.buffers and part.dtype:
+            raise ValueError("sent more than one tensor")
+        if self.head is None:
+            self.head = runtime_pb2.Tensor(compression=part.compression, size=part.size, dtype=part.dtype,
+                                           requires_grad=part.requires_grad)
+        self.buffers.append(buffer)
+        self.tensor_bytes += len(buffer)
+
+    def tensor(self) -> torch.Tensor:
+        assert self.head is not None
+        serialized = runtime_pb2.Tensor()
+        serialized.CopyFrom(self.head)
+        serialized.buffer = b"".join(self.buffers)
+        self.buffers = []
+        return deserialize_torch_tensor(serialized)

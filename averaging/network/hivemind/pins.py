@@ -27,6 +27,7 @@ from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression import serialization
+from hivemind.p2p import P2P
 
 
 class HivemindChanged(RuntimeError):
@@ -53,6 +54,12 @@ REVIEWED = {
     "Matchmaking._check_reasons_to_reject": "c694e8194862154f80c71315a9a91813d01c907668a4fba8d1f29c88fe7618d3",
     "PotentialLeaders._declare_averager_periodically": "36280203c3a0aca00f4592ce13e4bac4f04c3177cae282101acce4c81458c501",
     "PotentialLeaders._update_queue_periodically": "13036c7d743da89efd85ef93befc61463e1e45d87bdb6d07e97b46fa7e4ba580",
+    # shoal's joiner reads donors' answers itself, in hivemind's framing (fetching.StateFetching._download);
+    # a donor's serving deadline exists because send_raw_data drains without a timeout
+    "P2P.send_protobuf": "4f5a437c202da6a91decbddddd8db8405b41993ef41ed8a6c0f2f4b292d4bd40",
+    "P2P.receive_protobuf": "9d870718fbdc1c4fd296e7a45c7b8b81e9b748609d61381d87d4b194df03ac4a",
+    "P2P._iterate_protobuf_stream_handler": "132d50ef5ecd4e13ad2886337e87cc47983abf9dae05afe9f6f9deee74401bf7",
+    "P2P.send_raw_data": "af42f4c0998a71e1ffac3672514a3525b90cf540de191b352f179e76acdd19d1",
 }
 ORIGINALS: dict[str, Callable] = {
     "DecentralizedAverager._aggregate_with_group": DecentralizedAverager._aggregate_with_group,
@@ -72,6 +79,10 @@ ORIGINALS: dict[str, Callable] = {
     "Matchmaking._check_reasons_to_reject": Matchmaking._check_reasons_to_reject,
     "PotentialLeaders._declare_averager_periodically": PotentialLeaders._declare_averager_periodically,
     "PotentialLeaders._update_queue_periodically": PotentialLeaders._update_queue_periodically,
+    "P2P.send_protobuf": P2P.send_protobuf,
+    "P2P.receive_protobuf": P2P.receive_protobuf,
+    "P2P._iterate_protobuf_stream_handler": P2P._iterate_protobuf_stream_handler,
+    "P2P.send_raw_data": P2P.send_raw_data,
 }
 
 # Lines of hivemind the codec registration relies on (the facts in averaging.network.hivemind.codecs).

@@ -2,9 +2,11 @@
 
 A mixin of ``ShoalAverager`` (``averaging.network.hivemind.averager``); runs in the averager process.
 A donor serves slices from its averager process, which asks the host's state-fetcher thread for a
-copy of the state (``ShoalAverager._ask_host``). What it serves at once is bounded
-(``MAX_SERVES_PER_PEER``, ``MAX_SERVES``) and one copy of the state serves every request within
-``STATE_COPY_REUSE_S``, so that requests, honest or not, cannot exhaust the host.
+copy of the state (``ShoalAverager._ask_host``). One copy of the state serves every request within
+``STATE_COPY_REUSE_S``, and what a donor serves is bounded (``ServingBook``) so that requests,
+honest or not, cannot exhaust the host or keep the donor from serving others: how many requests
+at once (per peer and in all), how long each may take (its deadline), and how many bytes one peer
+is served per window (its budget).
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import contextlib
 import logging
 import time
 import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
-from averaging.network.slices import flat_slice, slice_alignment, slice_bounds
+from averaging.math.wire import STATE_BYTES_PER_VALUE
+from averaging.network.slices import flat_slice, slice_alignment, slice_bounds, slice_deadline_s
 from protocols.state_slices import decode_slice_request, decode_update_request
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,104 @@ MAX_SERVES = 8
 # per period, not one per request.
 STATE_COPY_REUSE_S = 3.0
 BUSY_LOG_PERIOD_S = 60.0
+# A serve's deadline, from its first message: this long, plus what it has handed to hivemind at the
+# slowest rate a joiner accepts from a donor (slices.slice_deadline_s, the joiner's own deadline).
+# A joiner that fell this far behind that rate has stopped reading: its slot stops counting against
+# the limits, and its stream ends at its next message.
+SERVE_STALL_S = 30.0
+# What one peer is served per window: a few full states (anchor and momentum, fp32: 8 bytes per
+# averaged value), or four times as many outer updates (fp16). An honest joiner takes at most one
+# state from a donor per download (less when several donors share it), a second when the swarm
+# moves on a round meanwhile. A token bucket: it refills over the window.
+DOWNLOAD_WINDOW_S = 600.0
+DOWNLOAD_BUDGET_STATES = 4
+FULL_STATE_BYTES_PER_VALUE = 2 * STATE_BYTES_PER_VALUE
+UPDATE_BYTES_PER_VALUE = 2  # fp16, as kept
+
+
+@dataclass(eq=False, slots=True)
+class Serve:
+    """One request being served, from admission until its stream ends."""
+
+    peer: str
+    what: str  # for log lines: "a state slice", "an outer update"
+    started: float | None = None  # its first message; before it, we wait on our own host (no deadline)
+    sent: int = 0  # bytes handed to hivemind
+
+    def deadline(self) -> float:
+        if self.started is None:
+            return float("inf")
+        return self.started + slice_deadline_s(SERVE_STALL_S, self.sent)
+
+
+class ServingBook:
+    """Who is being served and what each peer was served lately (averager process, its event loop
+    only; pure bookkeeping, the clock passed in for tests).
+
+    Hazard: hivemind's ``P2P.send_raw_data`` (1.1.12) awaits ``writer.drain()`` with no timeout
+    after each message a handler yields, so the handler of a joiner that stops reading stays
+    suspended in its ``yield`` for good (once loopback's buffers, about 0.75 MiB, are full), and its
+    ``finally`` never runs. A serve past its deadline is therefore
+    forgotten here without waiting for its stream to end (it ends at its next chance, if any)."""
+
+    def __init__(self, budget_bytes: int, clock: Callable[[], float] = time.monotonic):
+        self.budget_bytes = budget_bytes
+        self._clock = clock
+        self._serves: set[Serve] = set()  # within their deadline, as of the last admission
+        self._left: dict[str, tuple[float, float]] = {}  # peer -> (budget bytes left, when); absent: all
+        self._logged: dict[str, float] = {}
+
+    def admit(self, peer: str, what: str, size: int) -> Serve | str:
+        """A serve of ``size`` bytes to ``peer`` (charged to its budget now), or why it is refused."""
+        now = self._clock()
+        self._serves = {serve for serve in self._serves if now <= serve.deadline()}  # past deadline: never again
+        ours = sum(serve.peer == peer for serve in self._serves)
+        if ours >= MAX_SERVES_PER_PEER or len(self._serves) >= MAX_SERVES:
+            return (f"{ours} of its requests and {len(self._serves)} in all are being served (limits "
+                    f"{MAX_SERVES_PER_PEER} and {MAX_SERVES})")
+        self._refill(now)
+        left = self._left.get(peer, (self.budget_bytes, now))[0]
+        if size > left:
+            return (f"it would exceed its download budget ({self.budget_bytes / 2**20:.1f} MiB per "
+                    f"{DOWNLOAD_WINDOW_S:.0f}s; {left / 2**20:.1f} MiB left, {size / 2**20:.1f} MiB asked)")
+        self._left[peer] = (left - size, now)
+        serve = Serve(peer, what)
+        self._serves.add(serve)
+        return serve
+
+    def _refill(self, now: float) -> None:
+        """Every bucket refilled to ``now``; a full one is forgotten (few entries, however many peers)."""
+        rate = self.budget_bytes / DOWNLOAD_WINDOW_S
+        for peer, (left, at) in list(self._left.items()):
+            left = min(self.budget_bytes, left + (now - at) * rate)
+            if left >= self.budget_bytes:
+                del self._left[peer]
+            else:
+                self._left[peer] = (left, now)
+
+    def send(self, serve: Serve, size: int) -> bool:
+        """Whether ``serve`` may hand its next ``size`` bytes to hivemind (False: past its deadline)."""
+        now = self._clock()
+        if serve.started is None:
+            serve.started = now
+        elif now > serve.deadline():
+            return False
+        serve.sent += size
+        return True
+
+    def release(self, serve: Serve) -> None:
+        self._serves.discard(serve)
+
+    def should_log(self, peer: str) -> bool:
+        """True at most once per ``BUSY_LOG_PERIOD_S`` per peer."""
+        now = self._clock()
+        if now - self._logged.get(peer, -BUSY_LOG_PERIOD_S) < BUSY_LOG_PERIOD_S:
+            return False
+        for other, at in list(self._logged.items()):  # bounded by the peers refused within a period
+            if now - at >= BUSY_LOG_PERIOD_S:
+                del self._logged[other]
+        self._logged[peer] = now
+        return True
 
 
 class StateServing:
@@ -61,37 +164,56 @@ class StateServing:
         index, count, proof = decode_slice_request(request.gather)
         if self._refused("a state download", proof, context):
             return
-        with self._serving_slot(str(context.remote_id), "a state slice") as admitted:
-            if not admitted:
+        # Charged before the copy: 1/count of a full state of ours (the slice itself is cut below).
+        size = -(-FULL_STATE_BYTES_PER_VALUE * self.total_size // count)
+        with self._serving_slot(str(context.remote_id), "a state slice", size) as serve:
+            if serve is None:
                 return
             metadata, tensors, _ = await self._shared_state_copy()
             start, stop = slice_bounds(sum(t.numel() for t in tensors), index, count,
                                        slice_alignment(tensors[0].numel() if tensors else 0))
             serialized = serialize_torch_tensor(flat_slice(tensors, start, stop), runtime_pb2.CompressionType.NONE)
             del tensors
-            for part in split_for_streaming(serialized):
-                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
-                metadata = b""  # only in the first message
+            async for message in self._stream(serve, metadata, serialized):
+                yield message
 
     @contextlib.contextmanager
-    def _serving_slot(self, peer: str, what: str):
-        """Yields whether ``peer``'s request may be served now (``MAX_SERVES_PER_PEER``, ``MAX_SERVES``)."""
-        if self._serving[peer] >= MAX_SERVES_PER_PEER or sum(self._serving.values()) >= MAX_SERVES:
-            now = time.monotonic()
-            if now - self._busy_logged.get(peer, -BUSY_LOG_PERIOD_S) >= BUSY_LOG_PERIOD_S:
-                self._busy_logged[peer] = now
-                logger.warning(f"refused {what} to {peer}: {self._serving[peer]} of its requests and "
-                               f"{sum(self._serving.values())} in all are being served (limits {MAX_SERVES_PER_PEER}"
-                               f" and {MAX_SERVES}; logged once a minute per peer)")
-            yield False
+    def _serving_slot(self, peer: str, what: str, size: int):
+        """Yields the ``Serve`` of ``peer``'s request of ``size`` bytes, or None if it is refused now
+        (``ServingBook.admit``; refusals are logged once a minute per peer)."""
+        book = self._book()
+        serve = book.admit(peer, what, size)
+        if isinstance(serve, str):
+            if book.should_log(peer):
+                logger.warning(f"refused {what} to {peer}: {serve}; logged once a minute per peer")
+            yield None
             return
-        self._serving[peer] += 1
         try:
-            yield True
+            yield serve
         finally:
-            self._serving[peer] -= 1
-            if not self._serving[peer]:
-                del self._serving[peer]
+            book.release(serve)
+
+    def _book(self) -> ServingBook:
+        # Created on first use, in the averager process (the averager's own fields predate it).
+        book = self.__dict__.get("_serving_book")
+        if book is None:
+            budget = DOWNLOAD_BUDGET_STATES * FULL_STATE_BYTES_PER_VALUE * self.total_size
+            book = self.__dict__["_serving_book"] = ServingBook(budget)
+        return book
+
+    async def _stream(self, serve: Serve, metadata: bytes,
+                      serialized: runtime_pb2.Tensor) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """``serialized`` in hivemind's streaming parts, metadata in the first; ends early once
+        ``serve`` is past its deadline (each ``yield`` returns when hivemind drained the message)."""
+        book = self._book()
+        for part in split_for_streaming(serialized):
+            if not book.send(serve, len(part.buffer) + len(metadata)):
+                if book.should_log(serve.peer):
+                    logger.warning(f"ended {serve.what} to {serve.peer} after {serve.sent} bytes: past its deadline "
+                                   "(it stopped reading, or reads slower than we serve); logged once a minute per peer")
+                return
+            yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+            metadata = b""  # only in the first message
 
     async def _shared_state_copy(self):
         """The host's state, copied at most once per ``STATE_COPY_REUSE_S`` for every request that
@@ -119,14 +241,14 @@ class StateServing:
         rounds_done, proof = decode_update_request(request.gather)
         if self._refused("an outer update request", proof, context):
             return
-        with self._serving_slot(str(context.remote_id), "an outer update") as admitted:
-            if not admitted:
+        size = UPDATE_BYTES_PER_VALUE * self.total_size
+        with self._serving_slot(str(context.remote_id), "an outer update", size) as serve:
+            if serve is None:
                 return
             metadata, tensors, _ = await self._ask_host(rounds_done)
             if not tensors:
                 return
             serialized = serialize_torch_tensor(tensors[0], runtime_pb2.CompressionType.NONE)
             del tensors
-            for part in split_for_streaming(serialized):
-                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
-                metadata = b""
+            async for message in self._stream(serve, metadata, serialized):
+                yield message
