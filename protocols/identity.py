@@ -28,6 +28,8 @@ from protocols.messages import MessageError
 
 MAX_PUBLIC_KEY_BYTES = 1024  # a protobuf-wrapped 4096-bit RSA key is ~550 bytes
 MIN_RSA_BITS = 2048
+MAX_RSA_BITS = 4096  # hivemind makes 2048-bit keys; a bigger one only costs its verifiers
+RSA_EXPONENT = 65537
 RUN_KEY_BYTES = 32
 _SHA256_MULTIHASH = b"\x12\x20"
 
@@ -37,9 +39,7 @@ class PeerKey:
 
     def __init__(self, private: rsa.RSAPrivateKey):
         self._private = private
-        der = private.public_key().public_bytes(serialization.Encoding.DER,
-                                                serialization.PublicFormat.SubjectPublicKeyInfo)
-        self.public = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
+        self.public = _encode_public(private.public_key())
         self.peer_id = peer_id_of(self.public)
 
     @classmethod
@@ -77,6 +77,10 @@ class PeerKey:
 
 
 def _rsa_public(public: bytes) -> rsa.RSAPublicKey:
+    """The RSA key of a peer's public key as received, refused unless it is the one encoding an
+    honest peer produces: libp2p hashes the key's bytes as sent into the peer id, so any other
+    encoding of the same key (an unknown protobuf field, fields reordered or repeated, PKCS#1 in
+    place of SubjectPublicKeyInfo, non-minimal DER) would be a fresh identity for free."""
     if not isinstance(public, bytes) or not 0 < len(public) <= MAX_PUBLIC_KEY_BYTES:
         raise MessageError("not a public key")
     try:
@@ -84,9 +88,25 @@ def _rsa_public(public: bytes) -> rsa.RSAPublicKey:
         key = serialization.load_der_public_key(proto.data)
     except Exception:  # noqa: BLE001 - anything undecodable from the network is just "not a key"
         raise MessageError("not a libp2p public key") from None
-    if proto.key_type != crypto_pb2.KeyType.RSA or not isinstance(key, rsa.RSAPublicKey) or key.key_size < MIN_RSA_BITS:
-        raise MessageError(f"not an RSA public key of at least {MIN_RSA_BITS} bits")
+    if proto.key_type != crypto_pb2.KeyType.RSA or not isinstance(key, rsa.RSAPublicKey):
+        raise MessageError("not an RSA public key")
+    # Bounded before any use: verifying costs ~ bits(e) x bits(n)^2, so a 3072-bit key with a
+    # 3070-bit exponent verifies ~150 times slower than an honest one. Every libp2p and hivemind
+    # RSA identity has e = 65537 (hivemind 1.1.12 generates 2048-bit keys).
+    if key.public_numbers().e != RSA_EXPONENT:
+        raise MessageError(f"RSA public exponent is not {RSA_EXPONENT}")
+    if not MIN_RSA_BITS <= key.key_size <= MAX_RSA_BITS:
+        raise MessageError(f"RSA key of {key.key_size} bits, not {MIN_RSA_BITS} to {MAX_RSA_BITS} bits")
+    if _encode_public(key) != public:
+        raise MessageError("public key is not in its canonical encoding (one key, one peer id)")
     return key
+
+
+def _encode_public(key: rsa.RSAPublicKey) -> bytes:
+    """The canonical libp2p encoding: protobuf ``PublicKey{key_type: RSA, data: DER SPKI}``, as
+    hivemind's ``PeerID.from_identity`` and p2pd derive the peer id from a private key."""
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
 
 
 def peer_id_of(public: bytes) -> str:

@@ -1,34 +1,46 @@
-"""DHT record validation: what every shoal DHT node refuses to store or to believe.
+"""DHT record validation and storage caps: what every shoal DHT node refuses to store or to believe.
 
 hivemind 1.1.12 runs a node's ``record_validators`` (one ``CompositeValidator``) in its DHT
 process, on three paths (``dht/protocol.py``, ``dht/node.py``):
 
 - ``rpc_store``: a record another node asks us to store; refused records are not stored and the
-  storer gets ``store_ok=False``. A whole dictionary is refused if any subkey is.
+  storer gets ``store_ok=False``. A whole dictionary (hivemind replicates its storage to nodes it
+  meets) is refused if any subkey is; ``install`` makes it keep the subkeys that pass.
 - ``DHTNode.store_many``: our own stores are signed (``sign_value``) and validated before we keep
   them ourselves.
-- ``call_find``: every record another node returns to our ``get``; one refused subkey drops that
-  node's whole answer, the search goes on with the others. ``strip_value`` then removes the
-  signatures before the application sees the value.
+- ``call_find``: every record another node returns to our ``get``; hivemind drops that node's
+  whole answer when one subkey is refused, so one stranger's record under a key would hide every
+  honest one that node holds. ``install`` makes it drop only the refused subkeys. ``strip_value``
+  then removes the signatures before the application sees the value.
 
 The validator sees ``DHTRecord(key, subkey, value, expiration_time)`` where ``key`` is the DHTID
 of the key (a hash: a node can only recognise keys it can compute, i.e. runs it knows the id
 of), ``subkey`` the msgpack bytes of the subkey (``DHTProtocol.IS_REGULAR_VALUE`` for a plain
 value), ``value`` the bytes as stored. It does not see who sent the record: ``install`` wraps
-``rpc_store`` to keep the sender in a context variable, so refusals name the peer that tried.
+``rpc_store`` and ``call_find`` to keep the sender in a context variable, so refusals name it.
 
-Rules (``ShoalRecordValidator``), for the run keys of the runs this node knows:
+Rules (``ShoalRecordValidator``), for every key: the expiration is at most now + ``MAX_ANY_TTL``
+and the value at most ``MAX_ANY_VALUE_BYTES``. For the run keys of the runs this node knows:
 
 - a subkey is required (a plain value under a subkeyed key blocks every later subkey store);
-- the subkey is the storer's libp2p public key and the value is signed by that identity, over
-  key, subkey, value and expiration: nobody can write or extend another peer's record;
+- the subkey is the storer's libp2p public key in its canonical encoding (one RSA key, one
+  subkey: ``protocols.identity``) and the value is signed by that identity, over key, subkey,
+  value and expiration: nobody can write or extend another peer's record;
 - the expiration is at most now + the key's TTL + ``EXPIRATION_SLACK`` (no frozen records);
 - the value is at most ``MAX_VALUE_BYTES`` and decodes as a valid progress record / signed
-  manifest (with a sane schedule, signed by the pinned organiser key if this node has one).
+  manifest with a sane schedule; once this node knows the run's organiser key (``--run-key``, or
+  ``follow_organiser`` when it organised or pinned the run), signed by that key.
 
-For every other key (hivemind's matchmaking and state keys, runs this node does not know):
-only the expiration cap ``MAX_ANY_TTL``. ``SwarmKeyValidator`` adds private-swarm admission on
-top: every record carries an HMAC with the swarm key, records without a valid one are refused.
+A node that does not know a run (a bootstrap started without ``--run-id``) cannot compute its
+keys: it checks only the rules for every key and the storage caps, and stores whatever else a
+stranger signs or sends under them. A bootstrap with ``--run-id`` but no organiser key checks the
+schema and signatures but not whose manifest it is. Joiners do not rely on either: their own
+validator filters every answer subkey by subkey.
+
+What a node holds is capped where it is stored (``BoundedStorage``, hivemind's storage and cache):
+``MAX_SUBKEYS`` per key, ``MAX_KEY_BYTES`` per key, ``MAX_STORAGE_BYTES`` in all, counting only
+entries that have not expired. ``SwarmKeyValidator`` adds private-swarm admission on top: every
+record carries an HMAC with the swarm key, records without a valid one are refused.
 """
 
 from __future__ import annotations
@@ -36,18 +48,27 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import hashlib
+import heapq
 import hmac
 import inspect
+import itertools
 import logging
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
 
 import msgpack
+from hivemind.dht import protocol as dht_protocol
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import dht_pb2
+from hivemind.utils import timed_storage
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import TimedStorage
 
 from protocols import manifest, progress, swarm_time
 from protocols.identity import PeerKey, peer_id_of, verify_peer_signature
@@ -61,6 +82,28 @@ EXPIRATION_SLACK = 60.0  # clock skew between honest nodes (hivemind tolerates 3
 MANIFEST_TTL = 600.0  # a run nobody serves any more is forgotten after this
 MAX_PROGRESS_TTL = 120.0  # heartbeats: 3 x the monitor period (at most 5 s) with a wide margin
 MAX_ANY_TTL = 3600.0  # any other key: hivemind's averager stores for seconds to a minute
+# Any key. hivemind's own values are tiny: the averager declares itself under a matchmaking key
+# ({prefix}.0b{bits}) and offers its state under {prefix}.all_averagers, one subkey per peer
+# (its peer id, 38 bytes) holding a bool or a float; ours are at most MAX_VALUE_BYTES (a real
+# manifest is ~1.4 KiB). Generous, and small enough that no single store costs a node memory.
+MAX_ANY_VALUE_BYTES = 64 * 1024
+# Subkeys one key holds: under a run's peers key, one peer record each, plenty for "hundreds of
+# peers"; under a matchmaking key, one per averager looking for a group.
+MAX_SUBKEYS = 1024
+# Bytes one key holds. A get's answer carries a whole key in one message and p2pd refuses messages
+# over 4 MiB (hivemind 1.1.12's persistent_conn_max_msg_size), failing the whole answer; 3 MiB
+# (+ REFRESH_HEADROOM) leaves room for the framing and the neighbour list. A peers key of 1024
+# honest records is ~1.2 MiB (at most ~2.9 MiB with 8 long addresses each).
+MAX_KEY_BYTES = 3 * 1024 * 1024
+# Bytes all keys hold, in the storage and (again) in the cache: ~10x a run of a thousand peers.
+MAX_STORAGE_BYTES = 32 * 1024 * 1024
+# Memory an entry and a key cost beyond their bytes (hivemind's dicts and heap entries, and our
+# ledger: measured ~580 bytes per subkey and ~1.6 KiB per key with hivemind 1.1.12), so that many
+# tiny records count too.
+ENTRY_OVERHEAD_BYTES = 640
+KEY_OVERHEAD_BYTES = 2048
+REFRESH_HEADROOM = 1 / 16  # a refresh of a held entry may grow it past a full cap by this share
+FULL_LOG_EVERY_S = 600.0  # a full storage says so once, then at most this often
 SIGNED_TAG = "shoal-signed"
 SEALED_TAG = "shoal-sealed"
 LOG_EVERY_S = 30.0  # one line per (sender, reason) per this long: an attacker cannot flood the log
@@ -94,7 +137,7 @@ class _Refusals:
 
     def __call__(self, reason: str, record: DHTRecord) -> bool:
         self.count += 1
-        sender = STORE_SENDER.get() or "a peer answering our get"
+        sender = STORE_SENDER.get() or "this node (its own store)"
         now = time.monotonic()
         if now - self._last.get((sender, reason), -LOG_EVERY_S) >= LOG_EVERY_S:
             if len(self._last) > 1024:
@@ -111,13 +154,24 @@ class ShoalRecordValidator(RecordValidatorBase):
                  clock: Callable[[], float] | None = None):
         self._identity = identity
         self._own_subkey = msgpack.packb(identity.public) if identity is not None else None
-        self._pinned = pinned_run_key
         self._clock = clock or swarm_time.now  # in the DHT's process: swarm time, as the expirations
         self._kinds: dict[bytes, tuple[str, float]] = {}
+        # run key id -> (the organiser key whose manifests we store, until when we store any valid one)
+        self._organisers: dict[bytes, tuple[bytes, float]] = {}
         for run_id in run_ids:
             self._kinds[DHTID.generate(source=run_key(run_id)).to_bytes()] = ("manifest", MANIFEST_TTL)
             self._kinds[DHTID.generate(source=peers_key(run_id)).to_bytes()] = ("progress", MAX_PROGRESS_TTL)
+            if pinned_run_key is not None:
+                self.follow_organiser(run_id, pinned_run_key)
         self.refuse = _Refusals()
+
+    def follow_organiser(self, run_id: str, key: bytes, open_until: float | None = None) -> None:
+        """Refuse manifests of run ``run_id`` signed by any key but ``key`` from now on, or only from
+        ``open_until`` (swarm time) for a new organiser that may still switch to another organiser
+        (``node.library.run_record.converge``). Called again when the organiser we follow changes;
+        manifests stored before stay until they expire."""
+        self._organisers[DHTID.generate(source=run_key(run_id)).to_bytes()] = (
+            key, -math.inf if open_until is None else open_until)
 
     @property
     def priority(self) -> int:
@@ -140,6 +194,8 @@ class ShoalRecordValidator(RecordValidatorBase):
         if record.expiration_time > self._clock() + max_ttl + EXPIRATION_SLACK:
             return self.refuse(f"expiration {record.expiration_time - self._clock():.0f}s ahead, more than "
                                f"{max_ttl:.0f}s + {EXPIRATION_SLACK:.0f}s", record)
+        if len(record.value) > MAX_ANY_VALUE_BYTES:
+            return self.refuse(f"a value of more than {MAX_ANY_VALUE_BYTES} bytes", record)  # one reason: one line
         if kind is None:
             return True
         try:
@@ -178,8 +234,10 @@ class ShoalRecordValidator(RecordValidatorBase):
             return
         theirs = manifest.decode_signed(value)
         manifest.check_schedule(theirs, self._clock())
-        if self._pinned is not None and theirs.organiser != self._pinned:
-            raise MessageError(f"manifest stored by peer {owner_id} is not signed by this run's --run-key")
+        followed = self._organisers.get(record.key)
+        if followed is not None and theirs.organiser != followed[0] and self._clock() >= followed[1]:
+            raise MessageError(f"manifest stored by peer {owner_id} is not signed by this run's --run-key "
+                               "(the organiser key this node follows)")
 
 
 class SwarmKeyValidator(RecordValidatorBase):
@@ -223,34 +281,240 @@ class SwarmKeyValidator(RecordValidatorBase):
         return True
 
 
-# -- naming the sender of a refused store ---------------------------------------------------------
-# sha256 of hivemind 1.1.12's ``DHTProtocol.rpc_store`` as reviewed: the wrapper below only sets a
-# context variable around it; an upgrade that changes it must be re-read.
-REVIEWED_RPC_STORE = "1be6960bd046f8f7872bee193066041268de7aef6e828a1464fe5d8852c3b8e0"
-_ORIGINAL_RPC_STORE = DHTProtocol.rpc_store
+# -- what a node stores: caps per key and in all ---------------------------------------------------
+_PLAIN = object()  # the entry of a key that holds a plain value (no subkeys)
+
+
+class _Ledger:
+    """What a storage holds, counted: bytes and entries per key and in all, of unexpired entries
+    only. Kept beside hivemind's storage, which expires entries lazily and counts nothing."""
+
+    def __init__(self):
+        self.entries: dict[DHTID, dict[Any, tuple[int, float]]] = {}  # key -> subkey -> (bytes, expiration)
+        self.key_bytes: dict[DHTID, int] = {}
+        self.total = 0  # every entry's bytes and overhead, every key's overhead
+        self._count = 0
+        self._expiry: list[tuple[float, int, DHTID, Any]] = []  # (expiration, order, key, subkey)
+        self._order = itertools.count()  # ties never compare keys or subkeys
+
+    def expire(self, now: float) -> None:
+        # hivemind drops an entry once its expiration is < now; so do we.
+        while self._expiry and self._expiry[0][0] < now:
+            expiration, _, key, subkey = heapq.heappop(self._expiry)
+            held = self.entries.get(key, {}).get(subkey)
+            if held is not None and held[1] == expiration:  # else refreshed or replaced since
+                self._remove(key, subkey)
+        if len(self._expiry) > 2 * self._count + 1024:  # each refresh leaves a stale heap item
+            self._expiry = [(expiration, next(self._order), key, subkey) for key, items in self.entries.items()
+                            for subkey, (_, expiration) in items.items()]
+            heapq.heapify(self._expiry)
+
+    def put(self, key: DHTID, subkey: Any, size: int, expiration: float) -> None:
+        if key not in self.entries:
+            self.entries[key], self.key_bytes[key] = {}, 0
+            self.total += KEY_OVERHEAD_BYTES
+        elif subkey in self.entries[key]:
+            self._remove(key, subkey, keep_key=True)
+        self.entries[key][subkey] = (size, expiration)
+        self.key_bytes[key] += size
+        self.total += size + ENTRY_OVERHEAD_BYTES
+        self._count += 1
+        heapq.heappush(self._expiry, (expiration, next(self._order), key, subkey))
+
+    def clear(self, key: DHTID) -> None:
+        for subkey in list(self.entries.get(key, ())):
+            self._remove(key, subkey)
+
+    def _remove(self, key: DHTID, subkey: Any, keep_key: bool = False) -> None:
+        size, _ = self.entries[key].pop(subkey)
+        self.key_bytes[key] -= size
+        self.total -= size + ENTRY_OVERHEAD_BYTES
+        self._count -= 1
+        if not self.entries[key] and not keep_key:
+            del self.entries[key], self.key_bytes[key]
+            self.total -= KEY_OVERHEAD_BYTES
+
+
+def _entry_bytes(subkey: Any, value: bytes) -> int:
+    return len(value) + (0 if subkey is _PLAIN else len(MSGPackSerializer.dumps(subkey)))
+
+
+def _cost(count: int, size: int) -> int:
+    """The memory ``count`` entries of ``size`` bytes in all cost under one key."""
+    return size + count * ENTRY_OVERHEAD_BYTES + (KEY_OVERHEAD_BYTES if count else 0)
+
+
+def _over(cap: int, fresh: bool) -> float:
+    """How far a store may fill a cap: to the cap with a new entry, a little past it with a refresh,
+    so that a held record whose refresh grows by a few bytes is not lost once a stranger filled it."""
+    return cap if fresh else cap * (1 + REFRESH_HEADROOM)
+
+
+class BoundedStorage(DHTLocalStorage):
+    """hivemind's DHT storage (``DHTLocalStorage``: a key holds a plain value or a dictionary of
+    subkeys, each entry replaced only by one that expires later) with caps: at most
+    ``max_subkeys`` entries and ``max_key_bytes`` per key, ``max_bytes`` in all (with overheads),
+    counting unexpired entries only. A store over a cap is refused (``False``, as hivemind answers
+    for an outdated one); a refresh of a held entry passes as long as it does not grow past the
+    headroom. ``install`` makes ``DHTProtocol.create`` build its storage and cache from this class."""
+
+    def __init__(self, maxsize: int | None = None, *, max_bytes: int = MAX_STORAGE_BYTES,
+                 max_key_bytes: int = MAX_KEY_BYTES, max_subkeys: int = MAX_SUBKEYS):
+        super().__init__(maxsize)
+        self.max_bytes, self.max_key_bytes, self.max_subkeys = max_bytes, max_key_bytes, max_subkeys
+        self.ledger = _Ledger()
+        self.refused = 0
+        self._said: dict[str, float] = {}
+
+    def store(self, key: DHTID, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        if subkey is not None:
+            return self.store_subkey(key, subkey, value, expiration_time)
+        # A plain value replaces whatever the key held. hivemind's cache also stores a dictionary
+        # found by a get this way, whole.
+        if isinstance(value, DictionaryDHTValue):
+            new = {sub: (_entry_bytes(sub, item.value), item.expiration_time) for sub, item in value.items()}
+        else:
+            new = {_PLAIN: (_entry_bytes(_PLAIN, value), expiration_time)}
+        if not self._fits(key, new, replaces=True) or not super().store(key, value, expiration_time):
+            return False
+        self.ledger.clear(key)
+        for sub, (size, expiration) in new.items():
+            self.ledger.put(key, sub, size, expiration)
+        return True
+
+    def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
+        held = self.get(key)
+        into_dictionary = held is not None and isinstance(held.value, DictionaryDHTValue)  # else it replaces
+        size = _entry_bytes(subkey, value)
+        if (not self._fits(key, {subkey: (size, expiration_time)}, replaces=not into_dictionary)
+                or not super().store_subkey(key, subkey, value, expiration_time)):
+            return False
+        if not into_dictionary:
+            self.ledger.clear(key)
+        self.ledger.put(key, subkey, size, expiration_time)
+        return True
+
+    def _fits(self, key: DHTID, new: dict[Any, tuple[int, float]], *, replaces: bool) -> bool:
+        """Whether storing ``new`` under ``key`` keeps every cap. Growth is what is checked: a store
+        that adds nothing (the same record refreshed) always fits."""
+        ledger = self.ledger
+        ledger.expire(timed_storage.get_dht_time())  # looked up at each call: shoal rebinds it (swarm time)
+        held = ledger.entries.get(key, {})
+        held_bytes = ledger.key_bytes.get(key, 0)
+        if replaces:
+            kept_bytes, kept_count = 0, 0
+        else:
+            overwritten = [held[sub][0] for sub in new if sub in held]
+            kept_bytes, kept_count = held_bytes - sum(overwritten), len(held) - len(overwritten)
+        new_bytes = kept_bytes + sum(size for size, _ in new.values())
+        new_count = kept_count + len(new)
+        fresh = any(sub not in held for sub in new)
+        growth = _cost(new_count, new_bytes) - _cost(len(held), held_bytes)
+        if new_count > max(self.max_subkeys, len(held)):
+            return self._refuse("key", f"a DHT key holds {self.max_subkeys} subkeys, the most this node stores "
+                                       "under one key: new subkeys under it are refused until some expire")
+        if new_bytes > max(_over(self.max_key_bytes, fresh), held_bytes):
+            return self._refuse("key bytes", f"a DHT key holds {held_bytes / 2**20:.1f} MiB, the most this node "
+                                             "stores under one key: new records under it are refused until some "
+                                             "expire")
+        if growth > 0 and ledger.total + growth > _over(self.max_bytes, fresh):
+            return self._refuse("full", f"this node's DHT storage is full ({ledger.total / 2**20:.0f} MiB of "
+                                        f"records, the cap is {self.max_bytes / 2**20:.0f} MiB): new records are "
+                                        "refused until some expire")
+        return True
+
+    def _refuse(self, kind: str, line: str) -> bool:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._said.get(kind, -math.inf) >= FULL_LOG_EVERY_S:
+            self._said[kind] = now
+            logger.warning(f"{line} (said at most every {FULL_LOG_EVERY_S / 60:.0f} min; {self.refused} refused "
+                           "so far)")
+        return False
+
+
+# -- hivemind's DHT protocol, as shoal runs it -----------------------------------------------------
+# sha256 of the source of every hivemind function below wraps, replaces or mirrors, as reviewed
+# (hivemind 1.1.12); ``install`` refuses to run on any other. What each is relied on for:
+REVIEWED = {
+    # only wrapped: the sender is set around it
+    "DHTProtocol.rpc_store": "1be6960bd046f8f7872bee193066041268de7aef6e828a1464fe5d8852c3b8e0",
+    # only wrapped; it drops a node's whole answer when _validate_dictionary says False
+    "DHTProtocol.call_find": "433adef0e520e5266cbc845a7338c8017f45107eb13f0f9c23f8891fc05c7a9d",
+    # replaced: validates every subkey, False if any is refused
+    "DHTProtocol._validate_dictionary": "64e1927db3e373fb7afe77f6b8f44d52438e977ea77758d38f4e2b4ae88833cc",
+    # builds storage and cache as DHTLocalStorage(), named in its module: BoundedStorage once installed
+    "DHTProtocol.create": "a5090f84f8c2f94af4741ef75127dcd3872f11a7e45fbfc1714604cf6b006007",
+    # the storage rules BoundedStorage counts: a plain value replaces a key's content, a subkey
+    # joins a dictionary or replaces a plain value, only a later expiration replaces an entry
+    "DHTLocalStorage.store": "e2e09fb8bbae76c5dfe38f3f77cb5167d4ea86dec150a4da5d38af0f150cfddd",
+    "DHTLocalStorage.store_subkey": "a03eb0eed2a6512bcc59722d75a6ffbe699aa8ff708d23cf03128c80470d7c6a",
+    "TimedStorage.store": "312d87832aaef6ca69bc769cf1be9500e3cd17fd736000ac43e7e1acdcfb805d",
+}
+_ORIGINALS: dict[str, Callable] = {
+    "DHTProtocol.rpc_store": DHTProtocol.rpc_store,
+    "DHTProtocol.call_find": DHTProtocol.call_find,
+    "DHTProtocol._validate_dictionary": DHTProtocol._validate_dictionary,
+    "DHTProtocol.create": DHTProtocol.create,
+    "DHTLocalStorage.store": DHTLocalStorage.store,
+    "DHTLocalStorage.store_subkey": DHTLocalStorage.store_subkey,
+    "TimedStorage.store": TimedStorage.store,
+}
 _installed = False
 
 
-def rpc_store_digest() -> str:
-    return hashlib.sha256(inspect.getsource(_ORIGINAL_RPC_STORE).encode()).hexdigest()
+def hivemind_changes() -> list[str]:
+    """The reviewed hivemind functions whose source differs from what this module was written against."""
+    return [name for name, function in _ORIGINALS.items()
+            if hashlib.sha256(inspect.getsource(function).encode()).hexdigest() != REVIEWED[name]]
 
 
 async def _rpc_store_naming_sender(self, request: dht_pb2.StoreRequest, context: P2PContext) -> dht_pb2.StoreResponse:
     token = STORE_SENDER.set(str(context.remote_id))
     try:
-        return await _ORIGINAL_RPC_STORE(self, request, context)
+        return await _ORIGINALS["DHTProtocol.rpc_store"](self, request, context)
     finally:
         STORE_SENDER.reset(token)
 
 
+async def _call_find_naming_sender(self, peer: PeerID, keys: Collection[DHTID]):
+    # Each search runs in its own task: the variable is set for this answer only.
+    token = STORE_SENDER.set(f"{peer} (answering our get)")
+    try:
+        return await _ORIGINALS["DHTProtocol.call_find"](self, peer, keys)
+    finally:
+        STORE_SENDER.reset(token)
+
+
+def _validate_each_subkey(self, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
+    """Drop the refused subkeys of a dictionary another node sent (a get's answer, a replica) and
+    keep the rest; False only when every subkey is refused, so that nothing is kept. The answer's
+    expiration may still be that of a dropped subkey: hivemind merges dictionaries by subkey, each
+    with its own expiration, so it only makes the search treat the answer as fresher."""
+    if self.record_validator is None:
+        return True
+    with dictionary.freeze():  # validate expired entries too, as hivemind does, rather than drop them unseen
+        items = list(dictionary.items())
+    refused = [subkey for subkey, (value, expiration) in items if not self.record_validator.validate(
+        DHTRecord(key_bytes, self.serializer.dumps(subkey), value, expiration))]
+    for subkey in refused:
+        del dictionary[subkey]
+    return len(refused) < len(items) or not items
+
+
 def install() -> None:
-    """Name the sender in refusals (before the DHT forks). hivemind registers RPC handlers from the
-    class's ``rpc_*`` functions and their annotations, which the wrapper repeats. Idempotent."""
+    """Before the DHT forks (its process inherits this): name the sender in refusals, filter
+    dictionaries subkey by subkey, and cap the storage. hivemind registers RPC handlers from the
+    class's ``rpc_*`` functions and their annotations, which the wrappers repeat. Idempotent."""
     global _installed
     if _installed:
         return
-    if rpc_store_digest() != REVIEWED_RPC_STORE:
-        raise RuntimeError("hivemind changed DHTProtocol.rpc_store since protocols/records.py was written; "
-                           "re-check it before running")
+    changed = hivemind_changes()
+    if changed:
+        raise RuntimeError(f"hivemind changed {', '.join(changed)} since protocols/records.py was written; "
+                           "re-check them before running")
     DHTProtocol.rpc_store = _rpc_store_naming_sender
+    DHTProtocol.call_find = _call_find_naming_sender
+    DHTProtocol._validate_dictionary = _validate_each_subkey
+    dht_protocol.DHTLocalStorage = BoundedStorage
     _installed = True

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,10 +58,23 @@ class RunTrust:
     organiser_file: Path | None = None  # where our own organiser key is kept, if we organise
     organised_at: float | None = None  # when we organised the run ourselves (directory time)
     organiser_key: RunKey | None = field(default=None, repr=False)
+    # Told (key, open_until) whenever the pin changes: our DHT node's validator, which then stores
+    # only that organiser's manifests (``DhtDirectory.follow_organiser``); set by ``join_run``.
+    # Runs on the thread that pins (join_run's, then the monitor's): the one that calls the DHT.
+    on_pin: Callable[[bytes, float | None], None] | None = field(default=None, repr=False)
+    started_with: bytes | None = field(default=None, init=False)  # ``pinned`` at start: the one key we may switch to
+    rivals_told: set[bytes] = field(default_factory=set, init=False, repr=False)  # other organisers we warned of
 
     def __post_init__(self):
         if self.pinned is None and self.pin_file is not None and self.pin_file.exists():
             self.pinned = self.pin_file.read_bytes()[:32] or None
+        self.started_with = self.pinned
+
+    def may_adopt(self, key: bytes) -> bool:
+        """Whether ``converge`` may switch to a manifest ``key`` signed: only to the key this peer was
+        started with (``--run-key`` or the saved pin), which its operator chose; never to one met in
+        the swarm, which anybody can make."""
+        return self.started_with is not None and key == self.started_with
 
     def pin(self, key: bytes) -> None:
         if self.pinned != key:
@@ -69,6 +83,13 @@ class RunTrust:
         if self.pin_file is not None:
             self.pin_file.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(self.pin_file, key)
+        if self.on_pin is not None:
+            self.on_pin(key, self.open_until())
+
+    def open_until(self) -> float | None:
+        """Until when (directory time) our DHT node still stores other organisers' manifests: while
+        ``converge`` may still switch a new organiser to one of them. None: never (a joiner)."""
+        return self.organised_at + ADOPT_PERIOD_S if self.organised_at is not None else None
 
     def our_key(self) -> RunKey:
         """Our organiser key: read back from ``organiser_file``, or made (and saved there)."""
@@ -113,6 +134,9 @@ class RunDirectory(Protocol):
 
     def refusal(self) -> str | None:
         """Why the swarm refuses this peer (e.g. a private swarm and no swarm key), or None."""
+
+    # Optional (``join_run`` looks it up): a directory whose records pass a validator of ours has
+    # ``follow_organiser(key, open_until)``, telling it whose manifests to store from now on.
 
 
 def decode_manifests(values: list[Any], now: float | None = None) -> tuple[list[RunManifest], int]:
@@ -172,6 +196,11 @@ class DhtDirectory:
     def refusal(self) -> str | None:
         return private_swarm_refusal(self.dht)
 
+    def follow_organiser(self, key: bytes, open_until: float | None) -> None:
+        """Our DHT node stores manifests of this run signed by ``key`` only (by any key until
+        ``open_until``, swarm time): its validator runs in the DHT process, built before we knew."""
+        self.dht.run_coroutine(partial(follow_organiser_in_dht, run_id=self.run_id, key=key, open_until=open_until))
+
     def clock_samples(self, peer_ids: list[str]) -> list[ClockSample]:
         return swarm_clock.probe(self.dht, peer_ids)
 
@@ -187,6 +216,12 @@ def private_swarm_refusal(dht: DHT) -> str | None:
         return None
     return ("this swarm is private and refused this peer: its records are sealed with a swarm key this peer "
             "does not have; pass --swarm-key FILE with the swarm's key file (ask the run's organiser)")
+
+
+async def follow_organiser_in_dht(_dht: DHT, node, *, run_id: str, key: bytes, open_until: float | None) -> None:
+    for validator in getattr(node.protocol.record_validator, "_validators", []):
+        if isinstance(validator, records.ShoalRecordValidator):
+            validator.follow_organiser(run_id, key, open_until)
 
 
 async def _sealed_seen(_dht: DHT, node) -> int:
@@ -241,25 +276,54 @@ def join_run(directory: RunDirectory, ours: RunManifest, *, record_ttl: float, t
         if not trust.explicit:
             trust.pin(key.public)
         logger.info(f"organising run '{directory.run_id}' with run key {key.text}")
+    _follow_in_records(directory, trust)  # before our store: it passes the same validator
     directory.publish_manifest(joined, ttl=record_ttl)
     return joined
 
 
+def _follow_in_records(directory: RunDirectory, trust: RunTrust) -> None:
+    """From now on our DHT node stores only the manifests of the organiser we follow, and learns
+    every later change of pin; a pin read from the pin file is told here too, not by ``pin``.
+    An in-process directory has no validator of ours to tell."""
+    follow = getattr(directory, "follow_organiser", None)
+    if follow is None or trust.pinned is None:
+        return
+    trust.on_pin = follow
+    follow(trust.pinned, trust.open_until())
+
+
 def converge(current: RunManifest, found: list[RunManifest], trust: RunTrust, now: float) -> RunManifest:
-    """Peers that organised the same run at the same moment settle on one schedule: a new
-    organiser (not pinned by the user, within ``ADOPT_PERIOD_S`` of organising) switches to another
-    organiser's manifest of the same config starting within ``ADOPT_WINDOW_S`` of its own, if that
-    one sorts first (earlier start, then key). Anything else never moves the schedule: a stranger
-    can shift a brand-new organiser by at most the window, and nobody else at all."""
-    if trust.explicit or trust.organised_at is None or now > trust.organised_at + ADOPT_PERIOD_S:
+    """A new organiser (within ``ADOPT_PERIOD_S`` of organising) switches only to a manifest signed by
+    the key it was started with (``RunTrust.may_adopt``), of the same config and starting within
+    ``ADOPT_WINDOW_S`` of its own: a peer restarted with a saved pin that organised because that
+    organiser's manifest had not reached it yet goes back to it, whichever starts first (the key's
+    holder never moves, so only we can); the pin it saves is the one it was started with. A key met
+    in the swarm is never adopted, not even for this session: the operator of a public run expects
+    the node it started to stay its organiser, and a stranger's copy of our manifest moved earlier
+    would otherwise take the run over and strand the joiners given our key by the join line. So two
+    organisers that start one run id at once with new keys each keep their own run, each told once
+    with the fix (unpinned joiners refuse to guess between them, ``join_run``)."""
+    if trust.organised_at is None or now > trust.organised_at + ADOPT_PERIOD_S:
         return current
-    rivals = [m for m in found if m.organiser != current.organiser and m.config_hash == current.config_hash
-              and abs(m.start_time - current.start_time) <= ADOPT_WINDOW_S
-              and (m.start_time, m.organiser) < (current.start_time, current.organiser)]
-    if not rivals:
-        return current
-    chosen = min(rivals, key=lambda m: (m.start_time, m.organiser))
-    logger.info(f"run '{chosen.run_id}': following organiser {format_run_key(chosen.organiser)}, who started it "
-                f"{current.start_time - chosen.start_time:.1f}s earlier")
-    trust.pin(chosen.organiser)
-    return chosen
+    rivals = [m for m in found if m.organiser != current.organiser]
+    returning = [m for m in rivals if trust.may_adopt(m.organiser) and m.config_hash == current.config_hash
+                 and abs(m.start_time - current.start_time) <= ADOPT_WINDOW_S]
+    if returning:
+        chosen = min(returning, key=lambda m: m.start_time)
+        logger.info(f"run '{chosen.run_id}': following organiser {format_run_key(chosen.organiser)} again, the "
+                    f"run key this peer was started with (its start {chosen.start_time - current.start_time:+.1f}s "
+                    "from ours)")
+        if not trust.explicit:
+            trust.pin(chosen.organiser)  # restores the pin it was started with: no new key is saved
+        return chosen
+    for key in _organisers(rivals):
+        if key in trust.rivals_told:
+            continue
+        trust.rivals_told.add(key)
+        theirs = min((m for m in rivals if m.organiser == key), key=lambda m: m.start_time)
+        logger.warning(f"run '{current.run_id}' is also organised by run key {format_run_key(key)} (start "
+                       f"{theirs.start_time - current.start_time:+.1f}s from ours); this peer keeps run key "
+                       f"{format_run_key(current.organiser)} (joiners pass it as --run-key). If both organisers are "
+                       f"yours, use another --run-id for one of them, or restart this one with --run-key "
+                       f"{format_run_key(key)} to join that run")
+    return current
