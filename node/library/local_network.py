@@ -66,6 +66,8 @@ class LocalSwarmHub:
 
 
 class LocalDirectory:
+    organise_pause_s = 0.2  # a store is seen at once in-process (run_record.join_run)
+
     def __init__(self, hub: LocalSwarmHub, run_id: str, peer_id: str):
         self.hub, self.run_id, self.peer_id = hub, run_id, peer_id
 

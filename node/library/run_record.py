@@ -18,6 +18,7 @@ organises the run itself, with a new key.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -43,6 +44,7 @@ from protocols.swarm_time import ClockSample
 logger = logging.getLogger(__name__)
 
 MANIFEST_TTL = records.MANIFEST_TTL  # a run nobody serves any more is forgotten after this
+ORGANISE_PAUSE_S = 3.0  # at most this long a peer that finds no manifest looks again before organising
 SETTLE_S = 10.0  # how long a joiner waits for several organisers of a run to converge to one
 ADOPT_PERIOD_S = 60.0  # a new organiser may still switch to another organiser's schedule this long...
 ADOPT_WINDOW_S = 60.0  # ...if it starts within this many seconds of its own (peers started at once)
@@ -239,6 +241,7 @@ def join_run(directory: RunDirectory, ours: RunManifest, *, record_ttl: float, t
     differs from ours (``ConfigError`` naming the field) before averaging anything."""
     trust = trust if trust is not None else RunTrust()
     deadline = time.monotonic() + settle_s
+    looked_twice = False
     while True:
         found, _ = directory.manifests()
         # Only after a read: a node notices sealed records when other nodes return them to it.
@@ -252,6 +255,14 @@ def join_run(directory: RunDirectory, ours: RunManifest, *, record_ttl: float, t
                                f"{', '.join(format_run_key(k) for k in _organisers(ignored))})")
             found = [m for m in found if m.organiser == trust.pinned]
         organisers = _organisers(found)
+        if not found and not trust.explicit and not looked_twice:
+            # About to organise. Two peers started at once would each organise, and an organiser
+            # never adopts another key (``converge``): the second would run a run of its own. A
+            # random pause and a second look let the later one find the earlier one's manifest.
+            looked_twice = False
+            pause = getattr(directory, "organise_pause_s", ORGANISE_PAUSE_S)  # an in-process hub sees a store at once
+            sleep(random.uniform(pause / 4, pause))
+            continue
         if len(organisers) <= 1 and (found or trust.pinned is None or not trust.explicit):
             break
         if time.monotonic() >= deadline:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+import time
 from types import SimpleNamespace
 
 import msgpack
@@ -259,6 +261,26 @@ def test_organisers_that_start_one_run_id_at_once_keep_their_runs_and_are_told_t
     told = [r.getMessage() for r in caplog.records if "is also organised by" in r.getMessage()]
     assert len(told) == 2, told
     assert "another --run-id" in told[0] and f"--run-key {format_run_key(b_manifest.organiser)}" in told[0]
+
+
+def test_of_two_peers_started_at_once_the_later_looks_again_and_joins_the_earlier():
+    # Both find no manifest at their first look; the one whose pause ends later finds the other's.
+    hub = LocalSwarmHub(clock=lambda: 1000.0)
+    joined: dict[str, object] = {}
+    ready = threading.Barrier(2)
+
+    def start(name: str, pause_s: float) -> None:
+        directory = local_directory(hub, name)
+        ready.wait()
+        joined[name] = join_run(directory, ours(), record_ttl=600, trust=RunTrust(),
+                                sleep=lambda _: time.sleep(pause_s))
+
+    threads = [threading.Thread(target=start, args=("early", 0.01)), threading.Thread(target=start, args=("late", 0.5))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert joined["early"] == joined["late"]  # before: each organised a run of its own
 
 
 def test_a_peer_that_organised_goes_back_to_the_key_it_was_started_with(tmp_path):
