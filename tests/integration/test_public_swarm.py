@@ -35,11 +35,13 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path):
     peer_args = ("--round-seconds", str(ROUND_S), "--identity", str(tmp_path / "a.key"))
     initial = [f"@{address_file}"]  # both peers know only the bootstrap peer, through its address file
 
+    # b starts once a has organised the run: an organiser never adopts another organiser's key, so
+    # two peers that both organised at once would each run a run of their own.
     a = swarm.start("a", *peer_args, initial=initial, config=config)
+    wait_until(lambda: records(a, "start"), 90, "peer a did not start")
     b = swarm.start("b", "--round-seconds", str(ROUND_S), initial=initial, config=config)
 
     # A joiner with another round length is refused before it averages anything.
-    wait_until(lambda: records(a, "start"), 90, "peer a did not start")
     refused = subprocess.run([*shoal_command(), "run", "--no-ui", "--run-id", swarm.run_id, "--round-seconds", "7",
                               "--initial-peer", f"@{address_file}", "--listen", "/ip4/127.0.0.1/tcp/0"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
