@@ -259,7 +259,7 @@ def join_run(directory: RunDirectory, ours: RunManifest, *, record_ttl: float, t
             # About to organise. Two peers started at once would each organise, and an organiser
             # never adopts another key (``converge``): the second would run a run of its own. A
             # random pause and a second look let the later one find the earlier one's manifest.
-            looked_twice = False
+            looked_twice = True
             pause = getattr(directory, "organise_pause_s", ORGANISE_PAUSE_S)  # an in-process hub sees a store at once
             sleep(random.uniform(pause / 4, pause))
             continue
