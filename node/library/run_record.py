@@ -236,12 +236,14 @@ def _organisers(manifests: list[RunManifest]) -> list[bytes]:
 
 
 def join_run(directory: RunDirectory, ours: RunManifest, *, record_ttl: float, trust: RunTrust | None = None,
-             settle_s: float = SETTLE_S, sleep: Callable[[float], None] = time.sleep) -> RunManifest:
+             settle_s: float = SETTLE_S, sleep: Callable[[float], None] = time.sleep,
+             alone: bool = False) -> RunManifest:
     """Follow the trusted organiser's schedule, or organise the run; refuse a run whose manifest
-    differs from ours (``ConfigError`` naming the field) before averaging anything."""
+    differs from ours (``ConfigError`` naming the field) before averaging anything. ``alone``: we
+    know no other peer (no initial peers), so nobody can organise beside us: no second look."""
     trust = trust if trust is not None else RunTrust()
     deadline = time.monotonic() + settle_s
-    looked_twice = False
+    looked_twice = alone
     while True:
         found, _ = directory.manifests()
         # Only after a read: a node notices sealed records when other nodes return them to it.

@@ -197,7 +197,9 @@ class DiLoCoSwarm:
         self._directory = network.directory(self.run_id)
         ours = RunManifest.create(self.run_id, self.shared, start_time=self._directory.now(),
                                   round_seconds=self.rounds.seconds)
-        self.manifest = join_run(self._directory, ours, record_ttl=MANIFEST_TTL, trust=self.trust)
+        self.manifest = join_run(self._directory, ours, record_ttl=MANIFEST_TTL, trust=self.trust,
+                                 # a DHT that knows no peer cannot see another organiser (in-process hubs can)
+                                 alone=not self.initial_peers and isinstance(network, HivemindNetwork))
 
     def _build_engine(self, device, on_peers_changed) -> None:
         """The averager (hivemind forks it: before our own threads, and before CUDA if the caller
