@@ -105,7 +105,6 @@ def fake_averager(leader: PeerKey) -> types.SimpleNamespace:
         serializer=MSGPackSerializer, _admission=None, prefix=PREFIX, _signed_claims=True,
         _matchmaking=types.SimpleNamespace(leaders={b"group-id": PeerID.from_base58(leader.peer_id)}),
         _ban_list=BanList(10), robust_counters=RobustCounters())
-    me._ban = types.MethodType(ShoalAverager._ban, me)
     return me
 
 

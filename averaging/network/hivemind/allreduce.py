@@ -78,6 +78,12 @@ class RobustCounters:
                 "clipped_parts": self._clipped.value, "bans": self._bans.value}
 
 
+def ban(ban_list: BanList, peer: str, reason: str, counters: RobustCounters | None = None) -> None:
+    """Put ``peer`` on the ban list (it logs the reason) and count a new ban for the host."""
+    if ban_list.ban(peer, reason) and counters is not None:
+        RobustCounters._add(counters._bans)
+
+
 class RobustPartReducer(TensorPartReducer):
     """A ``TensorPartReducer`` that keeps each sender's part until the part index is complete, then
     aggregates with ``averaging.math.robust``. ``refuse(sender_index, reason)`` fails a sender at once.
@@ -317,8 +323,7 @@ class RobustAllReduceRunner(AllReduceRunner):
     def _record(self, peer: PeerID, reason: str, counter: str) -> None:
         if self.counters is not None:
             RobustCounters._add(getattr(self.counters, counter))
-        if self.ban_list.ban(str(peer), reason) and self.counters is not None:
-            RobustCounters._add(self.counters._bans)
+        ban(self.ban_list, str(peer), reason, self.counters)
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None):
         clipped = getattr(self.tensor_part_reducer, "clipped", None)

@@ -53,6 +53,7 @@ from averaging.network.hivemind.allreduce import (
     GroupRefused,
     RobustAllReduceRunner,
     RobustCounters,
+    ban,
     gathered_proof,
     gathered_signature_problem,
     vet_group,
@@ -250,7 +251,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         except GroupRefused as e:
             logger.warning(f"refused group {group_info.group_id.hex()[:8]} of {len(group_info.peer_ids)}: {e}")
             if isinstance(e, ForgedGroup) and leader is not None and leader != self.peer_id:
-                self._ban(str(leader), f"led a group with forged metadata ({e})")
+                ban(self._ban_list, str(leader), f"led a group with forged metadata ({e})", self.robust_counters)
             raise MatchmakingException(f"refused the group: {e}") from None
         try:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
@@ -293,11 +294,6 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         if container.failed_size:
             self._partial[group_id] = container.failed_size / max(1, container.total_size)
 
-    def _ban(self, peer: str, reason: str) -> None:
-        """Put ``peer`` on the ban list (averager process; it logs the reason), counted for the host."""
-        if self._ban_list.ban(peer, reason):
-            RobustCounters._add(self.robust_counters._bans)
-
     # -- admission (a private swarm) ----------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by
     # the hint's ``_name``, which collections.abc.AsyncIterator[...] does not have.
@@ -324,7 +320,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             problem = gathered_signature_problem(self.serializer, request.gather, peer_id=str(context.remote_id),
                                                  prefix=self.prefix)
             if problem is not None:  # its own request, over its own connection: the peer is at fault
-                self._ban(str(context.remote_id), f"asked to join with a claim it did not sign ({problem})")
+                ban(self._ban_list, str(context.remote_id), f"asked to join with a claim it did not sign ({problem})",
+                    self.robust_counters)
                 yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
                 return
         async for message in super().rpc_join_group(request, context):
