@@ -1,13 +1,18 @@
-"""The built-in byte-level GPT: a small decoder-only transformer that needs no download.
+"""The models a run trains: the built-in byte-level GPT, or a standard transformers causal LM.
 
 Every peer of a run builds it from the same `ModelConfig` and seed, so all start from
-identical weights and their pseudo-gradients are comparable.
+identical weights and their pseudo-gradients are comparable. The GPT needs no download and no
+transformers; ``kind = "hf"`` builds a transformers architecture from its config (or continues a
+pretrained one) behind the same ``model(x, y) -> (logits, loss)`` (see ``node.training.hf_model``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,37 +21,58 @@ from torch import nn
 from protocols.errors import ConfigError
 
 BYTE_VOCAB_SIZE = 256
+MODEL_KINDS = ("gpt", "hf")
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # transformers' names for decoder LMs with a head
+_HF_ONLY = ("architecture", "config", "hf", "init")
+_GPT_SIZES = ("vocab_size", "d_model", "n_layer", "n_head", "mlp_ratio")
+_GPT_ONLY = (*_GPT_SIZES, "dropout")
 
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """Architecture of the built-in byte-level GPT; every peer of a run must agree on it."""
+    """The architecture every peer of a run builds; every peer must agree on it."""
 
+    kind: str = "gpt"
+    """gpt: the built-in byte GPT | hf: a transformers causal LM built from a config (never downloaded)."""
+    architecture: str = ""
+    """hf: the transformers class, e.g. LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel."""
+    config: str = ""
+    """hf: path to a transformers config.json giving the architecture's shape."""
+    hf: dict[str, Any] = field(default_factory=dict)
+    """hf: the transformers config's own fields inline ([model.hf]), applied over ``config``."""
+    init: str = ""
+    """hf: a pretrained model directory (save_pretrained) to continue from, read from local files only."""
     vocab_size: int = BYTE_VOCAB_SIZE
-    """Tokens are raw bytes, so this is fixed at 256."""
+    """gpt: rows of the embedding; at least the tokenizer's vocabulary (256 for bytes)."""
     d_model: int = 64
-    """Width of the residual stream."""
+    """gpt: width of the residual stream."""
     n_layer: int = 2
-    """Number of transformer blocks."""
+    """gpt: number of transformer blocks."""
     n_head: int = 4
-    """Attention heads per block; must divide d_model."""
+    """gpt: attention heads per block; must divide d_model."""
     seq_len: int = 64
-    """Context length in bytes (size of the learned positional embedding)."""
+    """Training context in tokens, for both kinds (gpt: the size of its learned positional embedding)."""
     mlp_ratio: int = 4
-    """Hidden width of the MLP as a multiple of d_model."""
+    """gpt: hidden width of the MLP as a multiple of d_model."""
     dropout: float = 0.0
-    """Dropout on attention, residual and embedding outputs during training."""
+    """gpt: dropout on attention, residual and embedding outputs during training."""
 
     def __post_init__(self) -> None:
-        if self.vocab_size != BYTE_VOCAB_SIZE:
-            raise ConfigError(
-                f"model.vocab_size ({self.vocab_size}) must be {BYTE_VOCAB_SIZE}: "
-                "the built-in model is byte-level; remove the setting"
-            )
-        for name in ("d_model", "n_layer", "n_head", "seq_len", "mlp_ratio"):
+        if self.kind not in MODEL_KINDS:
+            raise ConfigError(f"model.kind ({self.kind!r}) must be one of {', '.join(MODEL_KINDS)}")
+        for name in ("seq_len", *(_GPT_SIZES if self.kind == "gpt" else ())):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"model.{name} ({value!r}) must be a positive integer")
+        if self.kind == "gpt":
+            self._check_gpt()
+        else:
+            self._check_hf()
+
+    def _check_gpt(self) -> None:
+        for name in _HF_ONLY:
+            if getattr(self, name):
+                raise ConfigError(f"model.{name} applies to kind 'hf' only; set model.kind = 'hf' or remove model.{name}")
         if self.d_model % self.n_head != 0:
             raise ConfigError(
                 f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head}); "
@@ -54,6 +80,31 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout ({self.dropout}) must be in [0, 1); use 0.0 to disable it")
+
+    def _check_hf(self) -> None:
+        # Silently ignoring the GPT's fields would train another model than the file reads.
+        defaults = ModelConfig()
+        for name in _GPT_ONLY:
+            if getattr(self, name) != getattr(defaults, name):
+                raise ConfigError(f"model.{name} applies to kind 'gpt' only; set the transformers field in "
+                                  f"[model.hf] instead (e.g. hidden_size, num_hidden_layers, vocab_size)")
+        if not self.architecture:
+            raise ConfigError("model.kind = 'hf' needs model.architecture, e.g. 'LlamaForCausalLM' or 'GPT2LMHeadModel'")
+        if not self.architecture.isidentifier():  # the class itself is looked up when the model is built
+            raise ConfigError(f"model.architecture ({self.architecture!r}) must name a transformers causal LM class "
+                              "(…ForCausalLM or …LMHeadModel), e.g. 'LlamaForCausalLM'")
+        if not isinstance(self.hf, dict) or not all(isinstance(key, str) for key in self.hf):
+            raise ConfigError("model.hf must be a table of the transformers config's fields, e.g. hidden_size = 256")
+        if self.config and not Path(self.config).expanduser().is_file():
+            raise ConfigError(f"model.config ({self.config}) is not a file; point it at a transformers config.json "
+                              "or give the fields in [model.hf]")
+        if self.init:
+            if self.config:
+                raise ConfigError("model.config and model.init are both set; the init directory holds its own "
+                                  "config.json, remove model.config")
+            if not (Path(self.init).expanduser() / "config.json").is_file():
+                raise ConfigError(f"model.init ({self.init}) is not a model directory with a config.json; point it "
+                                  "at a directory written by save_pretrained or shoal export")
 
 
 class CausalSelfAttention(nn.Module):
@@ -109,7 +160,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer over bytes with a learned positional embedding and tied lm_head."""
+    """Decoder-only transformer over tokens (bytes by default) with a learned positional embedding and tied lm_head."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -154,21 +205,42 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
-        # Loss in float32 even under bf16 autocast: log-softmax over 256 classes loses
+        # Loss in float32 even under bf16 autocast: log-softmax over the vocabulary loses
         # precision in bf16 and the loss is what peers compare and report.
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
 
-def build_model(config: ModelConfig, seed: int) -> GPT:
+def build_model(config: ModelConfig, seed: int, *, vocab_size: int | None = None) -> nn.Module:
     """Deterministic init on CPU from `seed` — every peer of a run starts from the same weights.
 
-    `fork_rng` restores the global RNG afterwards, so building a model does not perturb
-    the caller's data sampling or dropout streams.
+    ``vocab_size`` is the tokenizer's: the GPT's embedding rows (over ``config.vocab_size``), an hf
+    model's unless [model.hf] pins it. `fork_rng` restores the global RNG afterwards, so building a
+    model does not perturb the caller's data sampling or dropout streams.
     """
+    if config.kind == "hf":
+        from node.training.hf_model import build_hf_model  # transformers loads only for hf models
+
+        return build_hf_model(config, seed, vocab_size=vocab_size)
+    if vocab_size is not None:
+        config = replace(config, vocab_size=vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(config)
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """32 hex digits over every tensor's name, shape, dtype and bytes: peers continuing a pretrained
+    model (``model.init``) compare it to know they hold the same weights before they average."""
+    # Persistent buffers only: one recomputed at build (RoPE's inv_freq) may differ by an ulp between CPUs.
+    persistent = model.state_dict().keys()
+    tensors = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if n in persistent}}
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors.items()):
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(flat.view(torch.uint8).numpy() if flat.numel() else b"")
+    return digest.hexdigest()[:32]
 
 
 def count_parameters(model: nn.Module) -> int:
