@@ -21,5 +21,5 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "setup: no torch found, installing $TORCH_PIN"
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN"
 fi
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[dev,hf,logs]"
 echo "setup: $("$VENV/bin/python" -c 'import torch, hivemind; print("torch", torch.__version__, "| hivemind", hivemind.__version__)')"

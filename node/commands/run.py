@@ -3,6 +3,7 @@ itself is ``node.process.peer``."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def run(
     metrics_port: int = typer.Option(None, "--metrics-port", envvar="SHOAL_METRICS_PORT", min=0, max=65535, metavar="PORT", help="Serve Prometheus /metrics and a /healthz probe on this port (0: any free port)."),
     metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="SHOAL_METRICS_HOST", metavar="HOST", help="Address for --metrics-port (0.0.0.0 to let another machine or container scrape it)."),
     run_key: str = typer.Option(None, "--run-key", envvar="SHOAL_RUN_KEY", metavar="KEY", help="The run organiser's public key (printed in its join line): only manifests it signed are followed."),
+    tensorboard: Path = typer.Option(None, "--tensorboard", envvar="SHOAL_TENSORBOARD", metavar="DIR", help="Also write the round records as TensorBoard event files under DIR/<run id>/<peer id> (needs shoal[logs])."),
+    wandb: str = typer.Option(None, "--wandb", envvar="SHOAL_WANDB", metavar="PROJECT", help="Also log the round records to this Weights & Biases project (needs shoal[logs]; WANDB_MODE=offline logs locally)."),
     swarm_key: Path = typer.Option(None, "--swarm-key", envvar="SHOAL_SWARM_KEY", metavar="FILE", help="Private swarm: only peers with this key file are admitted (every DHT record is sealed with it)."),
 ) -> None:
     """Join (or start) a swarm and train."""
@@ -43,6 +46,9 @@ def run(
     try:
         if client_mode and use_relay:
             raise ConfigError("--client-mode and --use-relay exclude each other; pick one (see README: NAT)")
+        for flag, wanted, package in (("--tensorboard", tensorboard, "tensorboard"), ("--wandb", wandb, "wandb")):
+            if wanted is not None and importlib.util.find_spec(package) is None:  # before any network process
+                raise ConfigError(f"{flag} needs the {package} package: pip install 'shoal[logs]'")
         from node.library.bootstrap import expand_initial_peers
         from node.library.dht import load_swarm_key
         from node.process.config import load_config
@@ -58,6 +64,7 @@ def run(
             use_relay=use_relay, metrics_port=metrics_port, metrics_host=metrics_host,
             run_key=parse_run_key(run_key) if run_key else None,
             swarm_key=load_swarm_key(swarm_key) if swarm_key else None,
+            tensorboard=tensorboard, wandb_project=wandb,
         )
         overrides = {"run_id": run_id, "train.device": device, "round.seconds": round_seconds,
                      "round.sync_mode": sync_mode, "train.throttle": throttle}

@@ -17,6 +17,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -59,9 +60,12 @@ class MetricsWriter:
     are dropped rather than raised: a background thread may still report while the node shuts down.
     """
 
-    def __init__(self, path: Path | None, peer_id: str) -> None:
+    def __init__(self, path: Path | None, peer_id: str, *, forward: Callable[[dict], None] | None = None) -> None:
+        """``forward``: also called with every record as written (the experiment logs: TensorBoard,
+        W&B), whether or not there is a file; it must not raise (``ExperimentLog`` contains its own errors)."""
         self.path = Path(path) if path is not None else None
         self.peer_id = peer_id
+        self._forward = forward
         self._lock = threading.Lock()
         self._file: IO[bytes] | None = None
         self._good = 0  # the file's size after the last line that was written whole
@@ -92,6 +96,8 @@ class MetricsWriter:
                         logger.info(f"metrics file {self.path}: writing again")
                 except OSError as e:  # a full disk costs these lines, never the run
                     self._drop(e)
+        if self._forward is not None:
+            self._forward(record)
         return record
 
     def _drop(self, error: OSError) -> None:

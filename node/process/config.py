@@ -9,6 +9,8 @@ every peer of a run; the rest is local to one machine.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import sys
 import tomllib
 import types
@@ -56,16 +58,46 @@ class RunConfig:
         validate_run_id(self.run_id)
 
 
-def shared_fields(config: RunConfig) -> dict[str, Any]:
-    """The flat ``section.field -> value`` map peers of a ``shoal run`` compare before they train together."""
+def shared_fields(config: RunConfig, *, vocab_size: int | None = None) -> dict[str, Any]:
+    """The flat ``section.field -> value`` map peers of a ``shoal run`` compare before they train together.
+    ``vocab_size``: the tokenizer's, which an hf model's resolved config depends on."""
     return {
-        **{f"{section}.{f.name}": getattr(getattr(config, section), f.name)
-           for section in ("model", "inner") for f in dataclasses.fields(getattr(config, section))},
+        **model_fields(config.model, vocab_size=vocab_size),
+        **{f"inner.{f.name}": getattr(config.inner, f.name) for f in dataclasses.fields(config.inner)},
         "data.batch_size": config.data.batch_size, "data.num_shards": config.data.num_shards,
         "data.shard_stripe_bytes": config.data.shard_stripe_bytes, "data.heterogeneous": config.data.heterogeneous,
         "train.seed": config.train.seed,
         **sync_shared_fields(outer=config.outer, rounds=config.round, averaging=config.averaging),
     }
+
+
+# Paths name files on one machine: what peers compare is their content (an hf model's resolved config
+# below; ``model.init_sha256`` for the init weights, which the process adds once it has loaded them).
+_LOCAL_MODEL_FIELDS = ("config", "init", "hf")
+_MAX_SHARED_VALUE = 256  # protocols.manifest's MAX_VALUE_CHARS
+
+
+def model_fields(model: ModelConfig, *, vocab_size: int | None = None) -> dict[str, Any]:
+    """``model.*`` manifest fields. The byte GPT: its config fields. An hf model: its kind,
+    architecture and seq_len, and every field of its resolved transformers config as
+    ``model.hf.<name>`` (a nested value as canonical JSON, hashed past 256 characters), so two peers
+    with the same shapes from a config.json and from ``[model.hf]`` agree, and peers that differ
+    in any field are refused naming it."""
+    fields = {f"model.{f.name}": getattr(model, f.name) for f in dataclasses.fields(model)
+              if f.name not in _LOCAL_MODEL_FIELDS}
+    if model.kind != "hf":
+        return fields
+    from node.training.hf_model import config_fields  # transformers loads only for hf runs
+
+    fields = {key: fields[key] for key in ("model.kind", "model.architecture", "model.seq_len")}
+    for name, value in sorted(config_fields(model, vocab_size=vocab_size).items()):
+        if isinstance(value, dict | list | tuple) and not (
+                isinstance(value, list | tuple) and all(v is None or isinstance(v, bool | int | float | str) for v in value)):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if isinstance(value, str) and len(value) > _MAX_SHARED_VALUE:
+            value = "sha256:" + hashlib.sha256(value.encode()).hexdigest()[:32]
+        fields[f"model.hf.{name}"[:64]] = list(value) if isinstance(value, tuple) else value
+    return fields
 
 
 def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -117,6 +149,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if origin is dict and isinstance(value, dict):
+        # A free-form table (``[model.hf]``: a transformers config's own fields), passed through
+        # as TOML parsed it; its dataclass validates what it needs.
+        return dict(value)
     if origin in (list, tuple) and isinstance(value, list):
         (item,) = typing.get_args(hint)[:1]
         return [_coerce(v, item, key) for v in value]

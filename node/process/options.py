@@ -29,3 +29,5 @@ class PeerOptions:
     metrics_host: str = "127.0.0.1"  # --metrics-host
     run_key: bytes | None = None  # --run-key: the organiser key whose manifests this peer follows
     swarm_key: bytes | None = None  # --swarm-key FILE's contents: a private swarm's admission key
+    tensorboard: Path | None = None  # --tensorboard DIR: TensorBoard event files of the round records
+    wandb_project: str | None = None  # --wandb PROJECT: a Weights & Biases run of the round records

@@ -21,6 +21,7 @@ from node.api import Applied, DiLoCoSwarm, Heartbeat, Network, RoundStats, choos
 from node.library.checkpoint import list_checkpoints
 from node.library.rediscovery import ReunionWatch
 from node.observe.download_log import DownloadLog
+from node.observe.experiment_log import ExperimentLog, open_experiment_logs
 from node.observe.exporter import MetricsExporter
 from node.observe.metrics import MetricsWriter, RoundRecord
 from node.observe.ui import LiveView, NodeStatus, PlainView
@@ -82,6 +83,7 @@ class Peer:
         self.config, self.options, self.stop = config, options, stop
         self.swarm: DiLoCoSwarm | None = None
         self.metrics: MetricsWriter | None = None
+        self.experiment: ExperimentLog | None = None
         self.exporter: MetricsExporter | None = None
         self._exported_at = 0.0
         self.view = LiveView() if options.ui else PlainView()
@@ -103,6 +105,8 @@ class Peer:
                 self.swarm.close()  # a failed start must not leave a DHT or an averager behind
             if self.metrics is not None:
                 self.metrics.close()
+            if self.experiment is not None:
+                self.experiment.close()
             raise
 
     # -- building ------------------------------------------------------------------------------
@@ -146,7 +150,12 @@ class Peer:
                                      config.train.eval_batches)
 
     def _build_observers(self) -> None:
-        self.metrics = MetricsWriter(self.options.metrics_file, self.peer_id)
+        # TensorBoard / W&B get every record the metrics file gets (`event("round", ...)` is a round).
+        self.experiment = open_experiment_logs(self.options.tensorboard, self.options.wandb_project,
+                                               self.peer_id, self.config.run_id)
+        self.experiment.start(self.shared)
+        forward = (lambda record: self.experiment.event(record["event"], record))  # noqa: E731
+        self.metrics = MetricsWriter(self.options.metrics_file, self.peer_id, forward=forward)
         self.device_label = device_label(self.device)
         self.status.peer_id, self.status.device = self.peer_id, self.device_label
 
@@ -263,6 +272,7 @@ class Peer:
             self.exporter.close()
         self.swarm.close()
         self.metrics.close()
+        self.experiment.close()
 
     # -- rounds --------------------------------------------------------------------------------
     def _round_finished(self, stats: RoundStats) -> None:

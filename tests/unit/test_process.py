@@ -45,7 +45,8 @@ def test_two_peers_train_average_checkpoint_and_leave(tmp_path, config_for):
 
     def peer(name: str) -> None:
         options = PeerOptions(max_rounds=6, ui=False, metrics_file=tmp_path / f"{name}.jsonl",
-                              checkpoint_dir=tmp_path / f"ckpt-{name}")
+                              checkpoint_dir=tmp_path / f"ckpt-{name}",
+                              tensorboard=tmp_path / "tb" if name == "a" else None)
         reasons[name] = run_peer(config, options, handle_signals=False, network=LocalNetwork(hub, name))
 
     threads = [threading.Thread(target=peer, args=(name,)) for name in ("a", "b")]
@@ -65,6 +66,16 @@ def test_two_peers_train_average_checkpoint_and_leave(tmp_path, config_for):
         assert "checkpoint" in events and list_checkpoints(tmp_path / f"ckpt-{name}")
         start = records[0]
         assert start["config_hash"] and start["sync_mode"] == "overlap" and start["parameters"] > 0
+    # --tensorboard: a's round records as TensorBoard scalars, one step per round it finished.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    a_rounds = [r for r in read_metrics(tmp_path / "a.jsonl") if r["event"] == "round"]
+    (events_dir,) = {p.parent for p in (tmp_path / "tb" / "process-test").rglob("events.out.tfevents.*")}
+    accumulator = EventAccumulator(str(events_dir))
+    accumulator.Reload()
+    losses = accumulator.Scalars("train/loss")
+    assert [e.step for e in losses] == [r["round"] for r in a_rounds]
+    assert [e.value for e in losses] == pytest.approx([r["loss"] for r in a_rounds], rel=1e-6)
     # Each peer ends on its own shard (2 shards, 2 peers): a shared one is resolved by the larger id moving.
     final = {}
     for name in ("a", "b"):
