@@ -65,6 +65,20 @@ class DataConfig:
     heterogeneous: bool = False
     """Peers may train on different text: the corpus fingerprint is then not compared at join (and
     eval losses of different peers measure different text)."""
+    tokenizer: str = "bytes"
+    """bytes (raw UTF-8 bytes), a tokenizer.json, a local transformers tokenizer directory, or a hub name (online)."""
+    format: str = "auto"
+    """auto | text | jsonl | parquet | arrow; auto picks by file extension (.jsonl/.json, .parquet, .arrow, else text)."""
+    text_field: str = "text"
+    """The column holding each document's text in jsonl, parquet, arrow and hub datasets."""
+    dataset: str = ""
+    """A Hugging Face hub dataset name (online only), read instead of data.paths."""
+    dataset_split: str = "train"
+    """The split of data.dataset to read."""
+    dataset_config: str = ""
+    """The subset (config name) of data.dataset; "" = its default."""
+    max_eval_tokens: int = 262144
+    """Cap on the held-out token file of a tokenized dataset (data.max_eval_bytes is for raw bytes)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str) or not all(isinstance(p, str) for p in self.paths):
@@ -76,12 +90,26 @@ class DataConfig:
                 f"data.cache_dir ({self.cache_dir!r}) must be a string path; use '' for the default"
             )
         for name in ("max_corpus_bytes", "max_eval_bytes", "num_shards", "batch_size", "eval_block_bytes",
-                     "shard_stripe_bytes"):
+                     "shard_stripe_bytes", "max_eval_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"data.{name} ({value!r}) must be a positive integer")
         if not 0.0 < self.eval_fraction < 0.5:
             raise ConfigError(f"data.eval_fraction ({self.eval_fraction}) must be in (0, 0.5), e.g. 0.01")
+        for name in ("tokenizer", "text_field", "dataset_split"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"data.{name} ({value!r}) must be a non-empty string")
+        for name in ("dataset", "dataset_config"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"data.{name} ({getattr(self, name)!r}) must be a string; use '' for none")
+        if self.format not in ("auto", "text", "jsonl", "parquet", "arrow"):
+            raise ConfigError(f"data.format ({self.format!r}) is unknown; use auto, text, jsonl, parquet or arrow")
+        if self.dataset and self.paths:
+            raise ConfigError("data.dataset and data.paths are both set; use one: a hub dataset or local files")
+        if self.dataset and self.format != "auto":
+            raise ConfigError(f"data.format ({self.format!r}) applies to data.paths; leave it \"auto\" with "
+                              "data.dataset (the hub knows its format)")
 
 
 @dataclass(frozen=True, slots=True)
