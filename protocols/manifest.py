@@ -137,6 +137,17 @@ FIXES = {
     key: ("this peer's training text differs from the run's; point data.paths at the same files as the run's "
           "peers (and the same data.max_corpus_bytes), or set data.heterogeneous = true on every peer")
     for key in ("data.corpus_bytes", "data.corpus_sha256")
+} | {
+    key: ("this peer's dataset differs from the run's; point data.paths (or data.dataset) at the same files as the "
+          "run's peers (same names, same contents), or set data.heterogeneous = true on every peer")
+    for key in ("data.dataset_sha256", "data.dataset_files")
+} | {
+    key: ("this peer's tokenizer differs from the run's; point data.tokenizer at the run's tokenizer.json "
+          "(every peer must map text to the same ids)")
+    for key in ("data.tokenizer_sha256", "data.vocab_size")
+} | {
+    "model.init_sha256": ("this peer's model.init weights differ from the run's; point model.init at the same "
+                          "pretrained directory as the run's peers"),
 }
 
 

@@ -28,20 +28,14 @@ from node.observe.ui import LiveView, NodeStatus, PlainView
 from node.process.config import RunConfig, shared_fields
 from node.process.options import PeerOptions
 from node.process.signals import Interrupts
-from node.training.data import (
-    BatchSampler,
-    corpus_fingerprint,
-    eval_batches,
-    load_corpus,
-    seed_for_peer,
-    shard_ranges,
-    split_corpus,
-)
-from node.training.model import build_model, count_parameters
+from node.training.data import seed_for_peer
+from node.training.export import RUN_CONFIG_KEY, run_config_meta
+from node.training.model import build_model, count_parameters, model_fingerprint
+from node.training.sources import open_source
 from node.training.trainer import Trainer, device_label, inner_lr, resolve_device
 from protocols import swarm_time
 from protocols.addresses import format_join_command
-from protocols.errors import CheckpointError, ShoalError
+from protocols.errors import CheckpointError, ConfigError, ShoalError
 from protocols.identity import format_run_key
 
 logger = logging.getLogger(__name__)
@@ -93,9 +87,9 @@ class Peer:
         self._reunion = ReunionWatch()  # a split swarm meeting again (the ``reunion`` event)
         self._checkpoint_failing = False  # the last periodic checkpoint could not be written
         try:
-            model, split = self._build_local()
+            model = self._build_local()
             self._join(model, network)
-            self._build_training(model, split)
+            self._build_training(model)
             self._build_observers()
             if options.checkpoint_dir is not None:
                 self._resume(options.checkpoint_dir)
@@ -117,13 +111,25 @@ class Peer:
         if config.train.torch_threads:
             torch.set_num_threads(config.train.torch_threads)
         self.device = resolve_device(config.train.device)
-        model = build_model(config.model, seed=config.train.seed)
-        tokens = load_corpus(config.data)
-        # What every peer must agree on: the config's fields, and (unless the run allows other text) the corpus.
-        self.shared = {**shared_fields(config), **({} if config.data.heterogeneous else corpus_fingerprint(tokens))}
-        split = split_corpus(tokens, config.data.eval_fraction, config.data.max_eval_bytes,
-                             block_bytes=config.data.eval_block_bytes)
-        return model, split
+        self.source = source = open_source(config.data)
+        self.vocab_size = self._vocab_size(source.vocab_size)
+        model = build_model(config.model, seed=config.train.seed, vocab_size=self.vocab_size)
+        # What every peer must agree on: the config's fields, the tokenizer, and (unless the run allows
+        # other text) the corpus; a pretrained init's weights by their hash (their path is this machine's).
+        self.shared = {**shared_fields(config, vocab_size=self.vocab_size), **source.fingerprint()}
+        if config.model.init:
+            self.shared["model.init_sha256"] = model_fingerprint(model)
+        return model
+
+    def _vocab_size(self, tokenizer_vocab: int) -> int:
+        """The embedding rows: the tokenizer's for an hf model (unless [model.hf] pins more); for the
+        byte GPT, model.vocab_size, which must hold every id the tokenizer gives."""
+        model = self.config.model
+        if model.kind == "gpt" and model.vocab_size < tokenizer_vocab:
+            raise ConfigError(f"model.vocab_size ({model.vocab_size}) is below the tokenizer's vocabulary "
+                              f"({tokenizer_vocab}, data.tokenizer = {self.config.data.tokenizer!r}); set "
+                              f"model.vocab_size = {tokenizer_vocab}")
+        return model.vocab_size if model.kind == "gpt" else tokenizer_vocab
 
     def _join(self, model: torch.nn.Module, network: Network | None) -> None:
         """The swarm: DHT, run record, averager (forked processes), peer monitor, round engine."""
@@ -138,16 +144,16 @@ class Peer:
         )
         self.peer_id = self.swarm.peer_id
 
-    def _build_training(self, model: torch.nn.Module, split) -> None:
+    def _build_training(self, model: torch.nn.Module) -> None:
         """The model on its device with its inner optimizer, and this peer's shard of the data."""
         config = self.config
         self.trainer = Trainer(model, config.inner, config.train, self.device)
         self.shard = choose_shard(config.data.num_shards, self.peer_id, {}, None)  # revised once we see the swarm
-        self.sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size,
-                                    seed=seed_for_peer(self.peer_id), held_out=split.held_out,
-                                    ranges=self._shard_ranges(len(split.tokens)))
-        self.eval_set = eval_batches(split.eval, config.model.seq_len, config.data.batch_size,
-                                     config.train.eval_batches)
+        self.sampler = self.source.sampler(self.shard, config.model.seq_len, config.data.batch_size,
+                                           seed=seed_for_peer(self.peer_id))
+        self.eval_set = self.source.eval_set(config.model.seq_len, config.data.batch_size, config.train.eval_batches)
+        self._run_config_meta = {RUN_CONFIG_KEY: run_config_meta(config.model, self.source.tokenizer_spec,
+                                                                 self.vocab_size)}
 
     def _build_observers(self) -> None:
         # TensorBoard / W&B get every record the metrics file gets (`event("round", ...)` is a round).
@@ -292,22 +298,21 @@ class Peer:
         if self.options.checkpoint_dir is not None and stats.round % self.config.train.checkpoint_every_rounds == 0:
             self._periodic_checkpoint(stats.round)
 
-    def _shard_ranges(self, n_tokens: int, shard: int | None = None) -> list[tuple[int, int]]:
-        data = self.config.data
-        return shard_ranges(n_tokens, data.num_shards, self.shard if shard is None else shard, data.shard_stripe_bytes)
-
     def _claim_shard(self) -> None:
         """Move to the least-used shard if ours is shared while another has fewer peers."""
         claims = {r.peer_id: r.shard for r in self.swarm.present_peers}  # records that never meet us do not herd us
         shard = choose_shard(self.config.data.num_shards, self.peer_id, claims, self.shard)
         if shard == self.shard:
             return
+        sampler = self.source.move(self.sampler, shard)
+        if sampler is None:  # its tokens are being built in the background: ask again next round
+            logger.info(f"preparing data shard {shard}/{self.config.data.num_shards} (tokenizing it in the background)")
+            return
         sharing = sorted(p for p, s in claims.items() if s == self.shard and p != self.peer_id)
         logger.info(f"training on data shard {shard}/{self.config.data.num_shards} "
                     f"(shard {self.shard} is also trained by {', '.join(sharing) or 'nobody'})")
         self.metrics.write("shard", shard=shard, previous=self.shard, sharing=sharing)
-        self.sampler.retarget(self._shard_ranges(len(self.sampler.tokens), shard))
-        self.shard = shard
+        self.sampler, self.shard = sampler, shard
 
     def _report_problems(self, stats: RoundStats) -> None:
         if stats.error:
@@ -373,7 +378,9 @@ class Peer:
 
     # -- helpers -------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        path, round = self.swarm.save_checkpoint(self.options.checkpoint_dir, local_state=self.trainer.inner_state())
+        # run_config: what `shoal export` / `shoal sample` rebuild the model and tokenizer from.
+        path, round = self.swarm.save_checkpoint(self.options.checkpoint_dir, local_state=self.trainer.inner_state(),
+                                                 meta=self._run_config_meta)
         self.metrics.write("checkpoint", round=round, path=str(path))
         return path
 

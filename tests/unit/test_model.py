@@ -16,7 +16,7 @@ SMALL = ModelConfig(d_model=32, n_layer=2, n_head=4, seq_len=16)
     ("kwargs", "match"),
     [
         ({"d_model": 100, "n_head": 3}, r"model\.d_model \(100\) must be divisible by model\.n_head \(3\)"),
-        ({"vocab_size": 50257}, r"model\.vocab_size"),
+        ({"vocab_size": 0}, r"model\.vocab_size"),
         ({"n_layer": 0}, r"model\.n_layer"),
         ({"seq_len": -1}, r"model\.seq_len"),
         ({"mlp_ratio": 0}, r"model\.mlp_ratio"),

@@ -156,3 +156,51 @@ def test_a_heterogeneous_run_accepts_other_text(tmp_path, config_for):
     finally:
         for peer in peers:
             peer.close("max_rounds")
+
+
+# -- a transformers model on tokenized documents ---------------------------------------------------
+LLAMA = {"model.kind": "hf", "model.architecture": "LlamaForCausalLM", "model.seq_len": 32,
+         "model.hf": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "num_key_value_heads": 1}}
+
+
+@pytest.fixture
+def documents_config(tmp_path, config_for):
+    from tests.unit.text_fixtures import documents, train_tokenizer, write_parquet
+
+    tokenizer = train_tokenizer(tmp_path / "bpe")
+    write_parquet(tmp_path / "data" / "part-0.parquet", documents(400, words=40))
+
+    def make(**overrides):
+        return config_for(**{**LLAMA, "data.tokenizer": str(tokenizer), "data.paths": [str(tmp_path / "data" / "*.parquet")],
+                             "data.cache_dir": str(tmp_path / "cache"), **overrides})
+    return make
+
+
+def test_a_llama_on_parquet_refuses_a_joiner_with_another_tokenizer_or_dataset(tmp_path, documents_config):
+    from tests.unit.text_fixtures import documents, train_tokenizer, write_jsonl
+
+    hub = LocalSwarmHub()
+    first = Peer(documents_config(), PeerOptions(ui=False), threading.Event(), network=LocalNetwork(hub, "a"))
+    try:
+        # It trains a transformers model on its shard of the tokenized documents, and records the
+        # run's model and tokenizer in the checkpoints' meta (what `shoal export` rebuilds from).
+        assert type(first.trainer.model.hf).__name__ == "LlamaForCausalLM"
+        x, y = first.sampler.next_batch()
+        assert x.shape == (16, 32) and int(x.max()) < first.vocab_size == 400
+        assert first.shared["data.vocab_size"] == 400 and first.shared["model.hf.hidden_size"] == 32
+        assert float(first.trainer.inner_step(x, y, 1e-3)) > 0
+        assert first._run_config_meta["run_config"]["data"]["tokenizer"] == str(tmp_path / "bpe" / "tokenizer.json")
+        other_tokenizer = train_tokenizer(tmp_path / "bpe-512", vocab_size=512)
+        with pytest.raises(ConfigError, match=r"data\.tokenizer_sha256=.*point data\.tokenizer at the run's"):
+            Peer(documents_config(**{"data.tokenizer": str(other_tokenizer)}), PeerOptions(ui=False),
+                 threading.Event(), network=LocalNetwork(hub, "b"))
+        write_jsonl(tmp_path / "other" / "part-0.jsonl", documents(300, words=40))
+        with pytest.raises(ConfigError, match=r"data\.dataset_sha256=.*point data\.paths \(or data\.dataset\)"):
+            Peer(documents_config(**{"data.paths": [str(tmp_path / "other" / "*.jsonl")]}), PeerOptions(ui=False),
+                 threading.Event(), network=LocalNetwork(hub, "c"))
+        with pytest.raises(ConfigError, match=r"model\.hf\.intermediate_size=64 \(this peer: 96\)"):
+            Peer(documents_config(**{"model.hf": {**LLAMA["model.hf"], "intermediate_size": 96}}), PeerOptions(ui=False),
+                 threading.Event(), network=LocalNetwork(hub, "d"))
+    finally:
+        first.close("max_rounds")
