@@ -1,13 +1,17 @@
-"""Three real `shoal run` processes on loopback train the tiny model together (real DHT, real
-butterfly all-reduce of error-fed int4 sends, reducers returning the int4-quantized average, through
-shoal's codecs and runner; the default fp16 path runs in every other swarm test); one of them in client mode, as behind a NAT, and throttled to a
-third of its speed (a slower GPU): in overlap mode it does not hold the fast ones back, and it
-contributes anyway. (One swarm for both: each costs over a minute of the CI's budget.)"""
+"""Three real `shoal run` processes on loopback train a tiny `LlamaForCausalLM` together, on
+documents from a parquet file tokenized with a BPE tokenizer (real DHT, real butterfly all-reduce of
+error-fed int4 sends, reducers returning the int4-quantized average, through shoal's codecs and
+runner; the byte GPT and the default fp16 path run in every other swarm test); one of them in client
+mode, as behind a NAT, and throttled to a third of its speed (a slower GPU): in overlap mode it does
+not hold the fast ones back, and it contributes anyway. Then `shoal export` hands the swarm's model
+to `transformers`, which loads it and gives shoal's logits. (One swarm for all of it: each costs over
+a minute of the CI's budget.)"""
 
 from __future__ import annotations
 
 import itertools
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from averaging.math.wire import WireFormat, round_payload
 from node.library.checkpoint import load_latest_valid
 from node.observe.metrics import read_metrics
 from node.process.config import load_config
+from node.training.export import trained_model
 from node.training.model import build_model
 from tests.integration.swarm import (
     REPO,
@@ -38,6 +43,35 @@ FULL_ROUNDS = 3
 # does between its steps (eval, a checkpoint, the merge) to stay under 20% of the round.
 ROUND = ("--round-seconds", "10")
 FP16_UNIT_ROUNDOFF = 2.0**-11
+# A Llama of the tiny GPT's size (~180k parameters with a 400-token vocabulary; untied head).
+LLAMA = """[model]
+kind = "hf"
+architecture = "LlamaForCausalLM"
+seq_len = 64
+
+[model.hf]
+hidden_size = 64
+intermediate_size = 192
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+"""
+
+
+def llama_config(root, text: str):
+    """tiny.toml with the Llama above, a BPE tokenizer and a parquet file of stdlib modules as documents."""
+    import sysconfig
+
+    from tests.unit.text_fixtures import train_tokenizer, write_parquet
+
+    tokenizer = train_tokenizer(root / "bpe")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    modules = sorted(Path(stdlib).glob("*.py"))[:120]
+    write_parquet(root / "data" / "stdlib.parquet", [m.read_text(encoding="utf-8", errors="replace") for m in modules])
+    model = text[text.index("\n[model]\n") + 1:text.index("\n[data]\n") + 1]
+    data = (f'[data]\ntokenizer = "{tokenizer}"\npaths = ["{root / "data" / "*.parquet"}"]\n'
+            f'cache_dir = "{root / "cache"}"\n')
+    return text.replace(model, LLAMA + "\n").replace("[data]\npaths = []", data)
 
 
 @pytest.mark.timeout(400)
@@ -46,9 +80,9 @@ FP16_UNIT_ROUNDOFF = 2.0**-11
 @pytest.mark.parametrize(("compression", "returns"), [("int4", "int4")])
 def test_three_peers_train_one_model(swarm, compression, returns):
     config_path = every_round_checkpoints(
-        swarm.root / f"tiny-{compression}.toml",
-        text=TINY.read_text().replace('compression = "fp16"',
-                                      f'compression = "{compression}"\nreturn_compression = "{returns}"'))
+        swarm.root / f"llama-{compression}.toml",
+        text=llama_config(swarm.root, TINY.read_text().replace(
+            'compression = "fp16"', f'compression = "{compression}"\nreturn_compression = "{returns}"')))
     assert load_config(config_path).averaging.wire.return_code == returns
     first = swarm.start("a", *ROUND, config=config_path)
     address = first.wait_for_address()
@@ -63,7 +97,9 @@ def test_three_peers_train_one_model(swarm, compression, returns):
     per_peer = {peer.name: rounds_of(peer) for peer in peers}
     assert len(common) >= 3, {name: sorted(r) for name, r in per_peer.items()}
     config = load_config(config_path)
-    init = torch.cat([p.detach().flatten() for p in build_model(config.model, seed=config.train.seed).parameters()])
+    initial = build_model(config.model, seed=config.train.seed, vocab_size=400)
+    assert type(initial.hf).__name__ == "LlamaForCausalLM"
+    init = torch.cat([p.detach().flatten() for p in initial.parameters()])
     wire = WireFormat.of(compression, return_compression=returns)
     # A member that got part of the average back (a reducer's answer stream ended short: README,
     # Known limitations) does not apply it, and is one step behind in the next round, where it
@@ -163,3 +199,20 @@ def test_three_peers_train_one_model(swarm, compression, returns):
               f"steps replayed {replayed[x]} + {replayed[y]})")
         assert rms_diff <= pair_bound * moved, (x, y, float(rms_diff), float(moved), replayed)
         assert rms_diff < 1e-3, (x, y, float(rms_diff))  # the noise is ~1e-4 here; a failed part ~1e-2
+
+    # `shoal export` writes the swarm's model in the Hugging Face format: transformers loads it with
+    # its tokenizer, gives the logits shoal's own model gives on the same input, and generates.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = swarm.root / "exported"
+    result = subprocess.run([*shoal_command(), "export", "--checkpoint-dir", str(first.checkpoint_dir),
+                             "--output", str(exported)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    checkpoint = load_latest_valid(first.checkpoint_dir)
+    ours = trained_model(checkpoint.params, config.model, 400).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(exported).eval()
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    ids = torch.tensor([tokenizer("def main(argv):\n    return argv")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids)[0], atol=1e-5, rtol=1e-4)
+        assert theirs.generate(ids, max_new_tokens=8, do_sample=False).shape == (1, ids.shape[1] + 8)
