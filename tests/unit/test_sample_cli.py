@@ -210,9 +210,10 @@ def test_version_lists_what_a_bug_report_needs() -> None:
 
 def test_help_loads_neither_torch_nor_transformers() -> None:
     code = ("import sys\nfrom typer.testing import CliRunner\nfrom node.cli import app\n"
-            "for args in (['--help'], ['sample', '--help'], ['export', '--help']):\n"
+            "for args in (['--help'], ['run', '--help'], ['sample', '--help'], ['export', '--help']):\n"
             "    assert CliRunner().invoke(app, args).exit_code == 0\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+            "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'tokenizers', 'wandb', 'tensorboard')"
+            " if m in sys.modules))\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
