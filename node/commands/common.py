@@ -53,7 +53,8 @@ def configure_logging(ui: bool) -> None:
     # A failed averaging step is expected (a lone peer, a peer that left) and shoal reports it
     # itself, in one line and in the metrics; hivemind would log it with a traceback.
     # SHOAL_HIVEMIND_LOGLEVEL=INFO or DEBUG (debugging hivemind itself) shows them.
-    # datasets logs a broken file itself, over several lines, before shoal's one-line error names it.
-    logging.getLogger("datasets").setLevel(hivemind_level if hivemind_level != "WARNING" else "CRITICAL")
+    # datasets logs a broken file itself (its own handler, set up when it is imported) before shoal's
+    # one-line error names it.
+    os.environ.setdefault("DATASETS_VERBOSITY", "critical" if hivemind_level == "WARNING" else hivemind_level.lower())
     if logging.getLevelName(hivemind_level) in (logging.WARNING, logging.ERROR, logging.CRITICAL):
         logging.getLogger("hivemind.averaging.averager").setLevel("CRITICAL")

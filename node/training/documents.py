@@ -258,6 +258,47 @@ def _read_error(source: DocumentSource, error: BaseException) -> ConfigError:
                        "the file named in the log above")
 
 
+def check_files(source: DocumentSource) -> None:
+    """A ``ConfigError`` naming the first file that cannot be read or lacks the text column, found
+    from each file's header alone (a parquet footer, an arrow schema, a JSONL file's first row), so
+    a broken dataset fails at start, before the peer joins a swarm, even with thousands of files."""
+    if source.dataset or source.format == "text":
+        return
+    pa = _import("pyarrow", "pyarrow")
+    for path in source.files:
+        try:
+            columns = _header_columns(source.format, path, pa)
+        except Exception as e:  # pyarrow's ArrowInvalid, OSError, a JSON error: the file is named either way
+            raise ConfigError(f"data.paths: {path} is not a readable {source.format} file ({_first_line(e)}); "
+                              "fix or remove it") from None
+        if columns is not None and source.column not in columns:
+            raise ConfigError(f"data.text_field {source.column!r} is not a column of {path} (it has: "
+                              f"{', '.join(columns)}); set data.text_field to the column with the text")
+
+
+def _header_columns(format: str, path: Path, pa) -> list[str] | None:
+    """The column names a file declares; None for an empty JSONL file (no row to judge)."""
+    if format == "parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    if format == "arrow":
+        with pa.OSFile(str(path), "rb") as handle:
+            try:
+                return list(pa.ipc.open_stream(handle).schema.names)
+            except pa.ArrowInvalid:  # the random-access file format, which datasets also reads
+                handle.seek(0)
+                return list(pa.ipc.open_file(handle).schema.names)
+    with open(path, encoding="utf-8") as handle:
+        first = next((line for line in handle if line.strip()), None)
+    if first is None:
+        return None
+    row = json.loads(first)
+    if not isinstance(row, dict):
+        raise ValueError("its first row is not a JSON object")
+    return list(row)
+
+
 def _file_problem(source: DocumentSource, path: Path) -> str | None:
     try:
         table = next(iter(_load_files(source, (path,)).with_format("arrow").iter(batch_size=16)), None)

@@ -73,10 +73,12 @@ class DocumentShards:
     """A tokenized document dataset: one cached token file per shard, held-out documents apart."""
 
     def __init__(self, config: DataConfig) -> None:
+        from node.training.documents import check_files
         from node.training.token_cache import TokenizedDataset  # datasets loads only for these runs
 
         self.config = config
         self.dataset = TokenizedDataset(config)
+        check_files(self.dataset.source)  # a broken file fails now, before the peer joins a swarm
         self.tokenizer_spec = config.tokenizer
         self.vocab_size = self.dataset.tokenizer.vocab_size
         self._seed, self._moves = 0, 0  # a new sampler per move: seeded by the peer's seed and the move

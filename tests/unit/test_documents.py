@@ -10,6 +10,7 @@ import torch
 from node.training.data import BatchSampler, DataConfig, eval_batches
 from node.training.documents import (
     HELD_OUT,
+    check_files,
     dataset_fingerprint,
     document_shards,
     document_source,
@@ -223,8 +224,16 @@ def test_missing_text_field_names_the_columns_the_file_has(tmp_path: Path, bpe, 
     writer(tmp_path / "data" / f"a.{fmt}", DOCS, field="content")
     dataset = TokenizedDataset(_config(tmp_path, f"*.{fmt}", text_field="body"), bpe)
     columns = "content" if fmt == "arrow" else "content, id"
-    with pytest.raises(ConfigError, match=rf"data\.text_field 'body' is not a column of .*a\.{fmt} \(it has: {columns}\); set data\.text_field"):
+    wording = rf"data\.text_field 'body' is not a column of .*a\.{fmt} \(it has: {columns}\); set data\.text_field"
+    with pytest.raises(ConfigError, match=wording):
         dataset.shard_tokens(0)
+    with pytest.raises(ConfigError, match=wording):  # the same, from the files' headers at start
+        check_files(dataset.source)
+    check_files(_config_source(tmp_path, fmt, text_field="content"))  # the right column: no complaint
+
+
+def _config_source(tmp_path: Path, fmt: str, **fields):
+    return document_source(_config(tmp_path, f"*.{fmt}", **fields))
 
 
 def test_other_user_errors_are_one_line_config_errors(tmp_path: Path, bpe, monkeypatch) -> None:

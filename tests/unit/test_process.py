@@ -115,6 +115,20 @@ def test_the_cli_prints_a_user_mistake_in_one_line_with_exit_2(tmp_path):
     assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
 
 
+@pytest.mark.parametrize(("name", "content", "needle"), [
+    ("broken.parquet", b"PAR1 this is not a parquet file", "broken.parquet"),
+    ("rows.jsonl", b'{"body": "a document without the text field"}\n', "text_field"),
+])
+def test_a_broken_dataset_file_is_one_line_with_exit_2(tmp_path, name, content, needle):
+    (tmp_path / name).write_bytes(content)
+    config = write_config(tmp_path, paths=[str(tmp_path / name)], cache_dir=str(tmp_path / "cache"))
+    result = CliRunner().invoke(app, ["run", "--config", config, "--no-ui"])
+    assert result.exit_code == 2, result.output
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert line.startswith("error: ") and needle in line, line
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 def test_the_cli_keeps_a_bug_as_a_bug(tmp_path, monkeypatch):
     import node.process.peer
 
