@@ -7,13 +7,16 @@ so a test can change it between rounds without restarting the peer:
 - ``scale``: parts ×1000; ``flip``: parts ×-50; ``noise``: parts + 99× noise; ``nan``: a NaN per part;
 - ``shape``: parts of shape [1] (hivemind's reducer would broadcast them);
 - ``weight``: the sign-flipped vector with a declared weight of 1e30;
-- ``lie``: honest sends, but as a reducer it returns averages + 1e4.
+- ``lie``: honest sends, but as a reducer it returns averages + 1e4;
+- ``short``: honest sends, but as a reducer it ends each answer stream one part early (with one
+  part per reducer: it answers nothing), so every member's result misses its share.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -25,7 +28,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 from averaging.network.hivemind.averager import ShoalAverager
 from averaging.network.hivemind.backend import HivemindBackend
 
-ATTACKS = ("scale", "flip", "noise", "nan", "shape", "weight", "lie")
+ATTACKS = ("scale", "flip", "noise", "nan", "shape", "weight", "lie", "short")
 ATTACK = mp.Array("c", 16)
 
 
@@ -62,11 +65,16 @@ class HostileRunner(AllReduceRunner):
             yield message
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        async for message in super()._accumulate_parts_streaming(stream, sender_index):
-            if current_attack() == "lie" and message.code == averaging_pb2.AVERAGED_PART:
-                delta = deserialize_torch_tensor(message.tensor_part) + 1e4
-                message.tensor_part.CopyFrom(serialize_torch_tensor(delta, message.tensor_part.compression))
-            yield message
+        attack, answered = current_attack(), 0
+        async with aclosing(super()._accumulate_parts_streaming(stream, sender_index)) as answers:
+            async for message in answers:
+                if attack == "short" and answered == self.tensor_part_reducer.num_parts - 1:
+                    return  # every part was reduced (the others' averages are complete); the last goes unsent
+                if attack == "lie" and message.code == averaging_pb2.AVERAGED_PART:
+                    delta = deserialize_torch_tensor(message.tensor_part) + 1e4
+                    message.tensor_part.CopyFrom(serialize_torch_tensor(delta, message.tensor_part.compression))
+                answered += 1
+                yield message
 
 
 class HostileAverager(ShoalAverager):

@@ -3,7 +3,8 @@ peer (``tests/integration/hostile_peer.py``) on loopback, real averager processe
 attack. For each: the honest peers stay alive, finish well before hivemind's sender timeout (no
 stall), end near the honest mean (never at the attacker's values) or, when the attacker's share
 of the result is refused, with a failed round and their vector untouched, and name the attacker
-in the log."""
+in the log. Then the ban list: a banned sender is kept out of the next groups, and a reducer that
+ends its answer streams early (issue 29, item 10) is struck in each round, then banned."""
 
 from __future__ import annotations
 
@@ -159,3 +160,54 @@ def test_a_banned_peer_is_kept_out_of_the_next_groups():
                 error = float((results[i].double() - honest_mean).norm() / honest_mean.norm())
                 assert error < 1e-3, f"round {round}: honest peer {i} is {error:.2e} away from the honest mean"
             assert not outcomes[HONEST].ok or len(outcomes[HONEST].group) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_reducer_that_ends_its_streams_early_is_struck_then_banned():
+    """A member whose reducer ends its answer streams early (``short``) leaves every member's result
+    without its share: a partial round, applied by nobody. Honest reducers fail now and then too, so
+    one failure only strikes it (no ban after round 1); after ``strike_limit`` rounds in which only
+    it failed, the honest members ban it, and their next group is themselves alone, whose round
+    applies with the honest mean."""
+    limit = 2
+    generator = torch.Generator().manual_seed(13)
+    common = torch.randn(NUMEL, generator=generator)
+    vectors = [common + 0.05 * torch.randn(NUMEL, generator=generator) for _ in range(HONEST + 1)]
+    honest_mean = torch.stack(vectors[:HONEST]).double().mean(0)
+    prefix = f"short-{uuid.uuid4().hex[:8]}"
+    robust = RobustConfig(ban_rounds=5, strike_limit=limit, strike_window=10)
+
+    def make(i: int, dht: hivemind.DHT) -> HivemindBackend:
+        backend_type = HostileBackend if i == HONEST else HivemindBackend
+        return backend_type(dht, numel=NUMEL, prefix=prefix, state_provider=no_state, target_group_size=HONEST + 1,
+                            min_group_size=HONEST, min_matchmaking_time=2.0, request_timeout=1.0,
+                            allreduce_timeout=ALLREDUCE_TIMEOUT, robust=robust)
+
+    ATTACK.value = b"short"
+    with loopback_averagers(HONEST + 1, make) as backends, ThreadPoolExecutor(HONEST + 1) as pool:
+        attacker = backends[HONEST].peer_id
+        for round in range(1, limit + 2):
+            banned = round > limit
+            scheduled = time.time() + 3.0
+            for backend in backends:  # once banned, the attacker (turned away by everyone) gives up sooner
+                backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round},
+                                timeout=5 if backend is backends[HONEST] and banned else 30)
+            results = [vector.clone() for vector in vectors]
+            futures = [pool.submit(backend.average, result, weight=1.0, timeout=60)
+                       for backend, result in zip(backends, results)]
+            outcomes = [future.result(timeout=90) for future in futures]
+            honest = outcomes[:HONEST]
+            if not banned:
+                for i, outcome in enumerate(honest):
+                    assert attacker in outcome.group and not outcome.ok, (round, i, outcome)
+                    assert 0 < outcome.partial <= 1 / (HONEST + 1) + 1e-6, (round, i, outcome)  # (part of) its share
+                    assert torch.equal(results[i], vectors[i]), f"round {round}: a partial result leaked"
+                    assert outcome.sync_s < 0.8 * ALLREDUCE_TIMEOUT * 0.4, f"round {round}: stalled {outcome.sync_s:.1f}s"
+                bans = [b.robustness()["bans"] for b in backends[:HONEST]]
+                assert bans == [1 if round == limit else 0] * HONEST, (round, bans)  # struck, banned at the limit
+                continue
+            for i, outcome in enumerate(honest):
+                assert outcome.ok, f"honest peer {i}: {outcome.error}"
+                assert attacker not in outcome.group and len(outcome.group) == HONEST, outcome.group
+                error = float((results[i].double() - honest_mean).norm() / honest_mean.norm())
+                assert error < 1e-3, f"honest peer {i} is {error:.2e} away from the honest mean"

@@ -15,19 +15,22 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.averaging.partition import BannedException, TensorPartContainer
 from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from averaging.math import codecs
-from averaging.math.robust import RobustConfig
+from averaging.math.robust import BanList, RobustConfig, Strikes
 from averaging.network.hivemind import matchmaking, pins
 from averaging.network.hivemind.allreduce import (
     CheckedPartContainer,
     GroupRefused,
     RobustAllReduceRunner,
+    RobustCounters,
     RobustPartReducer,
     gathered_proof,
     vet_group,
 )
+from averaging.network.hivemind.averager import ShoalAverager
 from protocols.admission import admission_key, make_proof
 
 SHAPES = (torch.Size([64]), torch.Size([64]))
@@ -216,7 +219,7 @@ def test_a_failed_reducer_is_named_in_one_warning(monkeypatch, caplog):
 
     monkeypatch.setattr(AllReduceRunner, "_communicate_with_peer", cut_short)
     runner = RobustAllReduceRunner.__new__(RobustAllReduceRunner)
-    runner.excluded_peers, runner.group_id = [], bytes.fromhex("b783fae9") * 2
+    runner.excluded_peers, runner.group_id, runner.failed_reducers = [], bytes.fromhex("b783fae9") * 2, []
     with caplog.at_level("WARNING", logger="averaging.network.hivemind.allreduce"), pytest.raises(AllreduceException):
         asyncio.run(runner._communicate_with_peer(PEERS[1]))
     assert f"group b783fae9: reducer {PEERS[1]} failed" in caplog.text
@@ -241,7 +244,7 @@ def test_a_peer_that_does_not_run_the_group_is_not_waited_for_as_a_sender(monkey
 
     monkeypatch.setattr(AllReduceRunner, "_communicate_with_peer", refuse)
     runner = RobustAllReduceRunner.__new__(RobustAllReduceRunner)
-    runner.excluded_peers, runner.group_id = [], bytes.fromhex("b783fae9") * 2
+    runner.excluded_peers, runner.group_id, runner.failed_reducers = [], bytes.fromhex("b783fae9") * 2, []
     runner.sender_peer_ids, runner.banned_senders, runner.tensor_part_reducer = list(PEERS), set(), Reducer()
 
     async def both() -> None:
@@ -254,6 +257,141 @@ def test_a_peer_that_does_not_run_the_group_is_not_waited_for_as_a_sender(monkey
         asyncio.run(both())
     assert Reducer.failed == [1] and runner.banned_senders == {PEERS[1]}  # a short stream says nothing of that
     assert f"{PEERS[1]} does not run this group" in caplog.text
+    assert runner.failed_reducers == [PEERS[1], PEERS[2]]  # both are judged when the all-reduce ends
+
+
+GROUP = [PeerID(f"member-{i}".encode()) for i in range(5)]  # GROUP[0] is us
+
+
+def striking_runner(group: list[PeerID], failed: list[PeerID], strikes: Strikes, ban_list: BanList,
+                    counters: RobustCounters | None = None, excluded: tuple[PeerID, ...] = ()) -> RobustAllReduceRunner:
+    """The state ``strike_failed_reducers`` reads, after an all-reduce in which ``failed`` failed us."""
+    runner = RobustAllReduceRunner.__new__(RobustAllReduceRunner)
+    runner.peer_id, runner.ordered_peer_ids, runner.group_id = group[0], tuple(group), b"g" * 8
+    runner.tensor_part_container = types.SimpleNamespace(num_parts_by_peer=(1,) * len(group))
+    runner.excluded_peers, runner.failed_reducers = list(excluded), list(failed)
+    runner.strikes, runner.ban_list, runner.counters = strikes, ban_list, counters
+    return runner
+
+
+def test_a_reducer_failing_us_every_round_is_banned_at_the_strike_limit():
+    strikes, ban_list, counters = Strikes(limit=3, window_rounds=10), BanList(rounds=5), RobustCounters()
+    for _ in range(3):  # rounds 1 to 3, the reducer GROUP[1] failing us in each
+        ban_list.next_round()
+        assert not ban_list.is_banned(str(GROUP[1]))
+        assert striking_runner(GROUP[:3], [GROUP[1]], strikes, ban_list, counters).strike_failed_reducers() == [str(GROUP[1])]
+    assert ban_list.banned == [str(GROUP[1])] and counters.snapshot()["bans"] == 1
+    ban_list.next_round()  # banned: excluded from the start of its groups, and never struck there
+    assert striking_runner(GROUP[:3], [GROUP[1]], strikes, ban_list, excluded=(GROUP[1],)).strike_failed_reducers() == []
+
+
+def test_a_failure_is_struck_in_the_round_its_step_began():
+    """With the prepare lane, round 2's step (which counts a round) can begin while round 1's
+    all-reduce still runs: round 1's failure still counts in round 1, not as a second failure in 2."""
+    strikes, ban_list = Strikes(limit=2, window_rounds=10), BanList(rounds=5)
+    ban_list.next_round()
+    ban_list.next_round()  # round 2's step began
+    striking_runner(GROUP[:3], [GROUP[1]], strikes, ban_list).strike_failed_reducers(round=1)
+    striking_runner(GROUP[:3], [GROUP[1]], strikes, ban_list).strike_failed_reducers(round=2)
+    assert ban_list.banned == [str(GROUP[1])]
+
+
+def test_when_most_reducers_fail_us_nobody_is_struck():
+    strikes, ban_list = Strikes(limit=1, window_rounds=10), BanList(rounds=5)
+    ban_list.next_round()
+    assert striking_runner(GROUP[:3], [GROUP[1], GROUP[2]], strikes, ban_list).strike_failed_reducers() == []
+    assert striking_runner(GROUP[:2], [GROUP[1]], strikes, ban_list).strike_failed_reducers() == []  # a pair
+    assert ban_list.banned == []
+    # One of four others failed: struck (limit 1: banned); a peer excluded from the start is no reducer of ours.
+    runner = striking_runner(GROUP, [GROUP[2], GROUP[3]], strikes, ban_list, excluded=(GROUP[3],))
+    assert runner.strike_failed_reducers() == [str(GROUP[2])] and ban_list.banned == [str(GROUP[2])]
+
+
+# -- a part for a group we have not registered (ShoalAverager.rpc_aggregate_part) ----------------
+
+class Group:
+    """A registered group's runner: answers each part with AVERAGED_PART."""
+
+    async def rpc_aggregate_part(self, stream, context):
+        async for _ in stream:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+
+
+def fake_averager(*, looking: bool, matched: tuple[bytes, ...] = ()) -> types.SimpleNamespace:
+    """What ``rpc_aggregate_part`` reads of a ``ShoalAverager``: registered and ended groups, the
+    waits (the sender timeout 10 s, request_timeout 0.3 s) and its matchmaking."""
+    assembled = asyncio.get_running_loop().create_future()
+    return types.SimpleNamespace(
+        _running_groups={}, _ended_groups={}, _registration_wait=10.0, _unknown_group_wait=0.3,
+        _matchmaking=types.SimpleNamespace(is_looking_for_group=looking, matched={1: list(matched)}, leaders={},
+                                           assembled_group=assembled))
+
+
+async def send_part(averager, group_id: bytes, *, hang: bool = False, register_after: float | None = None):
+    """(the codes answered, seconds until the first answer, seconds until the handler returned)."""
+    async def parts():
+        yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=group_id)
+        if hang:  # a sender that never hangs up
+            await asyncio.Event().wait()
+
+    async def register():
+        await asyncio.sleep(register_after)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(Group())
+        averager._running_groups[group_id] = future
+
+    if register_after is not None:
+        asyncio.create_task(register())
+    loop = asyncio.get_running_loop()
+    start, codes, first = loop.time(), [], None
+    async for message in ShoalAverager.rpc_aggregate_part(averager, parts(), None):
+        codes.append(message.code)
+        first = loop.time() - start if first is None else first
+    return codes, first, loop.time() - start
+
+
+def test_a_part_for_a_group_we_never_knew_is_answered_at_once():
+    async def main():
+        return await asyncio.wait_for(send_part(fake_averager(looking=False), b"unknown"), 5)
+
+    codes, first, _ = asyncio.run(main())
+    assert codes == [averaging_pb2.BAD_GROUP_ID] and first < 0.2  # it used to wait the sender timeout (10 s)
+
+
+def test_while_we_look_for_a_group_an_unknown_one_waits_request_timeout_at_most():
+    async def main():
+        refused = await asyncio.wait_for(send_part(fake_averager(looking=True), b"unknown"), 5)
+        # Our leader's message arrives 0.1 s after another member's part: the part runs.
+        ran = await asyncio.wait_for(send_part(fake_averager(looking=True), b"ours", register_after=0.1), 5)
+        # A stranger that never hangs up is let go a request_timeout after its answer.
+        held = await asyncio.wait_for(send_part(fake_averager(looking=False), b"unknown", hang=True), 5)
+        return refused, ran, held
+
+    (codes, first, _), (ran, _, _), (held, _, returned) = asyncio.run(main())
+    assert codes == [averaging_pb2.BAD_GROUP_ID] and 0.25 < first < 1.0
+    assert ran == [averaging_pb2.AVERAGED_PART]
+    assert held == [averaging_pb2.BAD_GROUP_ID] and 0.25 < returned < 1.0
+
+
+def test_a_group_we_matched_waits_for_its_trigger_longer_than_request_timeout():
+    """A member triggered before us sends its parts while our step still awaits its trigger: they
+    wait for the registration (up to the sender timeout), not request_timeout."""
+    async def main():
+        return await asyncio.wait_for(send_part(fake_averager(looking=False, matched=(b"ours",)), b"ours",
+                                                register_after=0.8), 5)
+
+    codes, first, _ = asyncio.run(main())
+    assert codes == [averaging_pb2.AVERAGED_PART] and first > 0.7
+
+
+def test_a_group_we_just_assembled_counts_as_known():
+    async def main():
+        averager = fake_averager(looking=True)
+        averager._matchmaking.assembled_group.set_result(GroupInfo(b"ours", (PEERS[0],), (b"",)))
+        return await asyncio.wait_for(send_part(averager, b"ours", register_after=0.6), 5)
+
+    codes, first, _ = asyncio.run(main())
+    assert codes == [averaging_pb2.AVERAGED_PART] and first > 0.5
 
 
 def gathered(bandwidth, mode: AveragingMode) -> bytes:

@@ -24,6 +24,11 @@ this code moves):
   our groups (``averaging.network.hivemind.matchmaking``); in a group that holds it anyway (another
   leader's), it is treated as failed from the start of the round: its parts are not counted and
   ours are not sent to it.
+- A reducer whose stream fails (ends early, resets, times out, answers BAD_GROUP_ID) leaves our
+  result partial, so nobody's round applies. hivemind only keeps our local values for its share.
+  ``RobustAllReduceRunner`` notes each such reducer. When the all-reduce ends it strikes them
+  (``averaging.math.robust.Strikes``, one per averager process) if only a minority of the group's
+  other reducers failed for us (``struck_reducers``). A reducer with enough strikes is banned.
 - hivemind has no hook for either class (the averager constructs them by name), so
   ``ShoalAverager._run_allreduce_inplace_`` (``averaging.network.hivemind.averager``) is a copy of
   hivemind's that constructs ``RobustAllReduceRunner``.
@@ -51,7 +56,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
 from averaging.math import robust
-from averaging.math.robust import BanList, RobustConfig
+from averaging.math.robust import BanList, RobustConfig, Strikes
 from averaging.network.hivemind import codecs as hivemind_codecs
 from protocols.admission import admitted
 from protocols.signed_claims import signature_problem
@@ -221,9 +226,10 @@ class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's runner with ``RobustPartReducer``, returned-delta checks and the ban list."""
 
     def __init__(self, *, robust_config: RobustConfig, ban_list: BanList, counters: RobustCounters | None = None,
-                 **kwargs):
+                 strikes: Strikes | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.robust_config, self.ban_list, self.counters = robust_config, ban_list, counters
+        self.robust_config, self.ban_list, self.counters, self.strikes = robust_config, ban_list, counters, strikes
+        self.failed_reducers: list[PeerID] = []  # reducers whose stream failed, in the order they failed
         # hivemind's reducer was built in super().__init__ and never used; mark it finished so its
         # __del__ does not warn about parts it never received.
         self.tensor_part_reducer.finished.set()
@@ -259,6 +265,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         try:
             await super()._communicate_with_peer(peer_id)
         except Exception as e:
+            self.failed_reducers.append(peer_id)  # judged when the all-reduce ends (strike_failed_reducers)
             # hivemind logs this at debug level only, and its "received N% results" names no one.
             logger.warning(f"group {self.group_id.hex()[:8]}: reducer {peer_id} failed ({e!r}): our result misses "
                            "its share, so this round's average is not applied")
@@ -266,11 +273,39 @@ class RobustAllReduceRunner(AllReduceRunner):
                 await self._drop_absent_sender(peer_id)
             raise
 
+    def strike_failed_reducers(self, *, round: int | None = None) -> list[str]:
+        """Strike the reducers whose stream failed in this all-reduce, unless most of the group's
+        other reducers failed for us too (then our own link is the likelier fault:
+        ``robust.struck_reducers``), and ban those that reached the strike limit (``robust.Strikes``).
+        ``round``: the ban list's round when this all-reduce's step began (default: its round now).
+        Call it once, after the all-reduce ended; returns the peers struck. Peers already banned
+        (refused in this round, or excluded from its start) are not struck."""
+        if self.strikes is None or not self.failed_reducers:
+            return []
+        reducers = [str(peer) for peer, parts in zip(self.ordered_peer_ids, self.tensor_part_container.num_parts_by_peer)
+                    if parts > 0 and peer != self.peer_id and peer not in self.excluded_peers]
+        struck = robust.struck_reducers(reducers, [str(peer) for peer in self.failed_reducers])
+        if not struck:
+            logger.info(f"group {self.group_id.hex()[:8]}: {len(set(self.failed_reducers))} of {len(reducers)} "
+                        "reducers failed for us; nobody is struck (our own link is the likelier fault)")
+            return []
+        round = self.ban_list.round if round is None else round
+        struck = [peer for peer in struck if not self.ban_list.is_banned(peer)]
+        for peer in struck:
+            if self.strikes.strike(peer, round):
+                ban(self.ban_list, peer, f"its stream failed as a reducer in {self.strikes.limit} of the last "
+                    f"{self.strikes.window_rounds} rounds", self.counters)
+            else:
+                logger.info(f"group {self.group_id.hex()[:8]}: strike {self.strikes.count(peer, round)} of "
+                            f"{self.strikes.limit} for reducer {peer}")
+        return struck
+
     async def _drop_absent_sender(self, peer_id: PeerID) -> None:
-        """A peer that answers BAD_GROUP_ID does not run this group (it had waited ``request_timeout``
-        for it to register: a leader listed it, but it gave up on matchmaking), so it will never send
-        us its parts either. Fail it as a sender now, instead of after the sender timeout: every
-        member's all-reduce would wait that long for it. If it does send later, its parts are refused and its own result is partial."""
+        """A peer that answers BAD_GROUP_ID does not run this group (a leader listed it, but it gave
+        up on matchmaking, or its step ended: ``ShoalAverager.rpc_aggregate_part``), so it will never
+        send us its parts either. Fail it as a sender now, instead of after the sender timeout: every
+        member's all-reduce would wait that long for it. If it does send later, its parts are
+        refused and its own result is partial."""
         if peer_id in self.sender_peer_ids and peer_id not in self.banned_senders:
             logger.warning(f"group {self.group_id.hex()[:8]}: {peer_id} does not run this group; its parts are not "
                            "waited for")

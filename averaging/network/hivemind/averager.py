@@ -22,7 +22,9 @@ Hazards this module owns (docs/hivemind.md):
   round r's all-reduce would then refuse round r+1's early parts. ``ShoalAverager`` waits for the
   registration instead, for up to the sender timeout, unless the step that matched the group has
   ended without running it (cancelled while it awaited its trigger): then it refuses at once, and
-  the members stop waiting for us (``RobustAllReduceRunner._drop_absent_sender``).
+  the members stop waiting for us (``RobustAllReduceRunner._drop_absent_sender``). A group we do
+  not know waits at most ``request_timeout``, and only while we look for a group; otherwise it is
+  refused at once (``registration_wait``): a stranger cannot hold a handler for the sender timeout.
 - hivemind caches the RPC table per class but finds the cache through the MRO (see ``_rpc_handlers``).
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import threading
 import typing
@@ -46,7 +49,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
-from averaging.math.robust import BanList, RobustConfig
+from averaging.math.robust import BanList, RobustConfig, Strikes
 from averaging.network.hivemind import pins
 from averaging.network.hivemind.allreduce import (
     ForgedGroup,
@@ -77,6 +80,11 @@ PARTIAL_KEY = "shoal:partial"
 # Likewise: the members on our ban list when the all-reduce ended (refused in it, or before). Their
 # reports are dropped before the consistency check: a peer we just refused must not win a tie.
 DISTRUSTED_KEY = "shoal:distrusted"
+# The ban list's round at the start of the step whose all-reduce runs in this task. With the prepare
+# lane, round r+1's step (which counts a round) can start while round r's all-reduce still runs:
+# round r's failures must be struck in round r. Each step runs in a task of its own, so the value
+# set in ``_step`` is seen by its all-reduce only.
+_STEP_ROUND: contextvars.ContextVar[int] = contextvars.ContextVar("shoal_step_round")
 
 
 class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
@@ -121,6 +129,10 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         # The ban list lives in the averager process (this object is forked with it); the counters
         # are shared memory, for the host.
         self._ban_list = BanList(robust.ban_rounds if robust is not None else 0)
+        # Reducers whose streams failed, counted in the ban list's rounds (RobustAllReduceRunner).
+        self._strikes = Strikes(robust.strike_limit, robust.strike_window) if robust is not None else None
+        # How long a part for a group we do not know may wait while we look for one (registration_wait).
+        self._unknown_group_wait = kwargs.get("request_timeout", 3.0)  # (3.0: hivemind's default)
         self.robust_counters = RobustCounters()
         # Averager process: the fraction of the average each running group failed to deliver.
         self._partial: dict[bytes, float] = {}
@@ -169,6 +181,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         # A ban counts averaging rounds (one step each), whether or not a group formed: counted in
         # all-reduces, a ban of our only possible partner never ended (no group, so no all-reduce).
         self._ban_list.next_round()
+        _STEP_ROUND.set(self._ban_list.round)
         with self._kept_alive():
             try:
                 return await super()._step(step=step, **kwargs)
@@ -219,21 +232,30 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
         """hivemind's, but a part for a group we have not registered yet waits for the registration
-        (bounded) instead of being refused when another group (un)registers (module docstring)."""
+        (bounded: ``registration_wait``) instead of being refused when another group (un)registers
+        (module docstring)."""
         request = await anext(stream)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._registration_wait
-        while (request.group_id not in self._running_groups and request.group_id not in self._ended_groups
-               and loop.time() < deadline):
+        start = loop.time()
+        while request.group_id not in self._running_groups and request.group_id not in self._ended_groups:
+            wait = registration_wait(request.group_id, getattr(self, "_matchmaking", None),
+                                     known_group_wait=self._registration_wait,
+                                     unknown_group_wait=self._unknown_group_wait)
+            if loop.time() - start >= wait:
+                break
             await asyncio.sleep(0.05)
         future = self._running_groups.get(request.group_id)
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             # Hold the stream until the sender has read that and hung up: returning with its parts
             # still unread resets the stream, and the sender often saw a broken pipe instead of
-            # BAD_GROUP_ID, so it did not know to stop waiting for our parts.
+            # BAD_GROUP_ID, so it did not know to stop waiting for our parts. An honest sender hangs
+            # up as soon as it reads the answer (hivemind's _communicate_with_peer raises on a code
+            # that is not AVERAGED_PART); one message's trip on a live link takes far less than
+            # request_timeout, the time a follower gives a leader's answer.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(_drain(stream), timeout=self._registration_wait)
+                await asyncio.wait_for(_drain(stream), timeout=min(self._registration_wait,
+                                                                   self._unknown_group_wait))
             return
         group = await future
         async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
@@ -279,7 +301,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             runner = AllReduceRunner(**common)
         else:
             runner = RobustAllReduceRunner(robust_config=self._robust, ban_list=self._ban_list,
-                                           counters=self.robust_counters, **common)
+                                           counters=self.robust_counters, strikes=self._strikes, **common)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
@@ -293,6 +315,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         container = runner.tensor_part_container
         if container.failed_size:
             self._partial[group_id] = container.failed_size / max(1, container.total_size)
+        if isinstance(runner, RobustAllReduceRunner):  # every reducer's stream has ended by now
+            runner.strike_failed_reducers(round=_STEP_ROUND.get(self._ban_list.round))
 
     # -- admission (a private swarm) ----------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by
@@ -327,6 +351,48 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         async for message in super().rpc_join_group(request, context):
             yield message
 
+
+
+def registration_wait(group_id: bytes, matchmaking: Matchmaking | None, *, known_group_wait: float,
+                      unknown_group_wait: float) -> float:
+    """How long, from its first message, a part for ``group_id`` (neither registered nor ended) may
+    wait for the group's registration before it is answered BAD_GROUP_ID.
+
+    What hivemind 1.1.12 does: ``DecentralizedAverager._step`` registers a group
+    (``_register_allreduce_group``) once matchmaking returned it and the step's trigger fired,
+    before ``_aggregate_with_group`` builds the runner that sends parts. So an honest member sends
+    us a part only for a group it registered, having assembled it (the leader) or received it from
+    the leader. A leader hands the group to all its followers at once: each follower's
+    ``rpc_join_group`` stream awaits the same ``assembled_group`` future, then sends
+    BEGIN_ALLREDUCE. Until that message reaches us, our matchmaking still holds its
+    ``lock_looking_for_group`` (``look_for_group`` returns only with the group).
+
+    - A group we know (our step matched it and awaits its trigger, or we are assembling it):
+      ``known_group_wait`` (the sender timeout), since members triggered before us send first.
+    - A group we do not know, while we look for a group: it may be the one our leader is about to
+      send us, and another member can be that much ahead of us only by how much longer the leader's
+      message takes to reach us, network latency: ``unknown_group_wait`` (``request_timeout``, the
+      time a follower gives a leader's answer) is ample.
+    - Otherwise no step of ours can register it (one that gave up on matchmaking, or a group id we
+      were never in): 0, answered at once. A stranger cannot hold our handler for long."""
+    if matchmaking is None:  # (the averager is still starting: hivemind adds its handlers first)
+        return 0.0
+    if _knows_group(matchmaking, group_id):
+        return known_group_wait
+    return unknown_group_wait if matchmaking.is_looking_for_group else 0.0
+
+
+def _knows_group(matchmaking: Matchmaking, group_id: bytes) -> bool:
+    """Whether our matchmaking has this group: a step matched it (``ShoalMatchmaking.matched``,
+    until the step ends), a leader sent it to us (``leaders``), or we assembled it a moment ago
+    (``assembled_group``, until ``look_for_group`` returns it)."""
+    if any(group_id in groups for groups in getattr(matchmaking, "matched", {}).values()):
+        return True
+    if group_id in getattr(matchmaking, "leaders", {}):
+        return True
+    assembled = matchmaking.assembled_group
+    return (assembled.done() and not assembled.cancelled() and assembled.exception() is None
+            and assembled.result().group_id == group_id)
 
 
 async def _drain(stream: typing.AsyncIterator) -> None:
