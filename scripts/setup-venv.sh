@@ -21,5 +21,16 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "setup: no torch found, installing $TORCH_PIN"
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN"
 fi
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[dev,hf,logs]"
+# shoal and its extras. uv resolves and installs them several times faster than pip (about 30 s
+# against 100 s for a fresh venv here); it sees only the venv's own packages, not system ones, so a
+# venv that borrows the machine's torch (--system-site-packages) installs with pip, which sees that
+# torch, instead of letting uv fetch a multi-GB CUDA build. No uv (offline, say): pip does it all.
+EXTRAS=".[dev,hf,logs]"
+if ! grep -q "include-system-site-packages = true" "$VENV/pyvenv.cfg" \
+    && "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check uv >/dev/null 2>&1 \
+    && "$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python" -e "$EXTRAS"; then
+  :
+else
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$EXTRAS"
+fi
 echo "setup: $("$VENV/bin/python" -c 'import torch, hivemind; print("torch", torch.__version__, "| hivemind", hivemind.__version__)')"
