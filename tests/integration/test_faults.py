@@ -36,7 +36,7 @@ def test_a_full_disk_costs_checkpoints_never_the_run(swarm):
         pytest.skip("mounting a small tmpfs needs root (and a kernel that allows it here)")
     try:
         config = every_round_checkpoints(swarm.root / "tiny.toml", TINY)
-        peer = swarm.start("alone", "--round-seconds", "4", "--max-rounds", "6", config=config)
+        peer = swarm.start("alone", "--round-seconds", "4", "--max-rounds", "4", config=config)
         assert peer.wait(timeout=200) == 0, peer.log()[-3000:]
         log = peer.log()
         assert log.count("not written to") == 1, log[-3000:]
@@ -46,7 +46,7 @@ def test_a_full_disk_costs_checkpoints_never_the_run(swarm):
         assert not [p for p in checkpoints.iterdir() if p.name.startswith(TMP_PREFIX)]
         events = read_metrics(peer.metrics_path)
         failed = [e["round"] for e in events if e["event"] == "checkpoint_failed"]
-        assert failed and max(rounds_of(peer)) == 6 and max(rounds_of(peer)) > failed[0]
+        assert failed and max(rounds_of(peer)) == 4 and max(rounds_of(peer)) > failed[0]
         wait_until(lambda: peer.proc.poll() is not None, 10, "the peer did not exit")
     finally:
         subprocess.run(["umount", "-l", str(checkpoints)], capture_output=True)

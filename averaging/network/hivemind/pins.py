@@ -21,7 +21,7 @@ import hashlib
 import inspect
 from collections.abc import Callable
 
-from hivemind.averaging import allreduce, partition
+from hivemind.averaging import allreduce, averager, matchmaking, partition
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
@@ -101,6 +101,17 @@ RELIED_ON: tuple[tuple[str, object, str, str], ...] = (
      "part_size_values = int(part_size_bytes / bytes_per_value)"),
     ("senders compress parts with the averager's compression", partition.TensorPartContainer,
      "iterate_input_parts_for", "self.compression.compress(*x_and_info)"),
+    # How long ShoalAverager.rpc_aggregate_part waits for an unknown group id (``registration_wait``):
+    # a group is registered only after matchmaking returned it and its trigger fired, so an honest
+    # part for a group we do not know arrives only while we are still looking for a group.
+    ("a step matches its group before it waits for its trigger", averager.DecentralizedAverager, "_step",
+     "group_info = await self._matchmaking.look_for_group(step)"),
+    ("a step registers its group only once triggered", averager.DecentralizedAverager, "_step",
+     "await step.wait_for_trigger()"),
+    ("registering a group wakes every waiting handler", averager.DecentralizedAverager,
+     "_register_allreduce_group", "self._pending_groups_registered.set()"),
+    ("matchmaking says while it looks for a group", matchmaking.Matchmaking, "look_for_group",
+     "async with self.looking_for_group(step):"),
 )
 
 
