@@ -57,6 +57,10 @@ class AveragingConfig:
     # mean when nobody is an outlier, and bounds what one stranger can move; "mean" is hivemind's.
     aggregation: str = "centered_clip"  # mean | centered_clip | trimmed_mean
     ban_rounds: int = 10  # a peer whose part or returned average was refused sits out this many rounds
+    # A reducer whose answer stream fails in strike_limit of the last strike_window rounds is banned too
+    # (honest ones fail now and then: docs/security.md, "Reducers that fail rounds"); 0 = never.
+    strike_limit: int = 5
+    strike_window: int = 20
 
     def __post_init__(self):
         if self.compression not in COMPRESSIONS:
@@ -78,6 +82,9 @@ class AveragingConfig:
             raise ConfigError(f"averaging.aggregation ({self.aggregation!r}) must be one of: {', '.join(AGGREGATIONS)}")
         if self.ban_rounds < 0:
             raise ConfigError(f"averaging.ban_rounds ({self.ban_rounds}) must be >= 0 (0 = never ban)")
+        if self.strike_limit < 0 or self.strike_window < max(1, self.strike_limit):
+            raise ConfigError(f"averaging.strike_limit ({self.strike_limit}) must be >= 0 (0 = never) and "
+                              f"averaging.strike_window ({self.strike_window}) at least the limit and >= 1")
         if self.allreduce_timeout <= 0 or self.rel_tol <= 0 or self.abs_tol < 0:
             raise ConfigError("averaging.allreduce_timeout and averaging.rel_tol must be > 0, averaging.abs_tol >= 0")
 
@@ -85,7 +92,8 @@ class AveragingConfig:
     @property
     def robust(self) -> RobustConfig:
         """The reducer's rules (``ShoalAverager`` also caps a group at target_group_size, when set)."""
-        return RobustConfig(aggregation=self.aggregation, ban_rounds=self.ban_rounds)
+        return RobustConfig(aggregation=self.aggregation, ban_rounds=self.ban_rounds,
+                            strike_limit=self.strike_limit, strike_window=self.strike_window)
 
     @property
     def wire(self) -> WireFormat:
