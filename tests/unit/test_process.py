@@ -213,6 +213,24 @@ def test_a_llama_on_parquet_refuses_a_joiner_with_another_tokenizer_or_dataset(t
         with pytest.raises(ConfigError, match=r"data\.dataset_sha256=.*point data\.paths \(or data\.dataset\)"):
             Peer(documents_config(**{"data.paths": [str(tmp_path / "other" / "*.jsonl")]}), PeerOptions(ui=False),
                  threading.Event(), network=LocalNetwork(hub, "c"))
+        # Continued pre-training: the init weights are compared by their hash, never by their path.
+        from node.training.model import build_model
+
+        inits = []
+        for seed in (1, 2):
+            init = tmp_path / f"init-{seed}"
+            build_model(documents_config().model, seed=seed, vocab_size=400).hf.save_pretrained(init)
+            inits.append(str(init))
+        no_hf = {"model.hf": {}}  # the init directory's config.json gives the shapes
+        pretrained = Peer(documents_config(**no_hf, run_id="continued", **{"model.init": inits[0]}),
+                          PeerOptions(ui=False), threading.Event(), network=LocalNetwork(hub, "e"))
+        try:
+            assert pretrained.shared["model.init_sha256"] and "model.init" not in pretrained.shared
+            with pytest.raises(ConfigError, match=r"model\.init_sha256=.*point model\.init at the same pretrained"):
+                Peer(documents_config(**no_hf, run_id="continued", **{"model.init": inits[1]}), PeerOptions(ui=False),
+                     threading.Event(), network=LocalNetwork(hub, "f"))
+        finally:
+            pretrained.close("max_rounds")
         with pytest.raises(ConfigError, match=r"model\.hf\.intermediate_size=64 \(this peer: 96\)"):
             Peer(documents_config(**{"model.hf": {**LLAMA["model.hf"], "intermediate_size": 96}}), PeerOptions(ui=False),
                  threading.Event(), network=LocalNetwork(hub, "d"))
