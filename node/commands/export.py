@@ -72,8 +72,7 @@ def load_trained_checkpoint(checkpoint_dir: Path, config_path: Path | None) -> t
     from node.process.config import load_config
 
     run_config = load_config(config_path)
-    # TODO(lead): drop the getattr once DataConfig has `tokenizer` (bytes before it existed).
-    tokenizer_spec = getattr(run_config.data, "tokenizer", "bytes")
+    tokenizer_spec = run_config.data.tokenizer
     return checkpoint, run_config.model, tokenizer_spec, _vocab_size(checkpoint, run_config.model, tokenizer_spec)
 
 
