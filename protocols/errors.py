@@ -44,3 +44,10 @@ class CheckpointError(ShoalError):
     """A checkpoint is missing, truncated or corrupt."""
 
     exit_code = 5
+
+
+class ProcessDied(ShoalError):
+    """One of this peer's own processes (its DHT node, its averager, their p2pd) is gone: killed,
+    or crashed. The peer cannot average without it; it leaves (checkpointing the shared model)."""
+
+    exit_code = 6

@@ -123,5 +123,8 @@ class LocalNetwork:
     def pids(self) -> list[int | None]:
         return []
 
+    def dead(self) -> str | None:
+        return None  # no processes of its own
+
     def close(self) -> None:
         self.hub.forget(self.peer_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+import psutil
 from hivemind import DHT
 
 from averaging.network.hivemind.backend import HivemindBackend
@@ -38,6 +39,9 @@ class Network(Protocol):
     def pids(self) -> list[int | None]:
         """Processes this network started (and whose descendants must not outlive us)."""
 
+    def dead(self) -> str | None:
+        """Which of this network's processes has died (one phrase), or None while all run."""
+
     def close(self) -> None: ...
 
 
@@ -50,6 +54,7 @@ class HivemindNetwork:
         self.peer_id = str(dht.peer_id)
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
         self._backend: HivemindBackend | None = None
+        self._p2pd: int | None = None
 
     @classmethod
     def start(cls, *, initial_peers: list[str], listen: list[str], announce: list[str], timeout: float,
@@ -78,5 +83,56 @@ class HivemindNetwork:
     def pids(self) -> list[int | None]:
         return [self.dht.pid, self._backend.pid if self._backend is not None else None]
 
+    def processes(self) -> dict[str, int]:
+        """Our processes by role: the DHT node, the averager, and the p2pd daemon both of them talk
+        through (a child of the DHT's process), for the ``start`` record and ``dead``."""
+        found = {"dht": self.dht.pid}
+        if self._backend is not None and self._backend.pid is not None:
+            found["averager"] = self._backend.pid
+        if self._p2pd is None:
+            self._p2pd = _p2pd_of(self.dht.pid)
+        if self._p2pd is not None:
+            found["p2pd"] = self._p2pd
+        return found
+
+    def dead(self) -> str | None:
+        """A process of ours that is gone. The DHT and the averager are our children: ``is_alive``
+        reaps and asks the kernel. p2pd is the DHT's child: a pid that is gone or a zombie."""
+        if not self.dht.is_alive():
+            return f"DHT process (pid {self.dht.pid}) exited with {_exit(self.dht.exitcode)}"
+        if self._backend is not None and not self._backend.alive:
+            return f"averager process (pid {self._backend.pid}) exited with {_exit(self._backend.exitcode)}"
+        p2pd = self.processes().get("p2pd")
+        if p2pd is not None and not _running(p2pd):
+            return f"p2pd daemon (pid {p2pd}) exited"
+        return None
+
     def close(self) -> None:
         stop_dht(self.dht)
+
+
+def _p2pd_of(dht_pid: int | None) -> int | None:
+    """The p2pd daemon the DHT process started (hivemind runs one per DHT; the averager reuses it)."""
+    try:
+        children = psutil.Process(dht_pid).children()
+    except (psutil.Error, ValueError, TypeError):
+        return None
+    return next((c.pid for c in children if "p2pd" in _name(c)), None)
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _exit(code: int | None) -> str:
+    return f"signal {-code}" if code is not None and code < 0 else f"code {code}"

@@ -379,6 +379,17 @@ class DiLoCoSwarm:
         the live parameters also hold this peer's unsynced progress."""
         return self._layout.views(self._shared.anchor_copy())
 
+    def dead_process(self) -> str | None:
+        """Which of this peer's own network processes died (killed, crashed), or None: without
+        them the peer cannot average, and its caller should leave (``shoal run`` exits with one line)."""
+        return self._network.dead() if self._network is not None else None
+
+    @property
+    def processes(self) -> dict[str, int]:
+        """This peer's network processes by role (``dht``, ``averager``, ``p2pd``; none in-process)."""
+        processes = getattr(self._network, "processes", None)
+        return processes() if processes is not None else {}
+
     def finish(self) -> list[RoundStats]:
         """Let a sync in flight land before leaving."""
         return self._account(self._loop.finish())

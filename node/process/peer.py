@@ -35,7 +35,7 @@ from node.training.sources import open_source
 from node.training.trainer import Trainer, device_label, inner_lr, resolve_device
 from protocols import swarm_time
 from protocols.addresses import format_join_command
-from protocols.errors import CheckpointError, ConfigError, ShoalError
+from protocols.errors import CheckpointError, ConfigError, ProcessDied, ShoalError
 from protocols.identity import format_run_key
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class Peer:
         self._eval_s = 0.0  # how long the last eval took
         self._reunion = ReunionWatch()  # a split swarm meeting again (the ``reunion`` event)
         self._checkpoint_failing = False  # the last periodic checkpoint could not be written
+        self._processes_checked = 0.0  # when _check_processes last looked
         try:
             model = self._build_local()
             self._join(model, network)
@@ -214,7 +215,7 @@ class Peer:
         self.metrics.write("start", run_id=config.run_id, maddrs=maddrs, device=str(self.device),
                            parameters=parameters, shard=self.shard, config_hash=swarm.manifest.config_hash,
                            schedule_start=swarm.schedule.start_time, sync_mode=config.round.sync_mode,
-                           throttle=config.train.throttle, mode=reachability.mode)
+                           throttle=config.train.throttle, mode=reachability.mode, processes=swarm.processes)
         if self.exporter is not None:
             logger.info(f"metrics on {self.exporter.url}/metrics, liveness on {self.exporter.url}/healthz")
         logger.info(f"peer {self.peer_id}: {parameters:,} parameters on {self.device}, shard "
@@ -236,8 +237,27 @@ class Peer:
             for stats in self.swarm.step(tokens=batch_tokens, seconds=time.perf_counter() - started, loss=loss):
                 self._round_finished(stats)
             self._update_status(loss)
+            self._check_processes()
         for stats in self.swarm.finish():
             self._round_finished(stats)
+
+    def _check_processes(self) -> None:
+        """Once a second: our DHT, averager and p2pd still run. One killed (an out-of-memory kill,
+        a stray ``kill``) leaves a peer that trains but can never average again, and whose round
+        records would say only "could not find a group": leave instead, with one line (the shared
+        model is checkpointed on the way out)."""
+        now = time.monotonic()
+        if now - self._processes_checked < 1.0:
+            return
+        self._processes_checked = now
+        if (dead := self.swarm.dead_process()) is not None:
+            saved = (f"it leaves now, saving the shared model (round {self.swarm.last_round}) to "
+                     f"{self.options.checkpoint_dir}; " if self.options.checkpoint_dir is not None and self.swarm.rounds_done
+                     else "it leaves now; ")
+            self.metrics.write("error", kind="process", message=dead)
+            raise ProcessDied(f"this peer's {dead}, so it can no longer average; {saved}start shoal run again "
+                              "(with the same --checkpoint-dir and --identity to resume); if it keeps happening, "
+                              "look for an out-of-memory kill (dmesg)")
 
     def _catch_up(self) -> None:
         """A joiner downloads the swarm's state first: the panel (or log lines) shows how far along."""

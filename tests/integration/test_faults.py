@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,27 +28,45 @@ def _mount_tmpfs(path, size: str) -> bool:
 
 
 @pytest.mark.timeout(240)
-def test_a_full_disk_costs_checkpoints_never_the_run(swarm):
+def test_a_full_disk_costs_checkpoints_never_the_run_and_a_killed_averager_ends_it_in_one_line(swarm):
     """A tmpfs with room for one checkpoint of the tiny model (~2 MB) under --checkpoint-dir: the
     first is written, the next ones fail with ENOSPC. The peer says so once, keeps the good one
-    intact, leaves no staging files and trains every round to --max-rounds, exiting 0."""
+    intact, leaves no staging files and trains on. Then its averager process is killed (as the
+    kernel's out-of-memory killer would): the peer notices within a second and leaves, in one line
+    naming the process, with exit code 6 and no process left behind. (One peer for both faults.)"""
     checkpoints = swarm.root / "alone" / "checkpoints"
     if not _mount_tmpfs(checkpoints, "3m"):
         pytest.skip("mounting a small tmpfs needs root (and a kernel that allows it here)")
     try:
         config = every_round_checkpoints(swarm.root / "tiny.toml", TINY)
-        peer = swarm.start("alone", "--round-seconds", "4", "--max-rounds", "4", config=config)
-        assert peer.wait(timeout=200) == 0, peer.log()[-3000:]
+        peer = swarm.start("alone", "--round-seconds", "4", "--max-rounds", "30", config=config)
+
+        def trained_after_a_failed_checkpoint() -> bool:
+            assert peer.proc.poll() is None, peer.log()[-3000:]
+            events = read_metrics(peer.metrics_path) if peer.metrics_path.exists() else []
+            failed = [e["round"] for e in events if e["event"] == "checkpoint_failed"]
+            return bool(failed) and max(rounds_of(peer), default=0) > failed[0]
+
+        wait_until(trained_after_a_failed_checkpoint, 150, "no round after a failed checkpoint")
         log = peer.log()
         assert log.count("not written to") == 1, log[-3000:]
         assert "No space left on device" in log and "is kept and training goes on" in log
         kept = list_checkpoints(checkpoints)
         assert len(kept) == 1 and load_latest_valid(checkpoints).round == int(kept[0].name.split("-")[-1])
         assert not [p for p in checkpoints.iterdir() if p.name.startswith(TMP_PREFIX)]
-        events = read_metrics(peer.metrics_path)
-        failed = [e["round"] for e in events if e["event"] == "checkpoint_failed"]
-        assert failed and max(rounds_of(peer)) == 4 and max(rounds_of(peer)) > failed[0]
-        wait_until(lambda: peer.proc.poll() is not None, 10, "the peer did not exit")
+
+        # The averager is killed: the peer leaves within a second (a round is 4 s), in one line.
+        start = next(e for e in read_metrics(peer.metrics_path) if e["event"] == "start")
+        assert set(start["processes"]) == {"dht", "averager", "p2pd"}, start
+        killed_at, killed_wall = time.monotonic(), time.time()
+        os.kill(start["processes"]["averager"], signal.SIGKILL)
+        assert peer.wait(timeout=60) == 6, peer.log()[-3000:]
+        noticed = next(e for e in read_metrics(peer.metrics_path) if e["event"] == "error" and e["kind"] == "process")
+        assert f"averager process (pid {start['processes']['averager']}) exited with signal 9" in noticed["message"]
+        errors = [line for line in peer.log().splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "averager process" in errors[0] and "start shoal run again" in errors[0], errors
+        assert time.monotonic() - killed_at < 45  # the leave itself (a checkpoint attempt, closing) included
+        assert noticed["time"] - killed_wall < 3, noticed  # checked once a second from the training loop
     finally:
         subprocess.run(["umount", "-l", str(checkpoints)], capture_output=True)
 

@@ -271,6 +271,15 @@ class HivemindBackend:
         """The averager process (its p2pd is the DHT's), for the caller's clean-up."""
         return self._averager.pid
 
+    @property
+    def alive(self) -> bool:
+        """Whether the averager process still runs (killed or crashed: the caller cannot average)."""
+        return self._averager.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._averager.exitcode
+
     def fetch_update(self, peers: list[str], *, rounds_done: int, numel: int,
                      timeout: float) -> AppliedUpdate | None:
         """The update after ``rounds_done`` steps from the first of ``peers`` that sends a valid one."""
