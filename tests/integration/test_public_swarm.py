@@ -1,9 +1,12 @@
 """A public swarm's entry point and its regulars: `shoal bootstrap`, peers that know only its
-address, a mismatched joiner refused, Ctrl+C, and a restart that resumes from its checkpoint
-(after the newest one was truncated) with the same peer id, then catches up with the swarm."""
+address, a mismatched joiner refused, Ctrl+C, the bootstrap peer restarted (the swarm teaches the fresh one
+its peers again), and a restart that resumes from its checkpoint (after the newest one was
+truncated) with the same peer id, finding the swarm through the restarted bootstrap, then catches
+up with the swarm."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +14,7 @@ import time
 
 import pytest
 
-from examples.swarm_launcher import shoal_command
+from examples.swarm_launcher import kill_process_group, session_members, shoal_command
 from node.library.checkpoint import list_checkpoints, load_latest_valid
 from node.observe.metrics import read_metrics
 from tests.integration.swarm import REPO, TINY, wait_until
@@ -28,7 +31,7 @@ def records(peer, event: str) -> list[dict]:
 
 
 @pytest.mark.timeout(400)
-def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path):
+def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, request):
     bootstrap_proc, address_file = bootstrap
     config = tmp_path / "every-round.toml"
     config.write_text(TINY.read_text().replace("checkpoint_every_rounds = 5", "checkpoint_every_rounds = 1"))
@@ -71,6 +74,15 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path):
     fallback = load_latest_valid(a.checkpoint_dir)
     assert fallback is not None and fallback.path == saved[1]
 
+    # The bootstrap peer restarts (same identity and port, as a real one with a fixed --listen), with
+    # an empty DHT: b's periodic re-dial of its initial peers teaches it the swarm again, and the
+    # restarted a below finds the swarm through it alone.
+    bootstrap_proc = restart_bootstrap(bootstrap_proc, address_file, tmp_path)
+    request.addfinalizer(lambda: kill_process_group(bootstrap_proc))  # the fixture owned the first one only
+    b_id = records(b, "start")[0]["peer"]
+    wait_until(lambda: b_id in status_peers(address_file, swarm.run_id), 120,
+               "the restarted bootstrap peer never learned of b")
+
     # Restart a with the same identity and checkpoints. The swarm is ahead of the checkpoint it falls
     # back to (b holds at least the newest one's round) and moves on while a starts up.
     restarted_at = time.time()
@@ -95,6 +107,48 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path):
     for peer in (a2, b):
         assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
     assert bootstrap_proc.poll() is None, "the bootstrap peer died"
+    stop_bootstrap(bootstrap_proc)
+
+
+def restart_bootstrap(proc: subprocess.Popen, address_file, tmp_path) -> subprocess.Popen:
+    """Ctrl+C the bootstrap peer (it must leave nothing behind), then start it again on the same port
+    with the same identity; returns once it wrote its address again."""
+    address = address_file.read_text().split()[0]
+    port = address.split("/tcp/")[1].split("/")[0]
+    stop_bootstrap(proc)
+    address_file.unlink()
+    log = open(tmp_path / "bootstrap-2.log", "wb")  # noqa: SIM115 - handed to the child
+    restarted = subprocess.Popen([*shoal_command(), "bootstrap", "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--identity",
+                                  str(tmp_path / "bootstrap.key"), "--address-file", str(address_file)],
+                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log.close()
+    try:
+        wait_until(address_file.exists, 90, "the restarted bootstrap peer wrote no address")
+        assert address_file.read_text().split()[0] == address, "the bootstrap came back at another address"
+    except BaseException:
+        stop_bootstrap(restarted)
+        raise
+    return restarted
+
+
+def stop_bootstrap(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            assert proc.wait(timeout=30) == 0
+            assert not session_members(proc.pid), "the bootstrap peer left processes behind"
+        finally:
+            kill_process_group(proc)
+
+
+def status_peers(address_file, run_id: str) -> set[str]:
+    """The peers ``shoal status`` sees through the bootstrap peer's address."""
+    result = subprocess.run([*shoal_command(), "status", "--initial-peer", f"@{address_file}", "--run-id", run_id,
+                             "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        return set()
+    return {peer["peer_id"] for peer in json.loads(result.stdout)["peer_list"]}
 
 
 def averaged_records(peer) -> list[dict]:
