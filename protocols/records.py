@@ -50,7 +50,6 @@ import dataclasses
 import hashlib
 import heapq
 import hmac
-import inspect
 import itertools
 import logging
 import math
@@ -74,6 +73,7 @@ from protocols import manifest, progress, swarm_time
 from protocols.identity import PeerKey, peer_id_of, verify_peer_signature
 from protocols.keys import peers_key, run_key
 from protocols.messages import MessageError
+from protocols.pinning import changed_functions
 
 logger = logging.getLogger(__name__)
 
@@ -465,8 +465,7 @@ _installed = False
 
 def hivemind_changes() -> list[str]:
     """The reviewed hivemind functions whose source differs from what this module was written against."""
-    return [name for name, function in _ORIGINALS.items()
-            if hashlib.sha256(inspect.getsource(function).encode()).hexdigest() != REVIEWED[name]]
+    return changed_functions(REVIEWED, _ORIGINALS)
 
 
 async def _rpc_store_naming_sender(self, request: dht_pb2.StoreRequest, context: P2PContext) -> dht_pb2.StoreResponse:

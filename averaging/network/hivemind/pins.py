@@ -17,7 +17,6 @@ them. Both the averager (``averaging.network.hivemind.averager``) and the codec 
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from collections.abc import Callable
 
@@ -28,6 +27,8 @@ from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression import serialization
 from hivemind.p2p import P2P
+
+from protocols.pinning import changed_functions
 
 
 class HivemindChanged(RuntimeError):
@@ -128,8 +129,7 @@ def _squash(text: str) -> str:
 
 def changes() -> list[str]:
     """Every pin that no longer holds, named (empty: hivemind is the version reviewed)."""
-    changed = [f"{name} (its code)" for name, digest in REVIEWED.items()
-               if hashlib.sha256(inspect.getsource(ORIGINALS[name]).encode()).hexdigest() != digest]
+    changed = [f"{name} (its code)" for name in changed_functions(REVIEWED, ORIGINALS)]
     changed += [f"{what} (expected `{line}` in {attribute})" for what, owner, attribute, line in RELIED_ON
                 if _squash(line) not in _squash(_source(owner, attribute))]
     if not isinstance(getattr(serialization, "_BASE_COMPRESSION_TYPES", None), dict):
