@@ -1,0 +1,187 @@
+"""Soak: four ``shoal run`` peers train for a long while; do their memory, threads and open files stay flat?
+
+    .venv/bin/python benchmarks/faults.py --minutes 60 [--peers 4] [--round-seconds 10] [--throttle 6]
+
+A public run's peers stay up for days: a leak of a few MB an hour, a thread per round or a socket
+per re-dial ends in an out-of-memory kill or "too many open files" long after any test has
+finished. Every ``--sample-seconds`` this samples each peer's whole process tree (the node, its DHT
+and averager processes, their p2pd): resident memory (RSS), threads and open file descriptors; the
+peers' own round records say whether they kept averaging. Growth is measured after a warm-up
+(``--warmup-minutes``: allocator pools, caches and the first checkpoints settle) from the median
+of the first three samples after it to the median of the last three (robust to a sample taken
+during a checkpoint or an all-reduce). Target (issue 31): RSS grows < 5% after warm-up.
+
+Loopback, the tiny config, every peer throttled so that the swarm's training needs about one of
+the machine's two cores (a soak measures leaks, not starvation). Writes
+``benchmarks/results/faults.md`` and ``.json`` (rewritten after every sample, so a run cut short
+still reports).
+
+Not measured here yet (issue 31): rounds lost and time to reunion per fault (a split, a restarted
+bootstrap, a killed averager, clock skew); the integration tests check each fault's outcome
+(tests/integration/test_faults.py, test_public_swarm.py, test_clock_skew.py), not its cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import psutil  # noqa: E402
+from harness import CpuMeter, start_entry_peer  # noqa: E402
+
+from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
+from node.observe.metrics import read_metrics  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "faults"
+TARGET_RSS_GROWTH = 0.05
+
+
+def tree_usage(pid: int) -> dict[str, float] | None:
+    """RSS (MiB), threads and open fds of ``pid`` and its descendants; None once it is gone."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    rss = threads = fds = 0
+    for proc in procs:
+        try:
+            with proc.oneshot():
+                rss += proc.memory_info().rss
+                threads += proc.num_threads()
+                fds += proc.num_fds()
+        except psutil.Error:
+            continue  # a child that just exited
+    return {"rss_mib": rss / 2**20, "threads": threads, "fds": fds, "processes": len(procs)}
+
+
+def growth(samples: list[dict], key: str, after_s: float) -> dict | None:
+    """Median of the first three samples after ``after_s`` against the median of the last three."""
+    settled = [s for s in samples if s["t"] >= after_s]
+    if len(settled) < 6:
+        return None
+    first = statistics.median(s[key] for s in settled[:3])
+    last = statistics.median(s[key] for s in settled[-3:])
+    return {"after_warmup": first, "end": last, "growth": (last - first) / first if first else None}
+
+
+def averaged_share(metrics: Path, after_round: int) -> tuple[int, int]:
+    rounds = [r for r in read_metrics(metrics) if r.get("event") == "round" and r["round"] > after_round]
+    return sum(r.get("applied") == "averaged" for r in rounds), len(rounds)
+
+
+def report(results: dict) -> str:
+    warm = results["warmup_minutes"] * 60
+    lines = [f"# Soak: {results['peers']} peers for {results['elapsed_minutes']:.0f} of {results['minutes']} minutes",
+             "", f"Command: `{results['command']}` ({results['started']} to {results['ended']} UTC).", "",
+             f"Loopback, `tiny.toml`, rounds of {results['round_seconds']:g} s, every peer throttle "
+             f"{results['throttle']:g}; one sample of each peer's process tree (node, DHT, averager, p2pd) every "
+             f"{results['sample_seconds']:g} s. Growth: the median of the first three samples after a "
+             f"{results['warmup_minutes']:g}-minute warm-up against the median of the last three. Target (issue 31): "
+             f"RSS grows < {TARGET_RSS_GROWTH:.0%} after warm-up.", "",
+             "| peer | RSS after warm-up (MiB) | RSS at end (MiB) | RSS growth | threads (warm-up -> end) "
+             "| open fds (warm-up -> end) | rounds averaged after warm-up | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, peer in results["per_peer"].items():
+        samples = peer["samples"]
+        rss, threads, fds = (growth(samples, key, warm) for key in ("rss_mib", "threads", "fds"))
+        if rss is None:
+            lines.append(f"| {name} | - | - | - | - | - | - | too few samples after warm-up |")
+            continue
+        ok = rss["growth"] is not None and rss["growth"] < TARGET_RSS_GROWTH
+        averaged, total = peer.get("averaged", (0, 0))
+        lines.append(f"| {name} | {rss['after_warmup']:.0f} | {rss['end']:.0f} | {rss['growth']:+.1%} "
+                     f"| {threads['after_warmup']:.0f} -> {threads['end']:.0f} | {fds['after_warmup']:.0f} -> "
+                     f"{fds['end']:.0f} | {averaged} of {total} | {'met' if ok else '**NOT met**'} |")
+    cpu = results.get("cpu")
+    if cpu:
+        lines += ["", f"CPU: the swarm used {cpu['own_cores']:.2f} of 2 cores, the whole machine "
+                  f"{cpu['machine_busy_cores']:.2f} (other work on it counts there)."]
+    if results["elapsed_minutes"] < results["minutes"]:
+        lines += ["", f"Cut short at {results['elapsed_minutes']:.0f} minutes: {results.get('stopped', 'stopped')}."]
+    return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    out.with_suffix(".md").write_text(report(results))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--warmup-minutes", type=float, default=5.0)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--round-seconds", type=float, default=10.0)
+    parser.add_argument("--throttle", type=float, default=6.0, help="every peer's; keep the swarm under the cores")
+    parser.add_argument("--sample-seconds", type=float, default=30.0)
+    parser.add_argument("--config", type=Path, default=REPO / "examples" / "configs" / "tiny.toml")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--report-only", action="store_true", help="redraw the table from the .json")
+    args = parser.parse_args()
+    if args.report_only:
+        write(json.loads(args.out.with_suffix(".json").read_text()), args.out)
+        return 0
+    root = Path(f"/tmp/shoal-soak-{uuid.uuid4().hex[:6]}")
+    root.mkdir(parents=True)
+    results = {"command": "benchmarks/faults.py " + " ".join(sys.argv[1:]), "minutes": args.minutes,
+               "warmup_minutes": args.warmup_minutes, "peers": args.peers, "round_seconds": args.round_seconds,
+               "throttle": args.throttle, "sample_seconds": args.sample_seconds, "elapsed_minutes": 0.0,
+               "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), "per_peer": {}}
+    swarm = LocalSwarm(root, run_id=f"soak-{uuid.uuid4().hex[:6]}", cwd=REPO)
+    entry = None
+    try:
+        with CpuMeter() as cpu:
+            entry, address = start_entry_peer(root, None)
+            peers = [swarm.start(f"peer-{i}", "--throttle", str(args.throttle), "--round-seconds",
+                                 str(args.round_seconds), config=args.config, initial=address)
+                     for i in range(args.peers)]
+            for peer in peers:
+                peer.wait_for_address(timeout=180)
+                results["per_peer"][peer.name] = {"samples": []}
+            began = time.monotonic()
+            while (elapsed := time.monotonic() - began) < args.minutes * 60:
+                for peer in peers:
+                    usage = tree_usage(peer.proc.pid)
+                    if usage is None or peer.proc.poll() is not None:
+                        results["stopped"] = f"{peer.name} exited with {peer.proc.poll()}"
+                        raise StopIteration
+                    results["per_peer"][peer.name]["samples"].append({"t": elapsed, **usage})
+                results["elapsed_minutes"] = elapsed / 60
+                results["ended"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
+                write(results, args.out)
+                time.sleep(args.sample_seconds)
+            results["elapsed_minutes"] = (time.monotonic() - began) / 60
+    except (StopIteration, KeyboardInterrupt) as stop:
+        results.setdefault("stopped", "interrupted" if isinstance(stop, KeyboardInterrupt) else "a peer exited")
+    finally:
+        swarm.interrupt_all()
+        for peer in swarm.peers:
+            peer.wait(timeout=60)
+        swarm.kill_all()
+        if entry is not None:
+            kill_process_group(entry.proc)
+    results["cpu"] = cpu.summary()
+    warm_round = int(args.warmup_minutes * 60 / args.round_seconds)
+    for peer in swarm.peers:
+        if peer.name in results["per_peer"] and peer.metrics_path.exists():
+            results["per_peer"][peer.name]["averaged"] = averaged_share(peer.metrics_path, warm_round)
+    results["ended"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
+    write(results, args.out)
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
