@@ -68,12 +68,27 @@ def load_trained_checkpoint(checkpoint_dir: Path, config_path: Path | None) -> t
             model_config, tokenizer_spec, vocab_size = model_config_from_meta(checkpoint.meta)
         except CheckpointError as e:
             raise CheckpointError(f"{checkpoint.path}: {e}") from None
-        return checkpoint, model_config, tokenizer_spec, vocab_size
+        return checkpoint, model_config, _tokenizer_here(tokenizer_spec, checkpoint_dir), vocab_size
     from node.process.config import load_config
 
     run_config = load_config(config_path)
     tokenizer_spec = run_config.data.tokenizer
     return checkpoint, run_config.model, tokenizer_spec, _vocab_size(checkpoint, run_config.model, tokenizer_spec)
+
+
+def _tokenizer_here(spec: str, checkpoint_dir: Path) -> str:
+    """The recorded tokenizer, or the copy ``shoal run`` keeps in the checkpoint dir when the
+    recorded path does not exist on this machine (checkpoints copied elsewhere; a hub name is kept:
+    it may be fetched)."""
+    from node.training.export import TOKENIZER_COPY
+
+    copy = checkpoint_dir / TOKENIZER_COPY
+    recorded = Path(spec).expanduser()
+    looks_local = spec.startswith(("/", "~", ".")) or spec.endswith(".json")
+    if spec != "bytes" and looks_local and not recorded.exists() and (copy / "tokenizer.json").is_file():
+        typer.echo(f"the run's tokenizer {spec} is not on this machine: using the copy in {copy}", err=True)
+        return str(copy)
+    return spec
 
 
 def _vocab_size(checkpoint: Checkpoint, model_config: ModelConfig, tokenizer_spec: str) -> int:

@@ -29,7 +29,7 @@ from node.process.config import RunConfig, shared_fields
 from node.process.options import PeerOptions
 from node.process.signals import Interrupts
 from node.training.data import seed_for_peer
-from node.training.export import RUN_CONFIG_KEY, run_config_meta
+from node.training.export import RUN_CONFIG_KEY, TOKENIZER_COPY, run_config_meta
 from node.training.model import build_model, count_parameters, model_fingerprint
 from node.training.sources import open_source
 from node.training.trainer import Trainer, device_label, inner_lr, resolve_device
@@ -180,6 +180,7 @@ class Peer:
             logger.error(f"{error}; trying the next older one")
             self.metrics.write("error", kind="checkpoint", message=str(error))
 
+        self._keep_tokenizer(checkpoint_dir)
         resumed = self.swarm.resume_from_checkpoints(checkpoint_dir, on_invalid=broken)
         if resumed is None:
             return
@@ -192,6 +193,16 @@ class Peer:
                 inner = False
         logger.info(f"resumed from {resumed.path} (round {resumed.round}{', with the inner optimizer' if inner else ''})")
         self.metrics.write("resume", path=str(resumed.path), round=resumed.round, inner_optimizer=inner)
+
+    def _keep_tokenizer(self, checkpoint_dir: Path) -> None:
+        """A copy of the run's tokenizer in ``<checkpoint-dir>/tokenizer``: the checkpoints then carry
+        all that `shoal export` and `shoal sample` need, on a machine without data.tokenizer's path."""
+        if self.source.tokenizer is None:
+            return
+        try:
+            self.source.tokenizer.save(Path(checkpoint_dir) / TOKENIZER_COPY)
+        except OSError as e:  # a full disk costs the copy, never the run
+            logger.warning(f"could not keep a copy of the tokenizer in {checkpoint_dir}: {e.strerror or e}")
 
     # -- lifecycle -----------------------------------------------------------------------------
     def announce(self) -> None:

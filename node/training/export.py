@@ -28,6 +28,9 @@ _HF_PREFIX = "hf."  # HFCausalLM's transformers model
 _GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
+TOKENIZER_COPY = "tokenizer"  # <checkpoint-dir>/tokenizer: the run's tokenizer, kept beside its checkpoints
+
+
 def run_config_meta(model_config: ModelConfig, tokenizer_spec: str, vocab_size: int) -> dict[str, Any]:
     """What a checkpoint's meta.json keeps under ``run_config`` so export and sample rebuild its model:
     every ModelConfig field (an hf model's transformers config inlined, so no path is needed) and the

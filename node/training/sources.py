@@ -41,6 +41,7 @@ class ByteCorpus:
 
     tokenizer_spec = "bytes"
     vocab_size = 256
+    tokenizer = None  # raw bytes: nothing to ship beside a checkpoint
 
     def __init__(self, config: DataConfig) -> None:
         self.config = config
@@ -80,7 +81,8 @@ class DocumentShards:
         self.dataset = TokenizedDataset(config)
         check_files(self.dataset.source)  # a broken file fails now, before the peer joins a swarm
         self.tokenizer_spec = config.tokenizer
-        self.vocab_size = self.dataset.tokenizer.vocab_size
+        self.tokenizer = self.dataset.tokenizer
+        self.vocab_size = self.tokenizer.vocab_size
         self._seed, self._moves = 0, 0  # a new sampler per move: seeded by the peer's seed and the move
 
     def fingerprint(self) -> dict[str, Any]:

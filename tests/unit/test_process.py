@@ -195,7 +195,8 @@ def test_a_llama_on_parquet_refuses_a_joiner_with_another_tokenizer_or_dataset(t
     from tests.unit.text_fixtures import documents, train_tokenizer, write_jsonl
 
     hub = LocalSwarmHub()
-    first = Peer(documents_config(), PeerOptions(ui=False), threading.Event(), network=LocalNetwork(hub, "a"))
+    first = Peer(documents_config(), PeerOptions(ui=False, checkpoint_dir=tmp_path / "ckpt"), threading.Event(),
+                 network=LocalNetwork(hub, "a"))
     try:
         # It trains a transformers model on its shard of the tokenized documents, and records the
         # run's model and tokenizer in the checkpoints' meta (what `shoal export` rebuilds from).
@@ -205,6 +206,14 @@ def test_a_llama_on_parquet_refuses_a_joiner_with_another_tokenizer_or_dataset(t
         assert first.shared["data.vocab_size"] == 400 and first.shared["model.hf.hidden_size"] == 32
         assert float(first.trainer.inner_step(x, y, 1e-3)) > 0
         assert first._run_config_meta["run_config"]["data"]["tokenizer"] == str(tmp_path / "bpe" / "tokenizer.json")
+        # The checkpoints carry the tokenizer too: exported on a machine without data.tokenizer's file.
+        first.save_checkpoint()
+        (tmp_path / "bpe").rename(tmp_path / "bpe-elsewhere")
+        exported = CliRunner().invoke(app, ["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--output",
+                                            str(tmp_path / "exported")])
+        assert exported.exit_code == 0, exported.output
+        assert "using the copy in" in exported.output and (tmp_path / "exported" / "tokenizer.json").is_file()
+        (tmp_path / "bpe-elsewhere").rename(tmp_path / "bpe")
         other_tokenizer = train_tokenizer(tmp_path / "bpe-512", vocab_size=512)
         with pytest.raises(ConfigError, match=r"data\.tokenizer_sha256=.*point data\.tokenizer at the run's"):
             Peer(documents_config(**{"data.tokenizer": str(other_tokenizer)}), PeerOptions(ui=False),
