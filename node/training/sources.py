@@ -104,6 +104,8 @@ class DocumentShards:
     def move(self, sampler: BatchSampler, shard: int) -> BatchSampler | None:
         """The sampler over ``shard``, or None while its tokens are being built (the caller keeps its
         old shard and asks again later)."""
+        if self.dataset.failed(shard):
+            self.dataset.shard_tokens(shard)  # re-raises the build's error: the data is broken, say so
         if not self.dataset.is_ready(shard):
             self.dataset.prepare(shard)
             return None

@@ -109,6 +109,11 @@ class TokenizedDataset:
         self._check(shard)
         return self._ready(_shard_name(shard))
 
+    def failed(self, shard: int) -> bool:
+        """Whether a background build of ``shard`` failed (``shard_tokens`` re-raises its error)."""
+        with self._lock:
+            return shard in self._errors
+
     def prepare(self, shard: int) -> None:
         """Start building shard ``shard`` on a background thread, if it is neither ready nor under way."""
         self._check(shard)
