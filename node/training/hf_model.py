@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from node.training.model import CAUSAL_LM_SUFFIXES, ModelConfig
+from node.training.model import CAUSAL_LM_SUFFIXES, ModelConfig, next_token_loss
 from protocols.errors import ConfigError
 
 # Shown when a name matches nothing: architectures known to train well from scratch.
@@ -48,11 +47,7 @@ class HFCausalLM(nn.Module):
         if seq > self.config.seq_len:
             raise ValueError(f"input length {seq} exceeds model.seq_len ({self.config.seq_len})")
         logits = self.hf(input_ids=idx, use_cache=False).logits
-        if targets is None:
-            return logits, None
-        # float32 for the same reason as the GPT: the loss is what peers compare and report.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return logits, None if targets is None else next_token_loss(logits, targets)
 
 
 def architecture_class(name: str) -> type:

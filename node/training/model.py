@@ -203,12 +203,14 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits, None
-        # Loss in float32 even under bf16 autocast: log-softmax over the vocabulary loses
-        # precision in bf16 and the loss is what peers compare and report.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return logits, None if targets is None else next_token_loss(logits, targets)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of (B, T, vocab) logits against already-shifted targets, for every model
+    shoal trains. In float32 even under bf16 autocast: log-softmax over the vocabulary loses
+    precision in bf16, and the loss is what peers compare and report."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def build_model(config: ModelConfig, seed: int, *, vocab_size: int | None = None) -> nn.Module:
