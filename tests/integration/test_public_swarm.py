@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from examples.swarm_launcher import kill_process_group, session_members, shoal_command
+from examples.swarm_launcher import kill_process_group, shoal_command
 from node.library.checkpoint import list_checkpoints, load_latest_valid
 from node.observe.metrics import read_metrics
+from tests.integration.conftest import start_bootstrap, stop_bootstrap
 from tests.integration.swarm import REPO, TINY, wait_until
 
 pytestmark = pytest.mark.integration
@@ -117,12 +118,7 @@ def restart_bootstrap(proc: subprocess.Popen, address_file, tmp_path) -> subproc
     port = address.split("/tcp/")[1].split("/")[0]
     stop_bootstrap(proc)
     address_file.unlink()
-    log = open(tmp_path / "bootstrap-2.log", "wb")  # noqa: SIM115 - handed to the child
-    restarted = subprocess.Popen([*shoal_command(), "bootstrap", "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--identity",
-                                  str(tmp_path / "bootstrap.key"), "--address-file", str(address_file)],
-                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log.close()
+    restarted = start_bootstrap(tmp_path, address_file, listen=f"/ip4/127.0.0.1/tcp/{port}", log_name="bootstrap-2.log")
     try:
         wait_until(address_file.exists, 90, "the restarted bootstrap peer wrote no address")
         assert address_file.read_text().split()[0] == address, "the bootstrap came back at another address"
@@ -130,16 +126,6 @@ def restart_bootstrap(proc: subprocess.Popen, address_file, tmp_path) -> subproc
         stop_bootstrap(restarted)
         raise
     return restarted
-
-
-def stop_bootstrap(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            assert proc.wait(timeout=30) == 0
-            assert not session_members(proc.pid), "the bootstrap peer left processes behind"
-        finally:
-            kill_process_group(proc)
 
 
 def status_peers(address_file, run_id: str) -> set[str]:
