@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
-from harness import CpuMeter, start_entry_peer  # noqa: E402
+from harness import CpuMeter, start_entry_peer, write_results  # noqa: E402
 from learning import Evaluator, write_config  # noqa: E402
 
 from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
@@ -443,9 +443,7 @@ def report(results: dict) -> str:
 
 
 def write(results: dict, out: Path = RESULTS) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    out.with_suffix(".md").write_text(report(results))
+    write_results(results, out, report)
 
 
 def main() -> int:

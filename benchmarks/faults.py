@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import psutil  # noqa: E402
-from harness import CpuMeter, start_entry_peer  # noqa: E402
+from harness import CpuMeter, start_entry_peer, write_results  # noqa: E402
 
 from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
 from node.observe.metrics import read_metrics  # noqa: E402
@@ -113,9 +113,7 @@ def report(results: dict) -> str:
 
 
 def write(results: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    out.with_suffix(".md").write_text(report(results))
+    write_results(results, out, report)
 
 
 def main() -> int:

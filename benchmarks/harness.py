@@ -8,6 +8,7 @@ session, and every launcher kills its sessions on the way out, also after an err
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -118,6 +119,13 @@ def _machine_busy() -> tuple[float, float]:
     idle = fields[3] + fields[4]  # idle + iowait
     ticks = os.sysconf("SC_CLK_TCK")
     return (sum(fields) - idle) / ticks, sum(fields) / ticks
+
+
+def write_results(results: dict, out: Path, report) -> None:
+    """``out``.json (the raw results, which ``--report-only`` redraws from) and ``out``.md (``report(results)``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    out.with_suffix(".md").write_text(report(results))
 
 
 def out_flag(out: Path, default: Path) -> str:

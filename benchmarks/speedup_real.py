@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import netns  # noqa: E402
-from harness import CpuMeter, run_ddp_ranks, start_entry_peer, start_shoal_peers  # noqa: E402
+from harness import CpuMeter, run_ddp_ranks, start_entry_peer, start_shoal_peers, write_results  # noqa: E402
 from learning import Evaluator, interrupted, spread, write_config  # noqa: E402
 
 from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
@@ -211,9 +211,7 @@ def report(results: dict) -> str:
 
 
 def write(results: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    out.with_suffix(".md").write_text(report(results))
+    write_results(results, out, report)
 
 
 def main() -> int:
