@@ -23,7 +23,7 @@ from tests.integration.swarm import REPO, TINY, anchor_at, every_round_checkpoin
 
 pytestmark = pytest.mark.integration
 
-ROUND_S = 8.0
+ROUND_S = 6.0
 ALLREDUCE_TIMEOUT_S = 10.0
 # A survivor's round record lands at most this long after the round's deadline: the all-reduce
 # (bounded by its timeout), plus a re-sync download if the crash left the group's anchors apart.

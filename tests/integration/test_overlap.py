@@ -11,17 +11,19 @@ from tests.integration.swarm import TINY, anchor_at, every_round_checkpoints, ro
 
 pytestmark = pytest.mark.integration
 
-INNER_STEPS = 50
+INNER_STEPS = 25
+ROUND = ("--round-seconds", "6")
 
 
 @pytest.mark.timeout(300)
 def test_blocking_mode_waits_for_the_all_reduce(swarm):
-    # 50 steps in tiny's 10 s rounds (tiny has 100): of a round, the previous round's all-reduce takes
+    # 25 steps in 6 s rounds (tiny has 100 in 10 s): of a round, the previous round's all-reduce takes
     # a part (blocking mode waits for it), and at load ~12 on 2 cores a peer fitted only 79 steps in
-    # the rest. Half of them leaves the loop time to idle, which is what this test is about.
+    # 10 s minus that part (~47 in 6 s). Half of them leaves the loop time to idle, which is what
+    # this test is about.
     config = every_round_checkpoints(swarm.root / "tiny.toml", text=TINY.read_text().replace(
         "inner_steps = 100", f"inner_steps = {INNER_STEPS}"))
-    args = ("--sync-mode", "blocking")
+    args = ("--sync-mode", "blocking", *ROUND)
     first = swarm.start("a", *args, config=config)
     second = swarm.start("b", *args, initial=first.wait_for_address()[:1], config=config)
     # From the second round both took part in (the first may be partial).
