@@ -57,6 +57,11 @@ logger = logging.getLogger(__name__)
 
 LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 RECENT_ALLREDUCES = 3  # the part timeouts follow the longest of the last few all-reduces
+# How long ``prepare`` waits for the averager to confirm a round's group bits. hivemind's own
+# ``set_group_bits(wait=True)`` waits on its process's reply with no timeout: with the averager
+# process killed (an out-of-memory kill) the prepare lane hung for good, and the node, which had
+# noticed the dead process and was leaving, hung in its shutdown waiting for that lane.
+GROUP_BITS_WAIT_S = 5.0
 
 
 class HivemindBackend:
@@ -140,7 +145,7 @@ class HivemindBackend:
         with self._averager._command_lock:
             # The round goes into the matchmaking key (hivemind's group bits), so a peer still
             # finishing round r-1 can never pull a peer of round r into its group (or wait for it).
-            self._averager.set_group_bits(round_bits(round))
+            self._set_group_bits(round)
             proof = self._averager.proof()
             if self._signer is not None:
                 gather = sign_claim(gather, self._signer, prefix=self._averager.prefix, mode=self._averager.mode.value)
@@ -153,6 +158,18 @@ class HivemindBackend:
             )
         with self._controls_lock:
             self._controls[round] = control
+
+    def _set_group_bits(self, round: int) -> None:
+        """The round's group bits, confirmed within ``GROUP_BITS_WAIT_S`` or refused if the averager
+        process is gone. A live averager that is slow to answer is fine: the step sent next goes
+        down the same pipe after the bits, so it is matched with them."""
+        confirmed = self._averager.set_group_bits(round_bits(round), wait=False)
+        try:
+            confirmed.result(timeout=GROUP_BITS_WAIT_S)
+        except TimeoutError:
+            if not self._averager.is_alive():
+                raise RuntimeError(f"the averager process is gone: round {round}'s matchmaking cannot start") from None
+            logger.debug(f"round {round}: the averager took over {GROUP_BITS_WAIT_S:g}s to confirm its group bits")
 
     def _settle_matchmaking(self, *, before: int, wait_s: float = 5.0) -> None:
         """The group bits are the averager's, not a step's: changing them while an older round's
