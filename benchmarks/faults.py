@@ -1,6 +1,10 @@
-"""Soak: four ``shoal run`` peers train for a long while; do their memory, threads and open files stay flat?
+"""A home machine's faults: what each costs a swarm, and a soak (do memory, threads and files stay flat?).
 
     .venv/bin/python benchmarks/faults.py --minutes 60 [--peers 4] [--round-seconds 10] [--throttle 6]
+    .venv/bin/python benchmarks/faults.py --faults split:30,split:180,bootstrap:30,averager:30
+
+``--faults``: each fault in a fresh 4-peer swarm (``benchmarks/fault_runs.py`` says what is injected
+and measured): rounds lost and the time to one swarm again. Without it, the soak:
 
 A public run's peers stay up for days: a leak of a few MB an hour, a thread per round or a socket
 per re-dial ends in an out-of-memory kill or "too many open files" long after any test has
@@ -16,9 +20,9 @@ the machine's two cores (a soak measures leaks, not starvation). Writes
 ``benchmarks/results/faults.md`` and ``.json`` (rewritten after every sample, so a run cut short
 still reports).
 
-Not measured here yet (issue 31): rounds lost and time to reunion per fault (a split, a restarted
-bootstrap, a killed averager, clock skew); the integration tests check each fault's outcome
-(tests/integration/test_faults.py, test_public_swarm.py, test_clock_skew.py), not its cost.
+Both modes write ``benchmarks/results/faults.md`` and ``.json``; each keeps the other's last results.
+Clock skew is not a fault run here: tests/integration/test_clock_skew.py checks that peers 1 s and
+5 s off average in every round.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import netns  # noqa: E402
 import psutil  # noqa: E402
+from fault_runs import Fault, report_lines, run_fault  # noqa: E402
 from harness import CpuMeter, start_entry_peer, write_results  # noqa: E402
 
 from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
@@ -81,8 +87,29 @@ def averaged_share(metrics: Path, after_round: int) -> tuple[int, int]:
 
 
 def report(results: dict) -> str:
+    """Both sections: the faults' costs and the soak."""
+    lines = ["# Faults and soak", ""]
+    faults = results.get("faults")
+    if faults:
+        lines += [f"## Faults: {len(faults['runs'])} runs", "", f"Command: `{faults['command']}` ({faults['started']} to "
+                  f"{faults['ended']} UTC).", "", "Each fault in a fresh swarm of 4 peers (`tiny.toml`, rounds of "
+                  f"{faults['round_seconds']:g} s, throttle {faults['throttle']:g} each), injected once all four averaged "
+                  "in one group; measured from the peers' round records up to the first round in which all four "
+                  "averaged in one group again (the reunion). Rounds: a peer's rounds from the fault to the reunion, "
+                  "*averaged* in a group, *folded* (its work carried into its next contribution: not lost), *absent* "
+                  "(no record: the peer was down, its work in those rounds lost). Outer steps dropped: its side's "
+                  "steps replaced at the reunion by the larger side's (the `reunion` event; design.md). Spread: the "
+                  "largest relative distance of a peer's anchor from peer-0's after the round after the reunion.", "",
+                  *report_lines(faults["runs"]), ""]
+    soak = results.get("soak")
+    if soak:
+        lines += soak_lines(soak)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def soak_lines(results: dict) -> list[str]:
     warm = results["warmup_minutes"] * 60
-    lines = [f"# Soak: {results['peers']} peers for {results['elapsed_minutes']:.0f} of {results['minutes']} minutes",
+    lines = [f"## Soak: {results['peers']} peers for {results['elapsed_minutes']:.0f} of {results['minutes']} minutes",
              "", f"Command: `{results['command']}` ({results['started']} to {results['ended']} UTC).", "",
              f"Loopback, `tiny.toml`, rounds of {results['round_seconds']:g} s, every peer throttle "
              f"{results['throttle']:g}; one sample of each peer's process tree (node, DHT, averager, p2pd) every "
@@ -109,11 +136,42 @@ def report(results: dict) -> str:
                   f"{cpu['machine_busy_cores']:.2f} (other work on it counts there)."]
     if results["elapsed_minutes"] < results["minutes"]:
         lines += ["", f"Cut short at {results['elapsed_minutes']:.0f} minutes: {results.get('stopped', 'stopped')}."]
-    return "\n".join(lines) + "\n"
+    return lines + [""]
 
 
-def write(results: dict, out: Path) -> None:
-    write_results(results, out, report)
+def load(out: Path) -> dict:
+    """The results file's two sections (a soak-only file of an earlier version: its soak)."""
+    path = out.with_suffix(".json")
+    data = json.loads(path.read_text()) if path.exists() else {}
+    return {"soak": data} if "per_peer" in data else data
+
+
+def write(results: dict, out: Path, section: str) -> None:
+    """Write ``results`` as ``section`` (soak or faults), keeping the other's last results."""
+    write_results({**load(out), section: results}, out, report)
+
+
+def run_faults(args) -> int:
+    faults = [Fault.parse(text) for text in args.faults.split(",")]
+    if any(f.kind == "split" for f in faults) and not netns.available():
+        print("error: split faults need root, ip and tc (network namespaces)", file=sys.stderr)
+        return 2
+    results = {"command": "benchmarks/faults.py " + " ".join(sys.argv[1:]), "round_seconds": args.round_seconds,
+               "throttle": args.throttle, "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), "runs": []}
+    config = Path(f"/tmp/shoal-faults-{uuid.uuid4().hex[:6]}.toml")
+    text = args.config.read_text()
+    config.write_text(text.replace("checkpoint_every_rounds = 5", "checkpoint_every_rounds = 1"))  # anchors per round
+    try:
+        for fault in faults:
+            root = Path(f"/tmp/shoal-fault-{fault.kind}-{uuid.uuid4().hex[:6]}")
+            print(f"{fault.name} ...", flush=True)
+            results["runs"].append(run_fault(fault, root, config, round_s=args.round_seconds, throttle=args.throttle))
+            results["ended"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
+            write(results, args.out, "faults")
+            print("\n".join(report_lines(results["runs"][-1:])), flush=True)
+    finally:
+        config.unlink(missing_ok=True)
+    return 0
 
 
 def main() -> int:
@@ -126,11 +184,14 @@ def main() -> int:
     parser.add_argument("--sample-seconds", type=float, default=30.0)
     parser.add_argument("--config", type=Path, default=REPO / "examples" / "configs" / "tiny.toml")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--report-only", action="store_true", help="redraw the table from the .json")
+    parser.add_argument("--faults", default="", help="split:S,bootstrap:S,averager:S (instead of the soak)")
+    parser.add_argument("--report-only", action="store_true", help="redraw the tables from the .json")
     args = parser.parse_args()
     if args.report_only:
-        write(json.loads(args.out.with_suffix(".json").read_text()), args.out)
+        write_results(load(args.out), args.out, report)
         return 0
+    if args.faults:
+        return run_faults(args)
     root = Path(f"/tmp/shoal-soak-{uuid.uuid4().hex[:6]}")
     root.mkdir(parents=True)
     results = {"command": "benchmarks/faults.py " + " ".join(sys.argv[1:]), "minutes": args.minutes,
@@ -158,7 +219,7 @@ def main() -> int:
                     results["per_peer"][peer.name]["samples"].append({"t": elapsed, **usage})
                 results["elapsed_minutes"] = elapsed / 60
                 results["ended"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
-                write(results, args.out)
+                write(results, args.out, "soak")
                 time.sleep(args.sample_seconds)
             results["elapsed_minutes"] = (time.monotonic() - began) / 60
     except (StopIteration, KeyboardInterrupt) as stop:
@@ -176,8 +237,8 @@ def main() -> int:
         if peer.name in results["per_peer"] and peer.metrics_path.exists():
             results["per_peer"][peer.name]["averaged"] = averaged_share(peer.metrics_path, warm_round)
     results["ended"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
-    write(results, args.out)
-    print(report(results))
+    write(results, args.out, "soak")
+    print("\n".join(soak_lines(results)))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -22,8 +23,26 @@ from node.observe.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny.toml"
 
-__all__ = ["REPO", "TINY", "LocalPeer", "Swarm", "anchor_at", "every_round_checkpoints", "rounds_of",
-           "session_members", "shoal_command", "train_then_interrupt", "wait_until"]
+# libfaketime itself, preloaded into a peer (not the ``faketime`` wrapper, which would stand between
+# the test and the peer and swallow its Ctrl+C). The multi-threaded build: peers have threads.
+FAKETIME = next((str(p) for p in (Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"),
+                                  Path("/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1"),
+                                  Path("/usr/local/lib/faketime/libfaketimeMT.so.1")) if p.exists()), None)
+# What a peer with a wrong clock runs instead of ``shoal run`` (tests/integration/skewed_peer.py says why).
+SKEWED_PEER = [sys.executable, str(REPO / "tests" / "integration" / "skewed_peer.py")]
+
+
+def skewed(offset: str) -> dict[str, str] | None:
+    """The environment that runs a peer (and what it forks) with its wall clock ``offset`` ("+5s")
+    off the true time, its monotonic clock left alone; None without libfaketime. Run the peer as
+    ``SKEWED_PEER``: faking only the wall clock breaks ``time.sleep``, which it replaces."""
+    if FAKETIME is None:
+        return None
+    return {"LD_PRELOAD": FAKETIME, "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+
+
+__all__ = ["FAKETIME", "REPO", "SKEWED_PEER", "TINY", "LocalPeer", "Swarm", "anchor_at", "every_round_checkpoints",
+           "rounds_of", "session_members", "shoal_command", "skewed", "train_then_interrupt", "wait_until"]
 
 
 class Swarm(LocalSwarm):

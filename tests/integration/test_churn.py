@@ -1,14 +1,21 @@
-"""A public swarm's worst day: a peer is killed with SIGKILL in the middle of an all-reduce and a
-newcomer arrives two rounds later. The survivors' rounds keep completing within a bound, the
-newcomer catches up and contributes, and nobody gets a NaN or a diverged anchor. Meanwhile an
-organiser watches with ``shoal status --json``: it sees every peer and the schedule's round, and
-the killed peer's progress record drops out once it expires (one swarm for both: CI time)."""
+"""A public swarm's worst day: home machines' clocks are wrong (libfaketime on the whole peer
+process: one peer's clock is right, the control; the others' are 5 s fast, 5 s slow, 1 s fast, and
+the newcomer's 1 s slow), a peer is killed with SIGKILL in the middle of an all-reduce, and a
+newcomer arrives two rounds later. Every peer averages on swarm time in (nearly) every round
+before the kill, in one group. The survivors' rounds keep completing within a bound, the newcomer
+catches up and contributes, and nobody gets a NaN or a diverged anchor. Meanwhile an organiser
+watches with ``shoal status --json``: it sees every peer and the schedule's round, and the killed
+peer's progress record drops out once it expires (one swarm for all of it: CI time).
+
+At 873d623 a peer 1 s fast never averaged once ("could not find a group" in every round) and a
+peer 3 s or more off could not even bootstrap."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import math
+import re
 import subprocess
 import time
 
@@ -19,7 +26,18 @@ from examples.swarm_launcher import kill_process_group
 from node.library.checkpoint import load_latest_valid
 from node.observe.metrics import read_metrics
 from protocols.schedule import RoundSchedule
-from tests.integration.swarm import REPO, TINY, anchor_at, every_round_checkpoints, shoal_command, wait_until
+from tests.integration.swarm import (
+    FAKETIME,
+    REPO,
+    SKEWED_PEER,
+    TINY,
+    anchor_at,
+    every_round_checkpoints,
+    shoal_command,
+    skewed,
+    took_part,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +51,19 @@ LATE_BOUND_S = 2 * ALLREDUCE_TIMEOUT_S + ROUND_S
 HEARTBEAT_PERIOD = min(5.0, max(1.0, ROUND_S / 3))
 RECORD_TTL = 3 * HEARTBEAT_PERIOD
 CLOCK_SLACK = 1.0
+# Each peer's clock, off the true time (the ``shoal status`` look runs on the true one). Four
+# peers at a quarter of a core each: their training needs one of the two cores (starved of CPU,
+# matchmaking misses rounds for reasons that are not the clocks').
+CLOCKS = {"a": None, "b": "+5s", "c": "-5s", "victim": "+1s", "joiner": "-1s"}
+THROTTLE = ("--throttle", "4")
+
+
+def clock_offset(name: str) -> float:
+    """Seconds peer ``name``'s wall clock runs ahead of the true time in this test (0 without libfaketime)."""
+    return float(CLOCKS[name].removesuffix("s")) if CLOCKS[name] and FAKETIME is not None else 0.0
+
+
+ROUNDS_TOGETHER = 3  # rounds of all four before the kill: how often the wrong clocks averaged
 
 
 def shoal_status(initial_peer: str, run_id: str) -> dict:
@@ -56,26 +87,32 @@ def config(tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
-    common = ("--round-seconds", str(ROUND_S), "--max-rounds", "{last}")
-    first = swarm.start("a", *[a.format(last=99) for a in common], config=config)
+def test_wrong_clocks_then_a_kill_mid_allreduce_then_a_newcomer(swarm, config):
+    common = ("--round-seconds", str(ROUND_S), *THROTTLE)
+
+    def launch(name: str, initial: list[str] | None = None):
+        env = skewed(CLOCKS[name]) if CLOCKS[name] else None
+        return swarm.start(name, *common, initial=initial, config=config, env=env,
+                           program=SKEWED_PEER if env is not None else None)
+
+    first = launch("a")
     address = first.wait_for_address()[:1]
-    peers = [first] + [swarm.start(n, *[a.format(last=99) for a in common], initial=address, config=config)
-                       for n in ("b", "c", "victim")]
+    peers = [first] + [launch(n, address) for n in ("b", "c", "victim")]
     a, b, c, victim = peers
 
-    # 1. Wait for a round in which all four averaged together.
-    def all_four() -> int | None:
-        shared = [r for r, rec in rounds_of(a).items() if rec["group_size"] == 4]
-        return max(shared) if shared else None
+    # 1. Wait for rounds in which all four averaged together.
+    def all_four() -> list[int]:
+        return sorted(r for r, rec in rounds_of(a).items() if rec["group_size"] == 4)
 
-    wait_until(lambda: all_four() is not None, 150, "the four peers never formed a group of 4")
+    wait_until(lambda: len(all_four()) >= ROUNDS_TOGETHER, 150 + ROUNDS_TOGETHER * ROUND_S,
+               f"the four peers never formed a group of 4 {ROUNDS_TOGETHER} times")
     start = next(r for r in read_metrics(a.metrics_path) if r["event"] == "start")["schedule_start"]
     ids = {p.name: next(r for r in read_metrics(p.metrics_path) if r["event"] == "start")["peer"] for p in peers}
 
     # The organiser's view: all four peers, the schedule's round, throughput adding up.
     snapshot = shoal_status(address[0], swarm.run_id)
-    assert snapshot["peers"] == 4 and {p["peer_id"] for p in snapshot["peer_list"]} == set(ids.values()), snapshot
+    assert snapshot["peers"] == 4 and {p["peer_id"] for p in snapshot["peer_list"]} == set(ids.values()), \
+        json.dumps({**snapshot, "ids": ids}, indent=1)[:6000]
     assert snapshot["malformed"] == 0 and snapshot["round_seconds"] == ROUND_S, snapshot
     assert snapshot["round"] == RoundSchedule(start, ROUND_S).round_at(snapshot["time"]), snapshot
     for record in snapshot["peer_list"]:
@@ -85,7 +122,7 @@ def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
 
     schedule = RoundSchedule(start, ROUND_S)
     # The round after the current one: its deadline is 1 to 2 rounds away, its group long formed by then.
-    crash_round = max(all_four(), schedule.round_at(time.time())) + 1
+    crash_round = max(all_four()[-1], schedule.round_at(time.time())) + 1
 
     # 2. SIGKILL the victim (and its hivemind processes and p2pd) just after the crash round's
     # all-reduce began: the group was formed before the deadline, the exchange starts at it.
@@ -106,7 +143,7 @@ def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
     # Ctrl+C after the same round (as long as start-up takes, but no longer: CI time).
     time.sleep(max(0.0, deadline + 2 * ROUND_S - time.time()))
     joiner_started = time.time()
-    joiner = swarm.start("joiner", *[a.format(last=99) for a in common], initial=address, config=config)
+    joiner = launch("joiner", address)
 
     def contributions() -> list[int]:
         joined = rounds_of(joiner)
@@ -124,7 +161,7 @@ def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
                     f"by {[p.name for p in behind]} (crash round {crash_round}):\n"
                     + "\n".join(f"--- {p.name} (exit {p.proc.poll()}), rounds {sorted(rounds_of(p))}:\n{p.log()[-2500:]}"
                                  for p in behind))
-    for peer in (a, b, c, joiner):  # started with a far-off --max-rounds: Ctrl+C them now, at the same round
+    for peer in (a, b, c, joiner):  # started without --max-rounds: Ctrl+C them now, at the same round
         peer.interrupt()
     for peer in (a, b, c, joiner):
         assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
@@ -132,15 +169,35 @@ def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
     survivors = {p.name: rounds_of(p) for p in (a, b, c)}
     victim_id = ids["victim"]
 
+    # The clocks: from the first round all four trained from its start to the one before the crash,
+    # every peer took part in (nearly) every round (target: >= 90%), in a group of all four: a
+    # starved 2-core machine may make a follower miss one round's leader (as in test_swarm), no more.
+    victim_rounds = rounds_of(victim)
+    together = range(max(min(rounds_of(p)) for p in peers) + 1, crash_round)
+    assert len(together) >= ROUNDS_TOGETHER - 1, (together, all_four())
+    for name, rounds in {**survivors, "victim": victim_rounds}.items():
+        joined = [r for r in together if r in rounds and took_part(rounds[r])]
+        assert len(joined) >= len(together) - 1, (name, CLOCKS[name], {r: rounds.get(r) for r in together})
+        assert any(rounds[r]["group_size"] == 4 for r in joined), (name, [rounds[r]["group_size"] for r in joined])
+    if FAKETIME is not None:
+        # 5 s off is past hivemind's 3 s bootstrap tolerance: the peer started again on its peer's
+        # time; the offset was measured and told (once); the right clock was left alone.
+        for peer, word in ((b, "ahead of"), (c, "behind")):
+            log = peer.log()
+            assert re.search(rf"clock is (4\.[89]|5\.[01])s {word} its initial peer's: starting again", log), log[-3000:]
+            assert re.search(rf"clock is (4\.[89]|5\.[01])s {word} the swarm's", log), log[-3000:]
+        assert "NTP" not in a.log()
+
     # The victim was in the crash round's group: it died after matchmaking, mid-exchange.
-    assert victim_id in survivors["a"][crash_round]["group"], survivors["a"][crash_round]
+    assert victim_id in survivors["a"][crash_round]["group"], json.dumps(
+        {p: {r: rounds.get(r) for r in range(crash_round - 1, crash_round + 2)} for p, rounds in survivors.items()})
 
     # Survivors: every round completed, none later than the bound, no NaN anywhere.
     worst = 0.0
     for name, rounds in survivors.items():
         for r in range(crash_round - 1, last_round + 1):
             record = rounds[r]
-            late = record["time"] - (start + r * ROUND_S)
+            late = record["time"] - clock_offset(name) - (start + r * ROUND_S)
             worst = max(worst, late)
             assert late <= LATE_BOUND_S, (name, r, late, record)
             assert record["loss"] is not None and math.isfinite(record["loss"]), (name, r, record)
@@ -154,7 +211,8 @@ def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
     period = min(5.0, max(1.0, ROUND_S / 3))
     for peer in (a, b, c):
         left = [r for r in read_metrics(peer.metrics_path) if r["event"] == "peer_leave" and r["other"] == victim_id]
-        assert left and left[0]["time"] - killed_at <= 4 * period + 2, (peer.name, left)
+        # A record's time is the peer's own wall clock: a clock 5 s fast writes it 5 s late.
+        assert left and left[0]["time"] - clock_offset(peer.name) - killed_at <= 4 * period + 2, (peer.name, left)
 
     # The newcomer downloaded the state, then contributed to a group with everybody.
     joined = rounds_of(joiner)
@@ -188,3 +246,6 @@ def test_kill_mid_allreduce_then_a_newcomer(swarm, config):
     for x, y in itertools.combinations(anchors, 2):
         rms = (anchors[x] - anchors[y]).square().mean().sqrt()
         assert rms <= 1e-3 * scale, (x, y, float(rms), float(scale))
+    if FAKETIME is None:
+        pytest.skip("libfaketime is not installed here (apt-get install faketime): the kill and the newcomer "
+                    "were checked, with every clock right; wrong clocks were not")
