@@ -214,13 +214,15 @@ def run_fault(fault: Fault, root: Path, config: Path, *, round_s: float, throttl
         last = reunion_round + 1
         run.wait(lambda: all(last in run.rounds(n) for n in run.peers), 6 * round_s + 60, "no round after the reunion")
     finally:
-        run.swarm.interrupt_all()
-        for peer in run.swarm.peers:
-            peer.wait(timeout=60)
-        run.swarm.kill_all()
-        run.stop_bootstrap()
-        if net is not None:
-            net.__exit__(None, None, None)
+        try:
+            run.swarm.interrupt_all()
+            for peer in run.swarm.peers:
+                peer.wait(timeout=60)
+        finally:  # a second Ctrl+C while the peers stop still removes them and the namespaces
+            run.swarm.kill_all()
+            run.stop_bootstrap()
+            if net is not None:
+                net.__exit__(None, None, None)
     return _measure(run, began=began, ended=ended, reunion_round=reunion_round, last=last)
 
 
@@ -241,6 +243,8 @@ def _measure(run: _Run, *, began: float, ended: float, reunion_round: int, last:
         resyncs = [e for e in _events(run.peers[name], "resync") if e["round"] >= first_round]
         per_peer[name] = {**outcome, "steps_dropped": sum(e["steps_dropped"] for e in reunions),
                           "tokens_dropped": sum(e["tokens_dropped"] for e in reunions),
+                          "steps_folded": sum(e.get("steps_folded", 0) for e in reunions),
+                          "tokens_folded": sum(e.get("tokens_folded", 0) for e in reunions),
                           "reunion_kept": [e["kept"] for e in reunions], "resyncs": len(resyncs),
                           "group_sizes": [rounds[r]["group_size"] for r in window if r in rounds]}
     anchors = {}
@@ -258,20 +262,23 @@ def _measure(run: _Run, *, began: float, ended: float, reunion_round: int, last:
 def report_lines(runs: list[dict]) -> list[str]:
     """The faults' table and the per-peer table (markdown lines)."""
     lines = ["| fault | rounds it spanned | one group of four again after it ended | peers' rounds averaged / folded / "
-             "absent | outer steps dropped at the reunion | re-syncs | anchors' spread after |",
+             "absent | outer steps folded / dropped at the reunion | re-syncs | anchors' spread after |",
              "|---|---|---|---|---|---|---|"]
     for run in runs:
         peers = run["per_peer"].values()
-        total = {k: sum(p[k] for p in peers) for k in ("averaged", "folded", "absent", "steps_dropped", "resyncs")}
+        total = {k: sum(p.get(k, 0) for p in peers)
+                 for k in ("averaged", "folded", "absent", "steps_folded", "steps_dropped", "resyncs")}
         lines.append(f"| {run['fault']} | {run['rounds_of_fault']} | {run['seconds_to_whole']:.1f} s "
                      f"({run['rounds_to_whole']} round(s)) | {total['averaged']} / {total['folded']} / {total['absent']} "
-                     f"| {total['steps_dropped']} | {total['resyncs']} | {run['anchor_spread']:.1e} |")
+                     f"| {total['steps_folded']} / {total['steps_dropped']} | {total['resyncs']} "
+                     f"| {run['anchor_spread']:.1e} |")
     lines += ["", "| fault | peer | rounds (fault to reunion) | averaged | folded | absent | group sizes | steps "
-              "dropped (tokens) | re-syncs |", "|---|---|---|---|---|---|---|---|---|"]
+              "folded (tokens) | steps dropped (tokens) | re-syncs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         first, last = run["window"]
         for name, p in run["per_peer"].items():
             lines.append(f"| {run['fault']} | {name} | {first}-{last} | {p['averaged']} | {p['folded']} | {p['absent']} "
-                         f"| {' '.join(map(str, p['group_sizes']))} | {p['steps_dropped']} ({p['tokens_dropped']:,}) "
+                         f"| {' '.join(map(str, p['group_sizes']))} | {p.get('steps_folded', 0)} "
+                         f"({p.get('tokens_folded', 0):,}) | {p['steps_dropped']} ({p['tokens_dropped']:,}) "
                          f"| {p['resyncs']} |")
     return lines

@@ -21,7 +21,7 @@ the machine's two cores (a soak measures leaks, not starvation). Writes
 still reports).
 
 Both modes write ``benchmarks/results/faults.md`` and ``.json``; each keeps the other's last results.
-Clock skew is not a fault run here: tests/integration/test_clock_skew.py checks that peers 1 s and
+Clock skew is not a fault run here: tests/integration/test_churn.py checks that peers 1 s and
 5 s off average in every round.
 """
 
@@ -97,8 +97,10 @@ def report(results: dict) -> str:
                   "in one group; measured from the peers' round records up to the first round in which all four "
                   "averaged in one group again (the reunion). Rounds: a peer's rounds from the fault to the reunion, "
                   "*averaged* in a group, *folded* (its work carried into its next contribution: not lost), *absent* "
-                  "(no record: the peer was down, its work in those rounds lost). Outer steps dropped: its side's "
-                  "steps replaced at the reunion by the larger side's (the `reunion` event; design.md). Spread: the "
+                  "(no record: the peer was down, its work in those rounds lost). Outer steps folded: its side's "
+                  "steps apart, carried into its next contribution when it re-synced to the kept side's anchor at the "
+                  "reunion; dropped: the same, where nothing could be folded (the `reunion` event; design.md). "
+                  "Spread: the "
                   "largest relative distance of a peer's anchor from peer-0's after the round after the reunion.", "",
                   *report_lines(faults["runs"]), ""]
     soak = results.get("soak")

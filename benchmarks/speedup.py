@@ -30,7 +30,8 @@ the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
   inner optimizer's state at every outer step (fresh moments from the new anchor); ``+avgstate``
   replaces every peer's inner optimizer state by the token-weighted mean of all peers' at every
   outer step (DES-LOC's moment sync at the outer period: twice the traffic of the parameters,
-  free here); ``+mwarm`` ramps the outer momentum linearly from 0 over the first 10% of rounds;
+  free here; ``+avgm`` the first moment alone, ``+avgv`` the second alone); ``+mwarm`` ramps the
+  outer momentum linearly from 0 over the first 10% of rounds;
 - ``+norm`` gives each part of the average the token-weighted mean of its senders' norms
   (the average's direction, the members' length: ``averaging.math.robust.keep_norm``, what a
   reducer can do alone); ``+nowork`` judges parts in the centered clip against each other (the
@@ -114,12 +115,19 @@ def aggregate(sends: list[torch.Tensor], weights: list[float], config: robust.Ro
     return torch.cat(out)
 
 
-def average_inner_state(trainers: list[Trainer], weights: list[float]) -> None:
-    """Every peer's inner optimizer state := the weighted mean of all peers' (``+avgstate``)."""
+# Which inner-state slots each averaging flag covers: the first moment (AdamW's ``exp_avg``, Muon's
+# ``momentum_buffer``), the second (``exp_avg_sq``), or both.
+STATE_SLOTS = {"avgstate": ("exp_avg", "exp_avg_sq", "momentum_buffer"), "avgm": ("exp_avg", "momentum_buffer"),
+               "avgv": ("exp_avg_sq",)}
+
+
+def average_inner_state(trainers: list[Trainer], weights: list[float], slots: tuple[str, ...]) -> None:
+    """Every peer's inner optimizer state in ``slots`` := the weighted mean of all peers'
+    (``+avgstate``: every slot; ``+avgm``: the first moment; ``+avgv``: the second)."""
     states = [t.inner_state() for t in trainers]
     total = sum(weights)
     mean = {key: sum(w / total * s[key].float() for s, w in zip(states, weights)).to(states[0][key].dtype)
-            for key in states[0] if not key.endswith(".step")}
+            for key in states[0] if key.rpartition(".")[2] in slots}
     for t, s in zip(trainers, states):
         t.load_inner_state({**s, **mean})
 
@@ -169,8 +177,8 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
             for t in trainers:
                 for optimizer in t.optimizers:
                     optimizer.state.clear()
-        if "avgstate" in flags:
-            average_inner_state(trainers, weights)
+        for flag in set(flags) & set(STATE_SLOTS):
+            average_inner_state(trainers, weights, STATE_SLOTS[flag])
         if "mwarm" in flags:  # the momentum ramps 0 -> mu over the first 10% of rounds
             mu_now = mu * min(1.0, r / max(1.0, 0.1 * rounds))
         else:

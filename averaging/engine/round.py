@@ -28,6 +28,7 @@ import torch
 
 from averaging.engine.clock import Clock
 from averaging.engine.config import LoopConfig
+from averaging.engine.lineage import Fold, LineageWatch
 from averaging.engine.recover import Recovery
 from averaging.engine.worker import SyncWorker
 from averaging.math.fingerprints import DivergenceWatch
@@ -75,6 +76,7 @@ class SyncResult:
     lateness_s: float | None = None  # when the all-reduce ended, relative to its round's deadline (None: none ran)
     rounds_done: int = 0  # outer steps applied once this round was concluded
     robust: dict[str, int] = field(default_factory=dict)
+    folded_lineage: Fold | None = None  # a reunion: our side's steps apart, folded into the next contribution
 
 
 def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: torch.Tensor, *, round: int,
@@ -130,6 +132,7 @@ class RoundRunner:
         self._unconfirmed: list[tuple[torch.Tensor, float]] = []
         self._robust_seen: dict[str, int] = {}  # the backend's counters at the last sync
         self._divergence = DivergenceWatch()
+        self.lineage = LineageWatch(layout.numel)
 
     # -- prepare (the prepare lane) ----------------------------------------------------------------
     def prepare(self, round: int, not_before: float = 0.0, previous: Future | None = None) -> None:
@@ -166,17 +169,19 @@ class RoundRunner:
         # guess differently and stay out of different rounds.
         allreduced = outcome.ok or outcome.partial > 0  # a partial result too: only its outcome is not ours
         lateness_s = self.clock.now() - self._schedule().round_end(round) if allreduced else None
-        old_anchor = self.state.anchor.clone()
+        old_anchor, rounds_before = self.state.anchor.clone(), self.state.rounds_done
         conclusion, resynced = self._judge_and_recover(round, outcome, pseudo_grad, averaged)
         correction = self._account(round, outcome, conclusion, resynced, pseudo_grad, sent, old_anchor, weight,
                                    correction_out)
+        folded = self._keep_lineage(round, outcome, conclusion, resynced, old_anchor, rounds_before, weight,
+                                    correction)
         sent_bytes, received_bytes = round_payload(
             self.layout.numel, len(outcome.group) if allreduced else 0, client_mode=self.client_mode,
             send_bytes_per_value=self.wire.send_bytes_per_value(),
             return_bytes_per_value=self.wire.return_bytes_per_value())
         return SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
                           sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.state.rounds_done,
-                          robust=robust)
+                          robust=robust, folded_lineage=folded)
 
     def _exchange(self, round: int, pseudo_grad: torch.Tensor,
                   weight: float) -> tuple[torch.Tensor, torch.Tensor, AverageOutcome, float]:
@@ -221,6 +226,25 @@ class RoundRunner:
         elif outcome.partial:
             self._unconfirmed.append((accounted.clone(), weight))
         return correction
+
+    def _keep_lineage(self, round: int, outcome: AverageOutcome, conclusion: RoundConclusion, resynced: bool,
+                      old_anchor: torch.Tensor, rounds_before: int, weight: float,
+                      correction: torch.Tensor) -> Fold | None:
+        """A re-sync at a split swarm's reunion folds our side's work since the split into the
+        correction and the next contribution's weight (``averaging.engine.lineage``); then the
+        round is recorded for the next one."""
+        folded = None
+        if resynced and conclusion.resync is not None:
+            folded = self.lineage.fold(correction, old_anchor=old_anchor, rounds_done=rounds_before,
+                                       group_size=len(outcome.group), donors=conclusion.resync.donors)
+            if folded is not None:
+                self._folded_weight += folded.tokens
+                logger.info(f"round {round}: a reunion: the {folded.steps} outer step(s) our side took apart go "
+                            "into our next contribution, not lost")
+        reached = conclusion.applied in (Applied.AVERAGED, Applied.LOCAL) and not resynced
+        self.lineage.observe(group=outcome.group if outcome.ok or outcome.partial else (), anchor=self.state.anchor,
+                             rounds_done=self.state.rounds_done, tokens=weight if reached else 0.0)
+        return folded
 
     def _settle_partial(self, round: int, conclusion: RoundConclusion, resynced: bool,
                         correction: torch.Tensor) -> float:
