@@ -1,7 +1,7 @@
 """A home machine's faults: what each costs a swarm, and a soak (do memory, threads and files stay flat?).
 
     .venv/bin/python benchmarks/faults.py --minutes 60 [--peers 4] [--round-seconds 10] [--throttle 6]
-    .venv/bin/python benchmarks/faults.py --faults split:30,split:180,bootstrap:30,averager:30
+    .venv/bin/python benchmarks/faults.py --faults split:30,split:180,bootstrap:30,averager:30,skew:5 [--append]
 
 ``--faults``: each fault in a fresh 4-peer swarm (``benchmarks/fault_runs.py`` says what is injected
 and measured): rounds lost and the time to one swarm again. Without it, the soak:
@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import netns  # noqa: E402
 import psutil  # noqa: E402
-from fault_runs import Fault, report_lines, run_fault  # noqa: E402
+from fault_runs import FAKETIME, Fault, report_lines, run_fault  # noqa: E402
 from harness import CpuMeter, start_entry_peer, write_results  # noqa: E402
 
 from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
@@ -91,8 +91,11 @@ def report(results: dict) -> str:
     lines = ["# Faults and soak", ""]
     faults = results.get("faults")
     if faults:
-        lines += [f"## Faults: {len(faults['runs'])} runs", "", f"Command: `{faults['command']}` ({faults['started']} to "
-                  f"{faults['ended']} UTC).", "", "Each fault in a fresh swarm of 4 peers (`tiny.toml`, rounds of "
+        commands = faults.get("commands") or [{"command": faults["command"], "started": faults["started"],
+                                               "ended": faults["ended"]}]
+        lines += [f"## Faults: {len(faults['runs'])} runs", "",
+                  "Commands: " + "; ".join(f"`{c['command']}` ({c['started']} to {c['ended']} UTC)" for c in commands)
+                  + ".", "", "Each fault in a fresh swarm of 4 peers (`tiny.toml`, rounds of "
                   f"{faults['round_seconds']:g} s, throttle {faults['throttle']:g} each), injected once all four averaged "
                   "in one group; measured from the peers' round records up to the first round in which all four "
                   "averaged in one group again (the reunion). Rounds: a peer's rounds from the fault to the reunion, "
@@ -101,7 +104,9 @@ def report(results: dict) -> str:
                   "steps apart, carried into its next contribution when it re-synced to the kept side's anchor at the "
                   "reunion; dropped: the same, where nothing could be folded (the `reunion` event; design.md). "
                   "Spread: the "
-                  "largest relative distance of a peer's anchor from peer-0's after the round after the reunion.", "",
+                  "largest relative distance of a peer's anchor from peer-0's after the round after the reunion. A skew "
+                  "run has no fault to end: the clocks are wrong from the start, and it counts the rounds each peer "
+                  "averaged in once all four first averaged together.", "",
                   *report_lines(faults["runs"]), ""]
     soak = results.get("soak")
     if soak:
@@ -158,8 +163,20 @@ def run_faults(args) -> int:
     if any(f.kind == "split" for f in faults) and not netns.available():
         print("error: split faults need root, ip and tc (network namespaces)", file=sys.stderr)
         return 2
-    results = {"command": "benchmarks/faults.py " + " ".join(sys.argv[1:]), "round_seconds": args.round_seconds,
-               "throttle": args.throttle, "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), "runs": []}
+    if any(f.kind == "skew" for f in faults) and FAKETIME is None:
+        print("error: skew runs need libfaketime (apt-get install faketime)", file=sys.stderr)
+        return 2
+    this = {"command": "benchmarks/faults.py " + " ".join(sys.argv[1:]),
+            "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), "ended": ""}
+    results = {"round_seconds": args.round_seconds, "throttle": args.throttle, "runs": [], "commands": [this]}
+    kept: list[dict] = []
+    if args.append:  # the earlier runs of other faults stay (same round length and throttle only)
+        earlier = load(args.out).get("faults")
+        if earlier and (earlier["round_seconds"], earlier["throttle"]) == (args.round_seconds, args.throttle):
+            names = {f.name for f in faults}
+            kept = [run for run in earlier["runs"] if run["fault"] not in names]
+            results["commands"] = (earlier.get("commands") or [{k: earlier[k] for k in ("command", "started", "ended")}]
+                                   ) + [this]
     config = Path(f"/tmp/shoal-faults-{uuid.uuid4().hex[:6]}.toml")
     text = args.config.read_text()
     config.write_text(text.replace("checkpoint_every_rounds = 5", "checkpoint_every_rounds = 1"))  # anchors per round
@@ -167,9 +184,10 @@ def run_faults(args) -> int:
         for fault in faults:
             root = Path(f"/tmp/shoal-fault-{fault.kind}-{uuid.uuid4().hex[:6]}")
             print(f"{fault.name} ...", flush=True)
-            results["runs"].append(run_fault(fault, root, config, round_s=args.round_seconds, throttle=args.throttle))
-            results["ended"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
-            write(results, args.out, "faults")
+            done = run_fault(fault, root, config, round_s=args.round_seconds, throttle=args.throttle)
+            results["runs"] = [run for run in results["runs"] if run["fault"] != fault.name] + [done]
+            this["ended"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
+            write({**results, "runs": kept + results["runs"]}, args.out, "faults")
             print("\n".join(report_lines(results["runs"][-1:])), flush=True)
     finally:
         config.unlink(missing_ok=True)
@@ -186,7 +204,8 @@ def main() -> int:
     parser.add_argument("--sample-seconds", type=float, default=30.0)
     parser.add_argument("--config", type=Path, default=REPO / "examples" / "configs" / "tiny.toml")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--faults", default="", help="split:S,bootstrap:S,averager:S (instead of the soak)")
+    parser.add_argument("--faults", default="", help="split:S,bootstrap:S,averager:S,skew:S (instead of the soak)")
+    parser.add_argument("--append", action="store_true", help="keep the earlier results of faults not run now")
     parser.add_argument("--report-only", action="store_true", help="redraw the tables from the .json")
     args = parser.parse_args()
     if args.report_only:

@@ -1,85 +1,89 @@
-"""Keeping the work of a split swarm's other side at the reunion: its lineage folds, it is not lost.
+"""Merging a split swarm's two lineages at the reunion, instead of dropping one side's work.
 
 While a swarm is split (an outage, a router restart), each side averages within itself and steps
 its own anchor: two lineages. When the sides meet, the group's consensus keeps one anchor
-(``averaging.state.verdict``) and the members holding the other re-sync to it. Re-syncing alone
-would drop every outer step their side took apart. Instead each of them folds its side's
-displacement since the split into its next contribution, the rule DiLoCo already applies to a
-peer whose round reached no anchor: its parameters become the kept anchor minus that displacement
-(plus the work since its snapshot), so its next pseudo-gradient carries the lineage's work into
-the group's average, weighted by the tokens this peer trained apart. The kept lineage stays
-whole, the other enters the shared model as contributions weighted by work (and judged by robust
-aggregation like any other), and nothing flips back: after the fold every member holds the kept
-anchor.
+(``averaging.state.verdict``) and the members holding the other re-sync to it, which alone would
+drop every outer step their side took apart. The rule here merges them: the swarm's anchor moves,
+over the outer steps after the reunion, to the two lineages' anchors averaged by the tokens each
+side trained since the split.
 
-When is a re-sync a reunion, and not a member that slipped (a lost part, a bad disk)? Only when
-all of these hold, so a fold never counts a step twice:
+How, with the machinery every round already has (no extra message, no extra agreement):
+
+- each re-syncing peer keeps a share of the distance between the two anchors in its parameters
+  (``lineage_fold``): its next pseudo-gradient is ``(1 - mu) / lr * (kept - ours)`` plus its work
+  since the snapshot, weighted by its own tokens since the split;
+- each peer of the kept side adds its own tokens since the split to its next contribution's
+  weight (its pseudo-gradient is its ordinary one);
+- the group averages as always: the average carries ``T_ours / (T_kept + T_ours)`` of that scaled
+  distance, and the outer step applies it with its momentum. A single pseudo-gradient ``g`` moves
+  the anchor by ``lr / (1 - mu) * g`` in all (this step and the momentum's tail), so the
+  ``(1 - mu) / lr`` scale makes the total move the token-weighted share of the distance, no more.
+
+Folding a side's whole displacement since the split on top of the kept anchor instead would count
+what both sides learned twice (they train on the same data); docs/design.md has the measurement.
+
+When is a round a reunion, and not a member that slipped (a lost part, a bad disk)? Only when
+all of these hold, so no side's steps are counted twice:
 
 - the group is larger than every group we averaged in since the last *whole* round (a round
   whose group was as large as any in the last ``window`` rounds);
-- our anchor took outer steps since that whole round (our side has work to keep);
-- none of the peers we re-sync from was in any of our groups since then (they are the other
-  side; a slipped member re-syncs from peers it has just averaged with, and folds nothing).
+- our anchor took outer steps since that whole round (our side has work to weigh);
+- the peers on the other side (those we re-sync from, or those who diverged from us) were in none
+  of our groups since then (a slipped member re-syncs from peers it has just averaged with).
 
-The anchor at the last whole round is kept in fp16 (2 bytes a parameter): a fold is a
-displacement of several rounds, and fp16's 2^-11 relative rounding of the anchor is far below it.
-A side that never averaged with the other (a peer that joined during the split) has no whole
-round in common with it, and its steps are dropped as before (the ``reunion`` event says so).
+A side that never averaged with the other (a peer that joined during the split) has no whole round
+in common with it: its work is dropped as before, and the ``reunion`` event says so.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import torch
 
 
-@dataclass(frozen=True, slots=True)
-class Fold:
-    """A lineage folded at a reunion: its outer steps apart, and our tokens in them (the weight
-    the next contribution carries for it)."""
-
-    steps: int
-    tokens: float
+def lineage_fold(ours: torch.Tensor, kept: torch.Tensor, *, lr: float, mu: float) -> torch.Tensor:
+    """What a re-syncing peer adds to its parameters (which the re-sync put at ``kept`` plus its
+    local work) so that its next pseudo-gradient carries ``(1 - mu) / lr * (kept - ours)``: the
+    outer step then moves the anchor towards ``ours`` by this peer's token share of the distance
+    (the module's docstring). ``ours``: our anchor before the re-sync; ``kept``: the group's, both
+    before this round's outer step."""
+    return ours.sub(kept).mul_((1 - mu) / lr)
 
 
 class LineageWatch:
-    """The last whole round's anchor and what we did since; the fold at a reunion (sync worker's
-    thread only)."""
+    """What we did since the last whole round, and whether a round is a reunion (sync worker's
+    thread only): group sizes, members and our tokens, no tensors."""
 
-    def __init__(self, numel: int, *, window: int = 60):
+    def __init__(self, *, window: int = 60):
         self.window = window
         self._sizes: deque[int] = deque(maxlen=window)  # group sizes of the last ``window`` rounds
-        self._whole_anchor = torch.empty(numel, dtype=torch.float16)
-        self._whole_rounds_done: int | None = None  # None: no whole round yet
+        self._whole_rounds_done: int | None = None  # outer steps at the last whole round (None: none yet)
         self._apart_members: set[str] = set()  # everyone in our groups since the whole round
-        self._apart_largest = 0  # the largest of those groups
+        self._apart_largest = 0  # the largest of those groups (0: no round since)
         self._apart_tokens = 0.0  # our tokens that reached our anchor since the whole round
 
-    def fold(self, correction: torch.Tensor, *, old_anchor: torch.Tensor, rounds_done: int, group_size: int,
-             donors: Collection[str]) -> Fold | None:
-        """After a re-sync that replaced ``old_anchor`` (ours, ``rounds_done`` outer steps): if it was
-        a reunion (the module's rules), add our side's work since the split to ``correction`` (in
-        place: the parameters then carry it into the next contribution) and return what was folded."""
-        if self._whole_rounds_done is None or rounds_done <= self._whole_rounds_done:
+    def reunion(self, *, group_size: int, others: Collection[str], rounds_done: int) -> float | None:
+        """Our tokens since the split if this round meets ``others`` (the other side: the peers we
+        re-sync from, or those who diverged from us) as a reunion (the module's rules); else None.
+        ``rounds_done``: our outer steps before this round's."""
+        if self._whole_rounds_done is None or rounds_done <= self._whole_rounds_done or not others:
             return None
-        if not self._apart_largest or group_size <= self._apart_largest or self._apart_members.intersection(donors):
+        if not self._apart_largest or group_size <= self._apart_largest or self._apart_members.intersection(others):
             return None
-        lineage = old_anchor - self._whole_anchor.float()  # minus the displacement: anchors move by -step
-        if not torch.isfinite(lineage).all():  # an anchor past fp16's range: keep the re-sync plain
-            return None
-        correction += lineage
-        return Fold(steps=rounds_done - self._whole_rounds_done, tokens=self._apart_tokens)
+        return self._apart_tokens
 
-    def observe(self, *, group: Collection[str], anchor: torch.Tensor, rounds_done: int, tokens: float) -> None:
-        """After each round: its group (empty: none), the anchor it left, and our ``tokens`` that
-        reached it (0 when our work was folded or the anchor replaced)."""
+    def steps_apart(self, rounds_done: int) -> int:
+        """Our outer steps since the last whole round, given ``rounds_done`` now."""
+        return 0 if self._whole_rounds_done is None else max(0, rounds_done - self._whole_rounds_done)
+
+    def observe(self, *, group: Collection[str], rounds_done: int, tokens: float) -> None:
+        """After each round: its group (empty: none), our outer steps after it, and our ``tokens``
+        that reached our anchor (0 when our work was folded or the anchor replaced)."""
         size = max(1, len(group))
         self._sizes.append(size)
         if size >= max(self._sizes):
-            self._whole_anchor.copy_(anchor)
             self._whole_rounds_done = rounds_done
             self._apart_members.clear()
             self._apart_largest = 0

@@ -28,13 +28,13 @@ import torch
 
 from averaging.engine.clock import Clock
 from averaging.engine.config import LoopConfig
-from averaging.engine.lineage import Fold, LineageWatch
+from averaging.engine.lineage import LineageWatch, lineage_fold
 from averaging.engine.recover import Recovery
 from averaging.engine.worker import SyncWorker
 from averaging.math.fingerprints import DivergenceWatch
 from averaging.math.flat import FlatLayout
 from averaging.math.merge import merge_correction
-from averaging.math.outer_step import pseudo_gradient
+from averaging.math.outer_step import anchor_before_step, pseudo_gradient
 from averaging.math.wire import WireFormat, accounted_for, round_payload
 from averaging.network.interface import AverageOutcome
 from averaging.state.accept import check_average, rms
@@ -76,7 +76,7 @@ class SyncResult:
     lateness_s: float | None = None  # when the all-reduce ended, relative to its round's deadline (None: none ran)
     rounds_done: int = 0  # outer steps applied once this round was concluded
     robust: dict[str, int] = field(default_factory=dict)
-    folded_lineage: Fold | None = None  # a reunion: our side's steps apart, folded into the next contribution
+    lineage_merged: int = 0  # a reunion where we re-synced: our side's outer steps apart, merged through the next contribution
 
 
 def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: torch.Tensor, *, round: int,
@@ -132,7 +132,7 @@ class RoundRunner:
         self._unconfirmed: list[tuple[torch.Tensor, float]] = []
         self._robust_seen: dict[str, int] = {}  # the backend's counters at the last sync
         self._divergence = DivergenceWatch()
-        self.lineage = LineageWatch(layout.numel)
+        self.lineage = LineageWatch()
 
     # -- prepare (the prepare lane) ----------------------------------------------------------------
     def prepare(self, round: int, not_before: float = 0.0, previous: Future | None = None) -> None:
@@ -173,15 +173,15 @@ class RoundRunner:
         conclusion, resynced = self._judge_and_recover(round, outcome, pseudo_grad, averaged)
         correction = self._account(round, outcome, conclusion, resynced, pseudo_grad, sent, old_anchor, weight,
                                    correction_out)
-        folded = self._keep_lineage(round, outcome, conclusion, resynced, old_anchor, rounds_before, weight,
-                                    correction)
+        folded = self._merge_lineages(round, outcome, conclusion, resynced, old_anchor, rounds_before, weight,
+                                      averaged, correction)
         sent_bytes, received_bytes = round_payload(
             self.layout.numel, len(outcome.group) if allreduced else 0, client_mode=self.client_mode,
             send_bytes_per_value=self.wire.send_bytes_per_value(),
             return_bytes_per_value=self.wire.return_bytes_per_value())
         return SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
                           sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.state.rounds_done,
-                          robust=robust, folded_lineage=folded)
+                          robust=robust, lineage_merged=folded)
 
     def _exchange(self, round: int, pseudo_grad: torch.Tensor,
                   weight: float) -> tuple[torch.Tensor, torch.Tensor, AverageOutcome, float]:
@@ -227,24 +227,37 @@ class RoundRunner:
             self._unconfirmed.append((accounted.clone(), weight))
         return correction
 
-    def _keep_lineage(self, round: int, outcome: AverageOutcome, conclusion: RoundConclusion, resynced: bool,
-                      old_anchor: torch.Tensor, rounds_before: int, weight: float,
-                      correction: torch.Tensor) -> Fold | None:
-        """A re-sync at a split swarm's reunion folds our side's work since the split into the
-        correction and the next contribution's weight (``averaging.engine.lineage``); then the
-        round is recorded for the next one."""
-        folded = None
+    def _merge_lineages(self, round: int, outcome: AverageOutcome, conclusion: RoundConclusion, resynced: bool,
+                        old_anchor: torch.Tensor, rounds_before: int, weight: float, averaged: torch.Tensor,
+                        correction: torch.Tensor) -> int:
+        """At a split swarm's reunion (``averaging.engine.lineage``): re-synced, our side's anchor is
+        kept in part through the correction; either side weighs its next contribution with its
+        tokens since the split. Then the round is recorded. Returns the outer steps our side took
+        apart that a re-sync merged instead of dropping (0: none, or we were the kept side)."""
+        merged = 0
         if resynced and conclusion.resync is not None:
-            folded = self.lineage.fold(correction, old_anchor=old_anchor, rounds_done=rounds_before,
-                                       group_size=len(outcome.group), donors=conclusion.resync.donors)
-            if folded is not None:
-                self._folded_weight += folded.tokens
-                logger.info(f"round {round}: a reunion: the {folded.steps} outer step(s) our side took apart go "
-                            "into our next contribution, not lost")
+            tokens = self.lineage.reunion(group_size=len(outcome.group), others=conclusion.resync.donors,
+                                          rounds_done=rounds_before)
+            if tokens is not None:
+                kept = self.state.anchor
+                if conclusion.applied == Applied.AVERAGED and self.state.last_round == round:
+                    # the two lineages' distance before this round's step, which both sides took
+                    kept = anchor_before_step(kept, averaged, self.state.momentum, lr=self.state.config.lr,
+                                              mu=self.state.config.momentum, nesterov=self.state.config.nesterov)
+                correction += lineage_fold(old_anchor, kept, lr=self.state.config.lr, mu=self.state.config.momentum)
+                self._folded_weight += tokens
+                merged = self.lineage.steps_apart(rounds_before)
+                logger.info(f"round {round}: a reunion: the {merged} outer step(s) our side took apart are merged "
+                            "into the group's anchor through our next contribution (weighted by our tokens apart)")
+        elif conclusion.verdict is not None and conclusion.verdict.diverged:
+            tokens = self.lineage.reunion(group_size=len(outcome.group), others=conclusion.verdict.diverged,
+                                          rounds_done=rounds_before)
+            if tokens is not None:
+                self._folded_weight += tokens  # our side's work weighs in the merge with the other's
         reached = conclusion.applied in (Applied.AVERAGED, Applied.LOCAL) and not resynced
-        self.lineage.observe(group=outcome.group if outcome.ok or outcome.partial else (), anchor=self.state.anchor,
+        self.lineage.observe(group=outcome.group if outcome.ok or outcome.partial else (),
                              rounds_done=self.state.rounds_done, tokens=weight if reached else 0.0)
-        return folded
+        return merged
 
     def _settle_partial(self, round: int, conclusion: RoundConclusion, resynced: bool,
                         correction: torch.Tensor) -> float:

@@ -37,9 +37,9 @@ class RoundStats:
     # What robust aggregation refused during this round's sync (``AveragingBackend.robustness``),
     # only the kinds that occurred: e.g. {"refused_parts": 2, "bans": 1}; {} on a clean round.
     robust: dict[str, int] = field(default_factory=dict)
-    # A split swarm's reunion at which we re-synced: our side's outer steps apart, folded into our
-    # next contribution instead of dropped (``averaging.engine.lineage``); 0 otherwise.
-    lineage_folded: int = 0
+    # A split swarm's reunion at which we re-synced: our side's outer steps apart, merged into the
+    # group's anchor through our next contribution instead of dropped (``averaging.engine.lineage``).
+    lineage_merged: int = 0
 
 
 @dataclass(slots=True)

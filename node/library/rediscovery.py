@@ -244,15 +244,16 @@ class ReunionWatch:
     large as one before those: we were together), in which anchors differed (we re-synced, or
     members diverged from ours). ``observe`` returns the ``reunion`` event's fields then, once per
     meeting; None otherwise. Which side is kept is the consensus's choice (docs/design.md); the
-    other side's work is folded by the round engine (``averaging.engine.lineage``)."""
+    two lineages are merged by the round engine (``averaging.engine.lineage``)."""
 
     window: int = 60  # rounds remembered
     rounds: deque[tuple[int, str, int]] = field(default_factory=deque)  # (group size, applied, tokens)
 
     def observe(self, *, round: int, group_size: int, applied: str, tokens: int, resynced: bool,
                 diverged: list[str], folded: int = 0) -> dict | None:
-        """``folded``: the outer steps our side took apart that the round engine folded into our next
-        contribution at this re-sync (``RoundStats.lineage_folded``): then nothing was dropped."""
+        """``folded``: the outer steps our side took apart that the round engine merged into the
+        group's anchor through our next contribution at this re-sync (``RoundStats.lineage_merged``):
+        then nothing was dropped."""
         apart = []
         for size, was_applied, was_tokens in reversed(self.rounds):
             if size >= group_size:
@@ -271,5 +272,5 @@ class ReunionWatch:
         return {"round": round, "group_size": group_size, "apart_rounds": len(apart),
                 "apart_group_size": max(size for size, _, _ in apart), "kept": not resynced,
                 "steps_dropped": steps if dropped else 0, "tokens_dropped": apart_tokens if dropped else 0,
-                "rejoined": sorted(diverged), "steps_folded": folded if resynced else 0,
-                "tokens_folded": apart_tokens if resynced and folded else 0}
+                "rejoined": sorted(diverged), "steps_merged": folded if resynced else 0,
+                "tokens_merged": apart_tokens if resynced and folded else 0}

@@ -356,16 +356,16 @@ class Peer:
             self.metrics.write("resync", round=stats.round, diverged=stats.diverged)
         met = self._reunion.observe(round=stats.round, group_size=stats.group_size, applied=stats.applied,
                                     tokens=stats.tokens, resynced=stats.resynced, diverged=stats.diverged,
-                                    folded=stats.lineage_folded)
+                                    folded=stats.lineage_merged)
         if met is not None:
             self.metrics.write("reunion", **met)
             whole = (f"round {stats.round}: the swarm is whole again (a group of {met['group_size']} after "
                      f"{met['apart_rounds']} round(s) in groups of at most {met['apart_group_size']}); ")
             if met["kept"]:
                 logger.info(whole + f"{len(met['rejoined'])} member(s) held another anchor and re-sync to ours")
-            elif met["steps_folded"]:
-                logger.info(whole + f"our side's anchor was replaced by the group's (re-sync); the {met['steps_folded']} "
-                            "outer step(s) it took apart go into our next contribution")
+            elif met["steps_merged"]:
+                logger.info(whole + f"our side's anchor was replaced by the group's (re-sync); the {met['steps_merged']} "
+                            "outer step(s) it took apart are merged into it through our next contribution")
             else:
                 logger.warning(whole + "our side's anchor was replaced by the group's (re-sync): the "
                                f"{met['steps_dropped']} outer step(s) it took apart are not in the shared model "

@@ -85,7 +85,7 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
     0-1 for 30 s, then the link is back. Both halves train in pairs meanwhile; after the heal the
     peers find each other again (rediscovery: the peers met are re-dialled) and average in one
     group of four within a few rounds; their anchors then agree, and the re-synced half's outer
-    steps apart were folded into its next contribution, not dropped."""
+    steps apart were merged into the kept anchor through its next contribution, not dropped."""
     if not netns.available():
         pytest.skip("network namespaces need root, ip and tc")
     netns.BRIDGE, netns.PREFIX, netns.SUBNET = "shoaltbr0", "shoalt", "10.217.0"  # ours alone
@@ -131,10 +131,11 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
         anchors = [anchor_at(p, last + 1) for p in peers]
         spread = max(float((a - anchors[0]).norm() / anchors[0].norm()) for a in anchors[1:])
         assert spread < 1e-3, spread  # one anchor again (one half re-synced to the other's)
-        # ... keeping the other half's work: its outer steps apart went into its next contribution.
+        # ... keeping the other half's work: its outer steps apart are merged through its next contribution.
         replaced = [e for p in peers for e in read_metrics(p.metrics_path) if e["event"] == "reunion" and not e["kept"]]
-        assert any(e["steps_folded"] > 0 for e in replaced), (replaced, _tails(peers))
-        assert "go into our next contribution" in "".join(p.log() for p in peers), _tails(peers)
+        assert any(e["steps_merged"] > 0 for e in replaced), (replaced, _tails(peers))
+        assert "merged into the group's anchor through our next contribution" in "".join(p.log() for p in peers), \
+            _tails(peers)
 
 
 def schedule_start(peer) -> float:

@@ -1,11 +1,13 @@
-"""A split swarm's reunion: the re-synced side's work since the split is folded into its next
-contribution (``averaging.engine.lineage``), and a member that merely slipped folds nothing."""
+"""A split swarm's reunion (``averaging.engine.lineage``): the two lineages' anchors end averaged by
+the tokens each side trained apart, through one ordinary round; a member that merely slipped merges
+nothing."""
 
+import pytest
 import torch
 
-from averaging.engine.lineage import Fold, LineageWatch
+from averaging.engine.lineage import LineageWatch, lineage_fold
 from averaging.math.merge import merge_correction
-from averaging.math.outer_step import pseudo_gradient
+from averaging.math.outer_step import outer_step_, pseudo_gradient
 
 NUMEL = 64
 US, OTHERS = ("p2", "p3"), ("p0", "p1")
@@ -15,77 +17,80 @@ def vec(seed: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def split_then_apart(watch: LineageWatch, whole: torch.Tensor, apart_steps: list[torch.Tensor]) -> torch.Tensor:
-    """Two rounds of all four, then our side (p2, p3) steps its own anchor in pairs; returns it."""
-    anchor = whole.clone()
-    watch.observe(group=OTHERS + US, anchor=anchor, rounds_done=1, tokens=100)
-    watch.observe(group=OTHERS + US, anchor=anchor, rounds_done=2, tokens=100)
-    for k, step in enumerate(apart_steps, start=3):
-        anchor = anchor - step
-        watch.observe(group=US, anchor=anchor, rounds_done=k, tokens=100)
-    return anchor
+def weighted_mean(vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    return sum(w * v for v, w in zip(vectors, weights)) / sum(weights)
 
 
-def test_the_resynced_side_carries_its_work_since_the_split_into_its_next_pseudo_gradient():
-    watch = LineageWatch(NUMEL)
-    whole = vec(0)
-    ours = split_then_apart(watch, whole, [vec(1, 0.01), vec(2, 0.01), vec(3, 0.01)])
-    kept = whole - vec(4, 0.01) - vec(5, 0.01)  # the other side's anchor, which the group keeps
-    local = vec(6, 0.001)  # our steps since the reunion round's snapshot
-    params = ours + local  # (our work up to the snapshot went out as this round's contribution)
-
-    correction = merge_correction(kept, ours, None, contributed=False)  # a re-sync: our anchor replaced
-    fold = watch.fold(correction, old_anchor=ours, rounds_done=5, group_size=4, donors=OTHERS)
-
-    assert fold == Fold(steps=3, tokens=300.0)
-    params = params + correction
-    # The kept anchor stays whole; our side's displacement since the split rides on the next pseudo-gradient.
-    # (Up to the fp16 copy of the whole round's anchor: 2^-11 of its largest value.)
-    assert torch.allclose(pseudo_gradient(kept, params), (whole - ours) - local, atol=float(whole.abs().max()) * 2 ** -11)
-    assert not torch.allclose(pseudo_gradient(kept, params), -local, atol=1e-3)  # without the fold: our work gone
-
-
-def test_a_member_that_slipped_out_of_its_own_group_folds_nothing():
-    """A re-sync from peers we averaged with since the last whole round is a repair, not a reunion:
-    folding would count our last steps twice (they are in the donors' anchor too)."""
-    watch = LineageWatch(NUMEL)
-    ours = split_then_apart(watch, vec(0), [vec(1, 0.01)])
-    correction = torch.zeros(NUMEL)
-    assert watch.fold(correction, old_anchor=ours, rounds_done=3, group_size=4, donors=("p3",)) is None
-    assert watch.fold(correction, old_anchor=ours, rounds_done=3, group_size=4, donors=("p0", "p3")) is None
-    assert not correction.any()
+@pytest.mark.parametrize(("lr", "mu"), [(1.0, 0.5), (0.7, 0.9), (1.0, 0.0)])
+@pytest.mark.parametrize(("t_kept", "t_ours"), [(800.0, 800.0), (1200.0, 400.0)])
+def test_the_merged_anchor_ends_at_the_lineages_averaged_by_their_tokens_apart(lr, mu, t_kept, t_ours):
+    """Two members a side. Ours re-sync and keep the fold in their parameters; theirs add their
+    tokens apart to their weight. With no new work, the outer steps from there (the reunion's
+    average, then the momentum's tail) take the kept anchor to the token-weighted mean of the two."""
+    kept, ours = vec(0), vec(1)
+    momentum = vec(2, 0.01)  # the kept side's outer momentum at the reunion: its own tail goes on too
+    tail = lr * mu ** 2 / (1 - mu) * momentum  # how far that momentum alone carries the anchor (Nesterov)
+    # Our parameters after the re-sync: the kept anchor plus the fold (no local work, for the arithmetic).
+    params = kept + merge_correction(kept, kept, None, contributed=False) + lineage_fold(ours, kept, lr=lr, mu=mu)
+    sends = [pseudo_gradient(kept, kept)] * 2 + [pseudo_gradient(kept, params)] * 2
+    weights = [t_kept / 2] * 2 + [t_ours / 2] * 2
+    anchor = kept.clone()
+    outer_step_(anchor, weighted_mean(sends, weights), momentum, lr=lr, mu=mu)
+    for _ in range(400):  # the momentum's tail, with nothing new averaged
+        outer_step_(anchor, torch.zeros(NUMEL), momentum, lr=lr, mu=mu)
+    expected = weighted_mean([kept, ours], [t_kept, t_ours]) - tail
+    assert torch.allclose(anchor, expected, atol=1e-4), float((anchor - expected).abs().max())
 
 
-def test_no_fold_in_a_group_no_larger_than_apart_nor_without_steps_apart():
-    watch = LineageWatch(NUMEL)
-    ours = split_then_apart(watch, vec(0), [vec(1, 0.01)])
-    correction = torch.zeros(NUMEL)
-    assert watch.fold(correction, old_anchor=ours, rounds_done=3, group_size=2, donors=OTHERS) is None
-    assert watch.fold(correction, old_anchor=ours, rounds_done=2, group_size=4, donors=OTHERS) is None
-    assert not correction.any()
-    # Never a whole round: nothing in common to fold against.
-    assert LineageWatch(NUMEL).fold(correction, old_anchor=ours, rounds_done=3, group_size=4, donors=OTHERS) is None
+def split_then_apart(watch: LineageWatch, rounds_apart: int) -> int:
+    """Two rounds of all four, then our side (p2, p3) steps on its own in pairs; our outer steps."""
+    watch.observe(group=OTHERS + US, rounds_done=1, tokens=100)
+    watch.observe(group=OTHERS + US, rounds_done=2, tokens=100)
+    for k in range(3, 3 + rounds_apart):
+        watch.observe(group=US, rounds_done=k, tokens=100)
+    return 2 + rounds_apart
 
 
-def test_a_whole_round_starts_the_lineage_again_and_a_shrunk_swarm_becomes_whole_in_time():
-    watch = LineageWatch(NUMEL, window=3)
-    ours = split_then_apart(watch, vec(0), [vec(1, 0.01)])
-    watch.observe(group=OTHERS + US, anchor=ours, rounds_done=4, tokens=100)  # the reunion round: whole again
-    assert watch.fold(torch.zeros(NUMEL), old_anchor=ours - vec(2, 0.01), rounds_done=5, group_size=4,
-                      donors=("p9",)) is None  # no round apart since
+def test_a_reunion_weighs_our_tokens_apart_and_counts_our_steps():
+    watch = LineageWatch()
+    done = split_then_apart(watch, 3)
+    assert watch.reunion(group_size=4, others=OTHERS, rounds_done=done) == 300.0
+    assert watch.steps_apart(done) == 3
+
+
+def test_a_member_that_slipped_out_of_its_own_group_merges_nothing():
+    """The other side are peers we averaged with since the last whole round: a repair, not a
+    reunion (merging would count our last steps twice: they are in their anchor too)."""
+    watch = LineageWatch()
+    done = split_then_apart(watch, 1)
+    assert watch.reunion(group_size=4, others=("p3",), rounds_done=done) is None
+    assert watch.reunion(group_size=4, others=("p0", "p3"), rounds_done=done) is None
+
+
+def test_no_reunion_in_a_group_no_larger_than_apart_nor_without_steps_or_anyone_apart():
+    watch = LineageWatch()
+    done = split_then_apart(watch, 1)
+    assert watch.reunion(group_size=2, others=OTHERS, rounds_done=done) is None
+    assert watch.reunion(group_size=4, others=OTHERS, rounds_done=2) is None  # our anchor did not step apart
+    assert watch.reunion(group_size=4, others=(), rounds_done=done) is None
+    # Never a whole round: nothing in common with the other side.
+    assert LineageWatch().reunion(group_size=4, others=OTHERS, rounds_done=done) is None
+
+
+def test_a_whole_round_starts_over_and_a_shrunk_swarm_becomes_whole_in_time():
+    watch = LineageWatch(window=3)
+    done = split_then_apart(watch, 1)
+    watch.observe(group=OTHERS + US, rounds_done=done + 1, tokens=100)  # the reunion round: whole again
+    assert watch.reunion(group_size=4, others=("p9",), rounds_done=done + 1) is None  # no round apart since
     # A peer that left for good: after ``window`` rounds of three, three is whole.
-    for k in range(5, 8):
-        watch.observe(group=("p0", "p1", "p2"), anchor=ours, rounds_done=k, tokens=100)
-    assert watch.fold(torch.zeros(NUMEL), old_anchor=ours - vec(3, 0.01), rounds_done=8, group_size=4,
-                      donors=("p9",)) is None
+    for k in range(done + 2, done + 5):
+        watch.observe(group=("p0", "p1", "p2"), rounds_done=k, tokens=100)
+    assert watch.reunion(group_size=4, others=("p9",), rounds_done=done + 4) is None
 
 
 def test_tokens_count_only_rounds_whose_work_reached_our_anchor():
-    watch = LineageWatch(NUMEL)
-    anchor = vec(0)
-    watch.observe(group=OTHERS + US, anchor=anchor, rounds_done=1, tokens=100)
-    watch.observe(group=US, anchor=anchor - vec(1, 0.01), rounds_done=2, tokens=100)
-    watch.observe(group=(), anchor=anchor - vec(1, 0.01), rounds_done=2, tokens=0)  # a folded round
-    fold = watch.fold(torch.zeros(NUMEL), old_anchor=anchor - vec(1, 0.01), rounds_done=2, group_size=4,
-                      donors=OTHERS)
-    assert fold == Fold(steps=1, tokens=100.0)
+    watch = LineageWatch()
+    watch.observe(group=OTHERS + US, rounds_done=1, tokens=100)
+    watch.observe(group=US, rounds_done=2, tokens=100)
+    watch.observe(group=(), rounds_done=2, tokens=0)  # a folded round: its work rides on the next
+    assert watch.reunion(group_size=4, others=OTHERS, rounds_done=2) == 100.0

@@ -159,13 +159,13 @@ def rounds(watch: ReunionWatch, sizes: list[int], **last) -> dict | None:
 def test_a_reunion_is_told_on_both_sides_with_what_the_replaced_side_folded_or_dropped():
     folded = rounds(ReunionWatch(), [4, 4, 2, 2, 2, 4], resynced=True, diverged=["x"], folded=3)
     assert folded == {"round": 6, "group_size": 4, "apart_rounds": 3, "apart_group_size": 2, "kept": False,
-                      "steps_dropped": 0, "tokens_dropped": 0, "rejoined": ["x"], "steps_folded": 3,
-                      "tokens_folded": 300}
+                      "steps_dropped": 0, "tokens_dropped": 0, "rejoined": ["x"], "steps_merged": 3,
+                      "tokens_merged": 300}
     # No whole round in common with the other side (the round engine folded nothing): dropped, and told.
     lost = rounds(ReunionWatch(), [4, 4, 2, 2, 2, 4], resynced=True, diverged=["x"])
-    assert lost == {**folded, "steps_dropped": 3, "tokens_dropped": 300, "steps_folded": 0, "tokens_folded": 0}
+    assert lost == {**folded, "steps_dropped": 3, "tokens_dropped": 300, "steps_merged": 0, "tokens_merged": 0}
     kept = rounds(ReunionWatch(), [4, 4, 2, 2, 4], diverged=["y", "x"])
-    assert kept["kept"] and kept["steps_dropped"] == kept["steps_folded"] == 0 and kept["rejoined"] == ["x", "y"]
+    assert kept["kept"] and kept["steps_dropped"] == kept["steps_merged"] == 0 and kept["rejoined"] == ["x", "y"]
 
 
 @pytest.mark.parametrize(("sizes", "last"), [
