@@ -202,7 +202,7 @@ def run_fault(fault: Fault, root: Path, config: Path, *, round_s: float, throttl
             else:
                 run.start_peer(0, [])
                 initial = run.address(0)
-            for i in range(1 if fault.kind == "averager" else 0, PEERS):
+            for i in range(0 if fault.kind == "bootstrap" else 1, PEERS):  # peer 0 is up already unless a bootstrap is
                 run.start_peer(i, initial)
         run.wait(lambda: run.whole_after(0.0), 300, "the four peers never averaged in one group")
         if fault.kind == "skew":
@@ -276,8 +276,10 @@ def _measure(run: _Run, *, began: float, ended: float, reunion_round: int, last:
         anchors[name] = torch.cat([t.flatten() for t in checkpoint.params.values()])
     reference = anchors["peer-0"]
     spread = max(float((a - reference).norm() / reference.norm()) for a in anchors.values())
+    peer0 = run.rounds("peer-0")
+    evals = {r: peer0[r].get("eval_loss") for r in range(reunion_round - 1, last + 1) if r in peer0}
     return {"fault": run.fault.name, "kind": run.fault.kind, "seconds": run.fault.seconds,
-            "round_seconds": run.round_s, "rounds_of_fault": end_round - first_round,
+            "round_seconds": run.round_s, "rounds_of_fault": end_round - first_round, "eval_around_reunion": evals,
             "rounds_to_whole": reunion_round - end_round + 1, "seconds_to_whole": round(whole_at - ended, 1),
             "window": [window.start, window.stop - 1], "per_peer": per_peer, "anchor_spread": spread}
 
@@ -316,8 +318,8 @@ def report_lines(runs: list[dict]) -> list[str]:
     if not runs:
         return skew_lines(skews)
     lines = ["| fault | rounds it spanned | one group of four again after it ended | peers' rounds averaged / folded / "
-             "absent | outer steps folded / dropped at the reunion | re-syncs | anchors' spread after |",
-             "|---|---|---|---|---|---|---|"]
+             "absent | outer steps merged / dropped at the reunion | re-syncs | anchors' spread after | peer-0's eval "
+             "loss from the round before the reunion on |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         peers = run["per_peer"].values()
         total = {k: sum(p.get(k, 0) for p in peers)
@@ -325,9 +327,11 @@ def report_lines(runs: list[dict]) -> list[str]:
         lines.append(f"| {run['fault']} | {run['rounds_of_fault']} | {run['seconds_to_whole']:.1f} s "
                      f"({run['rounds_to_whole']} round(s)) | {total['averaged']} / {total['folded']} / {total['absent']} "
                      f"| {total['steps_merged']} / {total['steps_dropped']} | {total['resyncs']} "
-                     f"| {run['anchor_spread']:.1e} |")
+                     f"| {run['anchor_spread']:.1e} | "
+                     + (" -> ".join(f"{v:.3f}" for v in run["eval_around_reunion"].values() if v is not None)
+                        if run.get("eval_around_reunion") else "-") + " |")
     lines += ["", "| fault | peer | rounds (fault to reunion) | averaged | folded | absent | group sizes | steps "
-              "folded (tokens) | steps dropped (tokens) | re-syncs |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "merged (tokens) | steps dropped (tokens) | re-syncs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         first, last = run["window"]
         for name, p in run["per_peer"].items():
