@@ -29,7 +29,9 @@ all of these hold, so no side's steps are counted twice:
   whose group was as large as any in the last ``window`` rounds);
 - our anchor took outer steps since that whole round (our side has work to weigh);
 - the peers on the other side (those we re-sync from, or those who diverged from us) were in none
-  of our groups since then (a slipped member re-syncs from peers it has just averaged with).
+  of our groups since then (a slipped member re-syncs from peers it has just averaged with), and
+  one of them claims outer steps taken since that whole round (it stepped apart too: a member that
+  missed a round and is merely behind has not, and catches up instead).
 
 A side that never averaged with the other (a peer that joined during the split) has no whole round
 in common with it: its work is dropped as before, and the ``reunion`` event says so.
@@ -38,7 +40,7 @@ in common with it: its work is dropped as before, and the ``reunion`` event says
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -64,11 +66,13 @@ class LineageWatch:
         self._apart_largest = 0  # the largest of those groups (0: no round since)
         self._apart_tokens = 0.0  # our tokens that reached our anchor since the whole round
 
-    def reunion(self, *, group_size: int, others: Collection[str], rounds_done: int) -> float | None:
+    def reunion(self, *, group_size: int, others: Mapping[str, int], rounds_done: int) -> float | None:
         """Our tokens since the split if this round meets ``others`` (the other side: the peers we
-        re-sync from, or those who diverged from us) as a reunion (the module's rules); else None.
-        ``rounds_done``: our outer steps before this round's."""
+        re-sync from, or those who diverged from us, with the outer steps each claims) as a reunion
+        (the module's rules); else None. ``rounds_done``: our outer steps before this round's."""
         if self._whole_rounds_done is None or rounds_done <= self._whole_rounds_done or not others:
+            return None
+        if max(others.values()) <= self._whole_rounds_done:  # they did not step apart: only behind
             return None
         if not self._apart_largest or group_size <= self._apart_largest or self._apart_members.intersection(others):
             return None

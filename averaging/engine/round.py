@@ -236,8 +236,9 @@ class RoundRunner:
         apart that a re-sync merged instead of dropping (0: none, or we were the kept side)."""
         merged = 0
         if resynced and conclusion.resync is not None:
-            tokens = self.lineage.reunion(group_size=len(outcome.group), others=conclusion.resync.donors,
-                                          rounds_done=rounds_before)
+            steps = conclusion.verdict.claimed_steps if conclusion.verdict is not None else {}
+            tokens = self.lineage.reunion(group_size=len(outcome.group), rounds_done=rounds_before,
+                                          others={p: steps.get(p, 0) for p in conclusion.resync.donors})
             if tokens is not None:
                 kept = self.state.anchor
                 if conclusion.applied == Applied.AVERAGED and self.state.last_round == round:
@@ -250,8 +251,9 @@ class RoundRunner:
                 logger.info(f"round {round}: a reunion: the {merged} outer step(s) our side took apart are merged "
                             "into the group's anchor through our next contribution (weighted by our tokens apart)")
         elif conclusion.verdict is not None and conclusion.verdict.diverged:
-            tokens = self.lineage.reunion(group_size=len(outcome.group), others=conclusion.verdict.diverged,
-                                          rounds_done=rounds_before)
+            steps = conclusion.verdict.claimed_steps
+            tokens = self.lineage.reunion(group_size=len(outcome.group), rounds_done=rounds_before,
+                                          others={p: steps.get(p, 0) for p in conclusion.verdict.diverged})
             if tokens is not None:
                 self._folded_weight += tokens  # our side's work weighs in the merge with the other's
         reached = conclusion.applied in (Applied.AVERAGED, Applied.LOCAL) and not resynced

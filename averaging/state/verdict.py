@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -64,6 +64,9 @@ class Verdict:
     bad_claims: int = 0  # claims that failed validation (ignored)
     catch_up: tuple[CatchUp, ...] = ()
     resync: Resync | None = None
+    # Each valid claimant's outer steps, as it claims them (free to inflate: used only to tell a
+    # member that stepped apart, a split's other side, from one that is merely behind).
+    claimed_steps: dict[str, int] = field(default_factory=dict)
 
     @property
     def diverged(self) -> list[str]:
@@ -73,7 +76,7 @@ class Verdict:
 def judge(state: SharedState, gathered: Mapping[str, Any], *, round: int, self_id: str) -> Verdict:
     """The verdict on ``round`` from the group's raw claims (``gathered``, by peer id)."""
     agreement, bad, claims = _consensus(state, gathered, round)
-    verdict = Verdict(consensus=agreement, bad_claims=bad)
+    verdict = Verdict(consensus=agreement, bad_claims=bad, claimed_steps={p: c.rounds_done for p, c in claims.items()})
     if agreement is None:
         return verdict
     if self_id in agreement.diverged:

@@ -13,6 +13,11 @@ NUMEL = 64
 US, OTHERS = ("p2", "p3"), ("p0", "p1")
 
 
+def stepped(peers, steps: int = 5) -> dict[str, int]:
+    """The other side with the outer steps each claims."""
+    return dict.fromkeys(peers, steps)
+
+
 def vec(seed: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * scale
 
@@ -54,8 +59,18 @@ def split_then_apart(watch: LineageWatch, rounds_apart: int) -> int:
 def test_a_reunion_weighs_our_tokens_apart_and_counts_our_steps():
     watch = LineageWatch()
     done = split_then_apart(watch, 3)
-    assert watch.reunion(group_size=4, others=OTHERS, rounds_done=done) == 300.0
+    assert watch.reunion(group_size=4, others=stepped(OTHERS), rounds_done=done) == 300.0
     assert watch.steps_apart(done) == 3
+
+
+def test_a_member_that_missed_rounds_and_is_merely_behind_is_no_other_side():
+    """p0 missed our last round (a group of three without it), then diverged: it took no step
+    since the whole round, so it catches up, and nobody weighs anything in a merge."""
+    watch = LineageWatch()
+    watch.observe(group=OTHERS + US, rounds_done=1, tokens=100)
+    watch.observe(group=("p1",) + US, rounds_done=2, tokens=100)
+    assert watch.reunion(group_size=4, others={"p0": 1}, rounds_done=2) is None
+    assert watch.reunion(group_size=4, others={"p0": 2}, rounds_done=2) == 100.0  # it stepped apart: a side
 
 
 def test_a_member_that_slipped_out_of_its_own_group_merges_nothing():
@@ -63,29 +78,29 @@ def test_a_member_that_slipped_out_of_its_own_group_merges_nothing():
     reunion (merging would count our last steps twice: they are in their anchor too)."""
     watch = LineageWatch()
     done = split_then_apart(watch, 1)
-    assert watch.reunion(group_size=4, others=("p3",), rounds_done=done) is None
-    assert watch.reunion(group_size=4, others=("p0", "p3"), rounds_done=done) is None
+    assert watch.reunion(group_size=4, others=stepped(("p3",)), rounds_done=done) is None
+    assert watch.reunion(group_size=4, others=stepped(("p0", "p3")), rounds_done=done) is None
 
 
 def test_no_reunion_in_a_group_no_larger_than_apart_nor_without_steps_or_anyone_apart():
     watch = LineageWatch()
     done = split_then_apart(watch, 1)
-    assert watch.reunion(group_size=2, others=OTHERS, rounds_done=done) is None
-    assert watch.reunion(group_size=4, others=OTHERS, rounds_done=2) is None  # our anchor did not step apart
-    assert watch.reunion(group_size=4, others=(), rounds_done=done) is None
+    assert watch.reunion(group_size=2, others=stepped(OTHERS), rounds_done=done) is None
+    assert watch.reunion(group_size=4, others=stepped(OTHERS), rounds_done=2) is None  # our anchor did not step apart
+    assert watch.reunion(group_size=4, others={}, rounds_done=done) is None
     # Never a whole round: nothing in common with the other side.
-    assert LineageWatch().reunion(group_size=4, others=OTHERS, rounds_done=done) is None
+    assert LineageWatch().reunion(group_size=4, others=stepped(OTHERS), rounds_done=done) is None
 
 
 def test_a_whole_round_starts_over_and_a_shrunk_swarm_becomes_whole_in_time():
     watch = LineageWatch(window=3)
     done = split_then_apart(watch, 1)
     watch.observe(group=OTHERS + US, rounds_done=done + 1, tokens=100)  # the reunion round: whole again
-    assert watch.reunion(group_size=4, others=("p9",), rounds_done=done + 1) is None  # no round apart since
+    assert watch.reunion(group_size=4, others=stepped(("p9",), 9), rounds_done=done + 1) is None  # no round apart since
     # A peer that left for good: after ``window`` rounds of three, three is whole.
     for k in range(done + 2, done + 5):
         watch.observe(group=("p0", "p1", "p2"), rounds_done=k, tokens=100)
-    assert watch.reunion(group_size=4, others=("p9",), rounds_done=done + 4) is None
+    assert watch.reunion(group_size=4, others=stepped(("p9",), 9), rounds_done=done + 4) is None
 
 
 def test_tokens_count_only_rounds_whose_work_reached_our_anchor():
@@ -93,4 +108,4 @@ def test_tokens_count_only_rounds_whose_work_reached_our_anchor():
     watch.observe(group=OTHERS + US, rounds_done=1, tokens=100)
     watch.observe(group=US, rounds_done=2, tokens=100)
     watch.observe(group=(), rounds_done=2, tokens=0)  # a folded round: its work rides on the next
-    assert watch.reunion(group_size=4, others=OTHERS, rounds_done=2) == 100.0
+    assert watch.reunion(group_size=4, others=stepped(OTHERS), rounds_done=2) == 100.0
