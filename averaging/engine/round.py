@@ -173,7 +173,7 @@ class RoundRunner:
         conclusion, resynced = self._judge_and_recover(round, outcome, pseudo_grad, averaged)
         correction = self._account(round, outcome, conclusion, resynced, pseudo_grad, sent, old_anchor, weight,
                                    correction_out)
-        folded = self._merge_lineages(round, outcome, conclusion, resynced, old_anchor, rounds_before, weight,
+        merged = self._merge_lineages(round, outcome, conclusion, resynced, old_anchor, rounds_before, weight,
                                       averaged, correction)
         sent_bytes, received_bytes = round_payload(
             self.layout.numel, len(outcome.group) if allreduced else 0, client_mode=self.client_mode,
@@ -181,7 +181,7 @@ class RoundRunner:
             return_bytes_per_value=self.wire.return_bytes_per_value())
         return SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
                           sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.state.rounds_done,
-                          robust=robust, lineage_merged=folded)
+                          robust=robust, lineage_merged=merged)
 
     def _exchange(self, round: int, pseudo_grad: torch.Tensor,
                   weight: float) -> tuple[torch.Tensor, torch.Tensor, AverageOutcome, float]:
