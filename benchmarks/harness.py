@@ -30,17 +30,19 @@ def listen_on(host) -> str:
 
 
 def start_shoal_peers(swarm: LocalSwarm, config: Path | list[Path], throttles: list[float], hosts, *,
-                      extra: tuple[str, ...] = (), initial: list[str] | None = None, timeout: float = 180) -> list[LocalPeer]:
+                      extra: tuple[str, ...] = (), initial: list[str] | None = None, timeout: float = 180,
+                      first: int = 0) -> list[LocalPeer]:
     """One ``shoal run`` per throttle, peer i on ``hosts[i]`` with ``config`` (or ``config[i]``).
     Without ``initial`` (sync_modes) they join one after the other through the first; with it (an
-    entry peer's address) they start all at once, so none trains alone while the others boot."""
+    entry peer's address) they start all at once, so none trains alone while the others boot.
+    ``first``: the index of the first of them (names and hosts), when others were started before."""
     configs = config if isinstance(config, list) else [config] * len(throttles)
     peers = []
-    for i, (throttle, config) in enumerate(zip(throttles, configs, strict=True)):
+    for i, (throttle, config) in enumerate(zip(throttles, configs, strict=True), start=first):
         host = hosts[i] if hosts else None
         entry = initial
-        if entry is None and i > 0:
-            entry = [m for m in peers[0].maddrs if (host is None or hosts[0].address in m)][:1]
+        if entry is None and i > first:
+            entry = [m for m in peers[0].maddrs if (host is None or hosts[first].address in m)][:1]
         peer = swarm.start(f"peer-{i}", "--throttle", str(throttle), *extra, config=config, initial=entry,
                            prefix=host.prefix() if host else None, listen=listen_on(host))
         if initial is None:

@@ -110,8 +110,13 @@ def run_swarm(seed: int, outer: tuple[float, float], args, hosts, root: Path, ev
     try:
         with CpuMeter() as cpu:
             entry, address = start_entry_peer(root / name, hosts[0] if hosts else None)
-            peers = start_shoal_peers(swarm, [evaluating] + [silent] * (len(throttles) - 1), throttles, hosts,
-                                      extra=("--max-rounds", str(args.rounds)), initial=address)
+            # The fastest peer organises the run first (it prints its address once it has); the others
+            # then start at once. All four started at once can both organise (two run keys: the one
+            # that finds both refuses to guess, and exits), as seed 1 of the 5 s rounds run did.
+            extra = ("--max-rounds", str(args.rounds))
+            peers = start_shoal_peers(swarm, [evaluating], throttles[:1], hosts, extra=extra, initial=address)
+            peers += start_shoal_peers(swarm, [silent] * (len(throttles) - 1), throttles[1:], hosts, extra=extra,
+                                       initial=address, first=1)
             codes = [p.wait(timeout=args.rounds * args.round_seconds + 240) for p in peers]
     finally:
         swarm.kill_all()
