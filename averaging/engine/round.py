@@ -235,27 +235,25 @@ class RoundRunner:
         tokens since the split. Then the round is recorded. Returns the outer steps our side took
         apart that a re-sync merged instead of dropping (0: none, or we were the kept side)."""
         merged = 0
-        if resynced and conclusion.resync is not None:
-            steps = conclusion.verdict.claimed_steps if conclusion.verdict is not None else {}
-            tokens = self.lineage.reunion(group_size=len(outcome.group), rounds_done=rounds_before,
-                                          others={p: steps.get(p, 0) for p in conclusion.resync.donors})
-            if tokens is not None:
+        verdict = conclusion.verdict
+        # The other side: the peers we re-sync from, or (kept) those who diverged from us.
+        other_side = conclusion.resync.donors if resynced and conclusion.resync is not None else \
+            verdict.diverged if verdict is not None else []
+        claimed = verdict.claimed_steps if verdict is not None else {}
+        tokens = self.lineage.reunion(group_size=len(outcome.group), rounds_done=rounds_before,
+                                      others={p: claimed.get(p, 0) for p in other_side}) if other_side else None
+        if tokens is not None:
+            self._folded_weight += tokens  # either side's work weighs in the merge with its tokens apart
+            if resynced:
                 kept = self.state.anchor
                 if conclusion.applied == Applied.AVERAGED and self.state.last_round == round:
                     # the two lineages' distance before this round's step, which both sides took
                     kept = anchor_before_step(kept, averaged, self.state.momentum, lr=self.state.config.lr,
                                               mu=self.state.config.momentum, nesterov=self.state.config.nesterov)
                 correction += lineage_fold(old_anchor, kept, lr=self.state.config.lr, mu=self.state.config.momentum)
-                self._folded_weight += tokens
                 merged = self.lineage.steps_apart(rounds_before)
                 logger.info(f"round {round}: a reunion: the {merged} outer step(s) our side took apart are merged "
                             "into the group's anchor through our next contribution (weighted by our tokens apart)")
-        elif conclusion.verdict is not None and conclusion.verdict.diverged:
-            steps = conclusion.verdict.claimed_steps
-            tokens = self.lineage.reunion(group_size=len(outcome.group), rounds_done=rounds_before,
-                                          others={p: steps.get(p, 0) for p in conclusion.verdict.diverged})
-            if tokens is not None:
-                self._folded_weight += tokens  # our side's work weighs in the merge with the other's
         reached = conclusion.applied in (Applied.AVERAGED, Applied.LOCAL) and not resynced
         self.lineage.observe(group=outcome.group if outcome.ok or outcome.partial else (),
                              rounds_done=self.state.rounds_done, tokens=weight if reached else 0.0)
