@@ -53,7 +53,6 @@ def test_a_full_disk_costs_checkpoints_never_the_run_and_a_killed_averager_ends_
         assert "No space left on device" in log and "is kept and training goes on" in log
         kept = list_checkpoints(checkpoints)
         assert len(kept) == 1 and load_latest_valid(checkpoints).round == int(kept[0].name.split("-")[-1])
-        assert not [p for p in checkpoints.iterdir() if p.name.startswith(TMP_PREFIX)]
 
         # The averager is killed: the peer leaves within a second (a round is 4 s), in one line.
         start = next(e for e in read_metrics(peer.metrics_path) if e["event"] == "start")
@@ -67,6 +66,9 @@ def test_a_full_disk_costs_checkpoints_never_the_run_and_a_killed_averager_ends_
         assert len(errors) == 1 and "averager process" in errors[0] and "start shoal run again" in errors[0], errors
         assert time.monotonic() - killed_at < 45  # the leave itself (a checkpoint attempt, closing) included
         assert noticed["time"] - killed_wall < 3, noticed  # checked once a second from the training loop
+        # No staging files once the peer is gone (checked only now: a save runs beside training, so
+        # mid-run a later round's staging dir may legitimately exist).
+        assert not [p for p in checkpoints.iterdir() if p.name.startswith(TMP_PREFIX)], list(checkpoints.iterdir())
     finally:
         subprocess.run(["umount", "-l", str(checkpoints)], capture_output=True)
 
