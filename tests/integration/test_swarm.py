@@ -131,9 +131,11 @@ def test_three_peers_train_one_model(swarm, compression, returns):
                 assert after is None or after["caught_up"] or after["applied"] == "averaged", shown
                 continue
             members = 3 - sum(rnd == r for _, rnd in no_group)
-            # A group assembled with the member that then gave up waits out its parts: partial, of 3.
-            assert rounds[r]["group_size"] == members or (
-                (ids[name], r) in partial and rounds[r]["group_size"] == 3), shown
+            # A group the leader assembled with the member that then gave up (its answer came too late
+            # for it) is one of 3 to the others: they wait out that member's parts and average without
+            # them. Partial when it was a reducer; complete when it was the client-mode peer c, which
+            # reduces no part (seen in CI: a averaged "of 3" while c folded).
+            assert rounds[r]["group_size"] == members or (members < 3 and rounds[r]["group_size"] == 3), shown
             # Each round record says what the all-reduce moved, sends and returns each in their code.
             expected = round_payload(init.numel(), rounds[r]["group_size"],
                                      send_bytes_per_value=wire.send_bytes_per_value(),
