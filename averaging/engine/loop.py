@@ -285,7 +285,7 @@ class RoundEngine:
             error=conclusion.error, diverged=conclusion.verdict.diverged if conclusion.verdict else [],
             bad_reports=conclusion.bad_claims, resynced=result.resynced, rounds_done=result.rounds_done,
             bytes_sent=result.bytes_sent, bytes_received=result.bytes_received, caught_up=conclusion.caught_up,
-            robust=result.robust, lineage_merged=result.lineage_merged,
+            robust=result.robust, lineage_merged=result.lineage_merged, lineage_reunion=result.reunion,
         ), *(replace(stayed_out, rounds_done=result.rounds_done) for stayed_out in job.then)]
 
     @torch.no_grad()

@@ -77,6 +77,7 @@ class SyncResult:
     rounds_done: int = 0  # outer steps applied once this round was concluded
     robust: dict[str, int] = field(default_factory=dict)
     lineage_merged: int = 0  # a reunion where we re-synced: our side's outer steps apart, merged through the next contribution
+    reunion: bool = False  # the round met the other side of a split that stepped apart (either side: lineage.py's rules)
 
 
 def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: torch.Tensor, *, round: int,
@@ -173,15 +174,15 @@ class RoundRunner:
         conclusion, resynced = self._judge_and_recover(round, outcome, pseudo_grad, averaged)
         correction = self._account(round, outcome, conclusion, resynced, pseudo_grad, sent, old_anchor, weight,
                                    correction_out)
-        merged = self._merge_lineages(round, outcome, conclusion, resynced, old_anchor, rounds_before, weight,
-                                      averaged, correction)
+        merged, reunion = self._merge_lineages(round, outcome, conclusion, resynced, old_anchor, rounds_before,
+                                               weight, averaged, correction)
         sent_bytes, received_bytes = round_payload(
             self.layout.numel, len(outcome.group) if allreduced else 0, client_mode=self.client_mode,
             send_bytes_per_value=self.wire.send_bytes_per_value(),
             return_bytes_per_value=self.wire.return_bytes_per_value())
         return SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
                           sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.state.rounds_done,
-                          robust=robust, lineage_merged=merged)
+                          robust=robust, lineage_merged=merged, reunion=reunion)
 
     def _exchange(self, round: int, pseudo_grad: torch.Tensor,
                   weight: float) -> tuple[torch.Tensor, torch.Tensor, AverageOutcome, float]:
@@ -229,11 +230,12 @@ class RoundRunner:
 
     def _merge_lineages(self, round: int, outcome: AverageOutcome, conclusion: RoundConclusion, resynced: bool,
                         old_anchor: torch.Tensor, rounds_before: int, weight: float, averaged: torch.Tensor,
-                        correction: torch.Tensor) -> int:
+                        correction: torch.Tensor) -> tuple[int, bool]:
         """At a split swarm's reunion (``averaging.engine.lineage``): re-synced, our side's anchor is
         kept in part through the correction; either side weighs its next contribution with its
         tokens since the split. Then the round is recorded. Returns the outer steps our side took
-        apart that a re-sync merged instead of dropping (0: none, or we were the kept side)."""
+        apart that a re-sync merged instead of dropping (0: none, or we were the kept side), and
+        whether the round was a reunion at all."""
         merged = 0
         verdict = conclusion.verdict
         # The other side: the peers we re-sync from, or (kept) those who diverged from us.
@@ -257,7 +259,7 @@ class RoundRunner:
         reached = conclusion.applied in (Applied.AVERAGED, Applied.LOCAL) and not resynced
         self.lineage.observe(group=outcome.group if outcome.ok or outcome.partial else (),
                              rounds_done=self.state.rounds_done, tokens=weight if reached else 0.0)
-        return merged
+        return merged, tokens is not None
 
     def _settle_partial(self, round: int, conclusion: RoundConclusion, resynced: bool,
                         correction: torch.Tensor) -> float:

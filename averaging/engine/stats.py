@@ -40,6 +40,9 @@ class RoundStats:
     # A split swarm's reunion at which we re-synced: our side's outer steps apart, merged into the
     # group's anchor through our next contribution instead of dropped (``averaging.engine.lineage``).
     lineage_merged: int = 0
+    # The engine met the other side of a split that stepped apart too (either side): what the
+    # kept side's ``reunion`` event needs (a member that only missed a round is behind, not apart).
+    lineage_reunion: bool = False
 
 
 @dataclass(slots=True)

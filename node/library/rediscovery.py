@@ -250,10 +250,13 @@ class ReunionWatch:
     rounds: deque[tuple[int, str, int]] = field(default_factory=deque)  # (group size, applied, tokens)
 
     def observe(self, *, round: int, group_size: int, applied: str, tokens: int, resynced: bool,
-                diverged: list[str], folded: int = 0) -> dict | None:
+                diverged: list[str], folded: int = 0, reunion: bool | None = None) -> dict | None:
         """``folded``: the outer steps our side took apart that the round engine merged into the
         group's anchor through our next contribution at this re-sync (``RoundStats.lineage_merged``):
-        then nothing was dropped."""
+        then nothing was dropped. ``reunion``: the round engine's judgement
+        (``RoundStats.lineage_reunion``: the other side stepped apart too). On the kept side it is
+        final: a member that merely missed a round rejoins diverged (it is behind and catches up),
+        which the records alone cannot tell from a reunion. None: not known (records only)."""
         apart = []
         for size, was_applied, was_tokens in reversed(self.rounds):
             if size >= group_size:
@@ -265,6 +268,8 @@ class ReunionWatch:
         while len(self.rounds) > self.window:
             self.rounds.popleft()
         if not apart or not together_before or not (resynced or diverged):
+            return None
+        if not resynced and reunion is False:
             return None
         steps = sum(1 for _, was_applied, _ in apart if was_applied in ("averaged", "local"))
         apart_tokens = sum(t for *_, t in apart)

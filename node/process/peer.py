@@ -356,7 +356,7 @@ class Peer:
             self.metrics.write("resync", round=stats.round, diverged=stats.diverged)
         met = self._reunion.observe(round=stats.round, group_size=stats.group_size, applied=stats.applied,
                                     tokens=stats.tokens, resynced=stats.resynced, diverged=stats.diverged,
-                                    folded=stats.lineage_merged)
+                                    folded=stats.lineage_merged, reunion=stats.lineage_reunion)
         if met is not None:
             self.metrics.write("reunion", **met)
             whole = (f"round {stats.round}: the swarm is whole again (a group of {met['group_size']} after "

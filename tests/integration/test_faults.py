@@ -136,6 +136,9 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
         # ... keeping the other half's work: its outer steps apart are merged through its next contribution.
         replaced = [e for p in peers for e in read_metrics(p.metrics_path) if e["event"] == "reunion" and not e["kept"]]
         assert any(e["steps_merged"] > 0 for e in replaced), (replaced, _tails(peers))
+        # The kept half tells it too (the round engine judged it a reunion: the others stepped apart).
+        assert any(e["event"] == "reunion" and e["kept"] for p in peers for e in read_metrics(p.metrics_path)), \
+            _tails(peers)
         assert "merged into the group's anchor through our next contribution" in "".join(p.log() for p in peers), \
             _tails(peers)
 

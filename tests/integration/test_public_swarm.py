@@ -45,19 +45,27 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, requ
     wait_until(lambda: records(a, "start"), 90, "peer a did not start")
     b = swarm.start("b", "--round-seconds", str(ROUND_S), initial=initial, config=config)
 
-    # A joiner with another round length is refused before it averages anything.
-    refused = subprocess.run([*shoal_command(), "run", "--no-ui", "--run-id", swarm.run_id, "--round-seconds", "7",
-                              "--initial-peer", f"@{address_file}", "--listen", "/ip4/127.0.0.1/tcp/0"],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
-    line = refused.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: ") and "round.seconds=6.0 (this peer: 7.0)" in line, line
+    # A joiner with another round length is refused before it averages anything (it runs while a
+    # and b find each other: both take a process start-up on two cores).
+    refused = subprocess.Popen([*shoal_command(), "run", "--no-ui", "--run-id", swarm.run_id, "--round-seconds", "7",
+                                "--initial-peer", f"@{address_file}", "--listen", "/ip4/127.0.0.1/tcp/0"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    request.addfinalizer(lambda: kill_process_group(refused))
 
     # a and b found each other through the bootstrap peer and average together.
     def averaged_together(peer) -> list[int]:
         return [r["round"] for r in records(peer, "round") if r["applied"] == "averaged" and r["group_size"] == 2]
 
     wait_until(lambda: len(averaged_together(a)) >= 2, 120, "a and b never averaged together")
+    try:
+        out, err = refused.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_process_group(refused)
+        raise
+    assert refused.returncode == 2, out[-2000:] + err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "round.seconds=6.0 (this peer: 7.0)" in line, line
 
     # Ctrl+C (to a's whole process group, as a terminal does): exit 0, checkpoint, nothing left.
     os.killpg(a.proc.pid, signal.SIGINT)

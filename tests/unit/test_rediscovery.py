@@ -152,7 +152,8 @@ def rounds(watch: ReunionWatch, sizes: list[int], **last) -> dict | None:
         final = r == len(sizes)
         out = watch.observe(round=r, group_size=size, applied="averaged", tokens=100,
                             resynced=final and last.get("resynced", False), diverged=last.get("diverged", []) if final else [],
-                            folded=last.get("folded", 0) if final else 0)
+                            folded=last.get("folded", 0) if final else 0,
+                            reunion=last.get("reunion") if final else False)
     return out
 
 
@@ -164,8 +165,13 @@ def test_a_reunion_is_told_on_both_sides_with_what_the_replaced_side_folded_or_d
     # No whole round in common with the other side (the round engine folded nothing): dropped, and told.
     lost = rounds(ReunionWatch(), [4, 4, 2, 2, 2, 4], resynced=True, diverged=["x"])
     assert lost == {**folded, "steps_dropped": 3, "tokens_dropped": 300, "steps_merged": 0, "tokens_merged": 0}
-    kept = rounds(ReunionWatch(), [4, 4, 2, 2, 4], diverged=["y", "x"])
+    kept = rounds(ReunionWatch(), [4, 4, 2, 2, 4], diverged=["y", "x"], reunion=True)
     assert kept["kept"] and kept["steps_dropped"] == kept["steps_merged"] == 0 and kept["rejoined"] == ["x", "y"]
+    # The same records where the round engine found the diverged members merely behind (they missed
+    # rounds and catch up; they did not step apart): no reunion on the kept side. Records alone
+    # (reunion unknown) cannot tell the two apart and report it.
+    assert rounds(ReunionWatch(), [4, 4, 2, 2, 4], diverged=["y", "x"], reunion=False) is None
+    assert rounds(ReunionWatch(), [4, 4, 2, 2, 4], diverged=["y", "x"])["kept"]
 
 
 @pytest.mark.parametrize(("sizes", "last"), [
