@@ -1,7 +1,8 @@
 """"The swarm trains like N x one peer": simulated peers, no network, shoal's own round math.
 
     .venv/bin/python benchmarks/speedup.py [--peers 1,2,4] [--rounds 150] [--steps 12] [--spread equal,1:1.5:2:3] \\
-        [--rules overlap,eager,...] [--lone-lengths 1,2,3,4,6] [--lrs 0.006,0.012] [--seeds 1] [--jobs 2]
+        [--rules overlap,eager,...] [--lone-lengths 1,2,3,4,6] [--lrs 0.006,0.012] [--seeds 1] [--jobs 2] \\
+        [--group-sizes 0,4]
 
 What a contributor asks: does joining pay? Each swarm run ends at an eval loss; a lone peer's curve
 (plain AdamW, or the best of ``--lone-opts``, its lr tuned over ``--lrs`` and its cosine schedule spanning its own length, at
@@ -37,6 +38,10 @@ the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
   reducer can do alone); ``+nowork`` judges parts in the centered clip against each other (the
   rule before ``judge_by_work``); ``+mean`` aggregates with a plain weighted mean.
 
+``--group-sizes G``: round-seeded sub-groups of at most G peers (``averaging.math.groups``) that average
+pseudo-gradients, anchors and outer momentum within the group (``run_swarm_groups``; issue 32); 0 is one
+group of everyone.
+
 Everything is simulated: no failures, no network; figures are labelled so. Writes
 ``benchmarks/results/speedup.{md,json}`` (and ``.png`` when matplotlib is installed).
 """
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -62,6 +68,7 @@ import torch  # noqa: E402
 
 from averaging.math import robust  # noqa: E402
 from averaging.math.flat import FlatLayout  # noqa: E402
+from averaging.math.groups import group_count, members  # noqa: E402
 from averaging.math.merge import apply_correction_, eager_jump, landing_correction, merge_correction, stand_in  # noqa: E402
 from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
 from averaging.math.wire import WireFormat, accounted_for, returned  # noqa: E402
@@ -202,10 +209,88 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
     return {"final_eval": _eval(trainers[0], layout, anchor)}
 
 
+def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: float, mu: float, rule: str,
+                     delay: float, compression: str, group_size: int) -> dict:
+    """``run_swarm`` with round-seeded sub-groups (``--group-sizes``, ``averaging.math.groups``): every round
+    each group averages its members' pseudo-gradients (per part, as a reducer does), anchors and outer
+    momentum (token-weighted), and applies the outer step; a peer alone in its group folds (its anchor stays,
+    its work and weight go into its next round). Peers then hold different anchors: peer 0's is evaluated
+    (what a user holds), the token-free mean too. ``blocking`` and ``overlap`` only, no flags."""
+    mode, *flags = rule.split("+")
+    if mode not in ("blocking", "overlap") or flags:
+        raise SystemExit(f"--group-sizes: rule {rule} is not supported (blocking, overlap)")
+    wire = WireFormat.of(compression)
+    config = robust.RobustConfig(aggregation="centered_clip")
+    trainers = [_trainer(seed, lr, rounds) for _ in steps]
+    samplers = _samplers(seed, len(steps), 0)
+    layout = FlatLayout.of(trainers[0].model.named_parameters())
+    pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
+    anchors = [pack(t) for t in trainers]  # one seed: every peer starts from the same weights
+    momenta = [torch.zeros_like(anchors[0]) for _ in steps]
+    work = [0.0] * len(steps)  # tokens since the peer's last averaged round (a fold carries them)
+    ids = [f"peer-{i}" for i in range(len(steps))]
+    groups = group_count(len(steps), group_size)
+    pending: list = [None] * len(steps)  # per peer: (new anchor, old anchor, accounted) awaiting the merge
+    spreads, folds = [], 0
+
+    def land(i: int) -> None:
+        new, old, accounted = pending[i]
+        correction = merge_correction(new, old, accounted, contributed=True)
+        views = layout.views(correction)
+        params = dict(trainers[i].model.named_parameters())
+        apply_correction_([params[name] for name in views], list(views.values()))
+        pending[i] = None
+
+    for r in range(rounds):
+        for i, (t, s, n) in enumerate(zip(trainers, samplers, steps)):
+            lands = max(1, round(delay * n))
+            for step in range(n):
+                t.inner_step(*s.next_batch(), inner_lr(t.inner, r + step / n))
+                if pending[i] is not None and step + 1 == lands:
+                    land(i)
+            work[i] += n
+        grads = [pseudo_gradient(anchors[i], pack(t)) for i, t in enumerate(trainers)]
+        sends = [wire.to_send(g) for g in grads]
+        averages = []
+        for group in members(ids, r, groups).values():
+            idx = [ids.index(peer) for peer in group]
+            if len(idx) < 2:
+                folds += 1
+                continue
+            weights = [work[i] for i in idx]
+            average = aggregate([sends[i] for i in idx], weights, config, work_scaled=True, keep_norm=False)
+            average = returned(average, sends[idx[0]], wire.return_code)
+            share = [w / sum(weights) for w in weights]
+            anchor = sum(w * anchors[i] for w, i in zip(share, idx))
+            momentum = sum(w * momenta[i] for w, i in zip(share, idx))
+            outer_step_(anchor, average, momentum, lr=outer_lr, mu=mu, nesterov=True)
+            averages.append(average)
+            for i in idx:
+                accounted = accounted_for(grads[i], sends[i], averaged=True, local=False,
+                                          error_feedback=wire.error_feedback)
+                pending[i] = (anchor, anchors[i], accounted)
+                anchors[i], momenta[i], work[i] = anchor.clone(), momentum.clone(), 0.0
+        mean = sum(anchors) / len(anchors)
+        scale = statistics.fmean(a.pow(2).mean().sqrt().item() for a in averages) if averages else 1.0
+        spreads.append(max((a - mean).pow(2).mean().sqrt().item() for a in anchors) / scale)
+        if mode == "blocking":
+            for i in range(len(trainers)):
+                if pending[i] is not None:
+                    land(i)
+    mean = sum(anchors) / len(anchors)
+    late = spreads[len(spreads) // 2:]
+    return {"final_eval": _eval(trainers[0], layout, anchors[0]), "mean_anchor_eval": _eval(trainers[0], layout, mean),
+            "spread_median": statistics.median(late), "spread_max": max(late), "folds": folds}
+
+
 def _point(point: dict) -> dict:
     t0 = time.time()
     if point["kind"] == "lone":
         result = run_lone(point["seed"], point["lone_steps"], point["lr"], point.get("optimizer", "adamw"))
+    elif point.get("group_size"):
+        result = run_swarm_groups(point["seed"], point["steps"], point["rounds"], point["lr"], point["outer_lr"],
+                                  point["mu"], point["rule"], point["delay"], point["compression"],
+                                  point["group_size"])
     else:
         result = run_swarm(point["seed"], point["steps"], point["rounds"], point["lr"], point["outer_lr"],
                            point["mu"], point["rule"], point["delay"], point["compression"])
@@ -218,7 +303,8 @@ def label(p: dict) -> str:
     if p["kind"] == "lone":
         return f"lone {p['lone_steps']} steps lr={p['lr']:g}" + ("" if p.get("optimizer", "adamw") == "adamw" else
                                                                    f" {p['optimizer']}")
-    return f"{p['rule']} N={len(p['steps'])} {p['spread']} outer={p['outer_lr']:g}/{p['mu']:g}"
+    groups = f" G={p['group_size']}" if p.get("group_size") else ""
+    return f"{p['rule']} N={len(p['steps'])} {p['spread']} outer={p['outer_lr']:g}/{p['mu']:g}{groups}"
 
 
 def equivalent_steps(loss: float, curve: list[tuple[int, float]]) -> tuple[float, str]:
@@ -321,6 +407,8 @@ def main() -> int:
     parser.add_argument("--lrs", type=floats, default=[0.006, 0.012])
     parser.add_argument("--lone-opts", type=lambda s: s.split(","), default=["adamw"],
                         help="inner optimizers of the lone peer (adamw, muon): its curve takes the best")
+    parser.add_argument("--group-sizes", type=lambda s: [int(v) for v in s.split(",")], default=[0],
+                        help="sub-groups of this size (0: one group of everyone; averaging.math.groups)")
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
@@ -348,10 +436,12 @@ def main() -> int:
         for n in args.peers:
             for spread in args.spread if n > 1 else ["equal"]:
                 for rule in args.rules:
-                    for o, m in args.outer:
+                    for (o, m), g in itertools.product(args.outer, args.group_sizes):
+                        if g and g >= n:
+                            continue  # one group of everyone: the plain swarm
                         plan.append(dict(kind="swarm", seed=s, steps=spread_steps(n, args.steps, spread), spread=spread,
                                          rounds=args.rounds, lr=args.inner_lr, outer_lr=o, mu=m, rule=rule,
-                                         delay=args.delay, compression=args.compression))
+                                         delay=args.delay, compression=args.compression, group_size=g))
     plan.sort(key=lambda p: -(p.get("lone_steps") or sum(p.get("steps", [0])) * p.get("rounds", 0)))  # longest first
     started = time.time()
     with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config), args.rounds)) as pool:
