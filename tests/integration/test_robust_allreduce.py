@@ -211,3 +211,37 @@ def test_a_reducer_that_ends_its_streams_early_is_struck_then_banned():
                 assert attacker not in outcome.group and len(outcome.group) == HONEST, outcome.group
                 error = float((results[i].double() - honest_mean).norm() / honest_mean.norm())
                 assert error < 1e-3, f"honest peer {i} is {error:.2e} away from the honest mean"
+
+
+@pytest.mark.timeout(120)
+def test_more_peers_than_the_group_cap_average_in_groups_at_the_cap():
+    """With no target group size, a hivemind leader gathers everyone under the round's key, and
+    every member refuses a group over the robust cap: a swarm of more than 64 peers formed no group
+    at all (the scale simulation found it). The leader now stops at the cap, and the key splits into
+    several groups. Here the cap is 2 and four peers look for a group: pairs, not a refused four."""
+    generator = torch.Generator().manual_seed(3)
+    vectors = [torch.randn(NUMEL, generator=generator) for _ in range(4)]
+    prefix = f"capped-{uuid.uuid4().hex[:8]}"
+
+    def make(i: int, dht: hivemind.DHT) -> HivemindBackend:
+        return HivemindBackend(dht, numel=NUMEL, prefix=prefix, state_provider=no_state, target_group_size=None,
+                               min_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0,
+                               allreduce_timeout=ALLREDUCE_TIMEOUT, robust=RobustConfig(max_group_size=2))
+
+    with loopback_averagers(4, make) as backends, ThreadPoolExecutor(4) as pool:
+        scheduled = time.time() + 4.0
+        for backend in backends:
+            backend.prepare(round=1, scheduled_time=scheduled, gather={"round": 1}, timeout=20)
+        results = [vector.clone() for vector in vectors]
+        futures = [pool.submit(backend.average, result, weight=1.0, timeout=40)
+                   for backend, result in zip(backends, results)]
+        outcomes = [future.result(timeout=60) for future in futures]
+    errors = [o.error for o in outcomes if not o.ok]
+    assert not any("over the cap" in (e or "") for e in errors), errors
+    pairs = [o for o in outcomes if o.ok]
+    assert len(pairs) >= 2 and all(len(o.group) == 2 for o in pairs), [(o.ok, o.group, o.error) for o in outcomes]
+    by_id = {b.peer_id: v for b, v in zip(backends, vectors)}
+    for outcome, result in zip(outcomes, results):
+        if outcome.ok:  # the pair's mean
+            mean = torch.stack([by_id[p] for p in outcome.group]).mean(0)
+            assert float((result - mean).norm() / mean.norm()) < 1e-2, outcome.group

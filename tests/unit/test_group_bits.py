@@ -10,8 +10,9 @@ from concurrent.futures import Future
 
 import pytest
 
+from averaging.math.robust import RobustConfig
 from averaging.network.hivemind import backend as backend_module
-from averaging.network.hivemind.backend import HivemindBackend, round_bits
+from averaging.network.hivemind.backend import HivemindBackend, leader_group_cap, round_bits
 
 
 class SilentAverager:
@@ -62,3 +63,11 @@ def test_a_confirmed_change_returns_at_once():
     started = time.monotonic()
     backend_with(Answering(alive=True))._set_group_bits(1)
     assert time.monotonic() - started < 0.5
+
+
+def test_a_leader_stops_at_the_robust_cap_when_no_target_size_is_set():
+    # No target size: every member refuses a group over the cap, so the leader must stop there.
+    assert leader_group_cap(None, RobustConfig()) == RobustConfig().max_group_size == 64
+    assert leader_group_cap(16, RobustConfig()) == 16  # a target below the cap is the cap
+    assert leader_group_cap(128, RobustConfig()) == 64  # a target above it would only be refused
+    assert leader_group_cap(None, None) is None and leader_group_cap(8, None) == 8  # no robust rules: hivemind's

@@ -101,6 +101,7 @@ class HivemindBackend:
         if robust is None and wire.return_code in AVERAGE_RETURN_CODES:
             raise ValueError(f"{wire.return_code} returns need shoal's all-reduce runner: pass a RobustConfig")
         extra = {} if wire.quantized else {"part_size_bytes": float_part_bytes(wire, numel)}
+        leader_cap = leader_group_cap(target_group_size, robust)
         self._averager = self.averager_class(
             averaged_tensors=[torch.zeros(numel, dtype=torch.float32)],
             dht=dht,
@@ -109,7 +110,7 @@ class HivemindBackend:
             state_provider=state_provider,
             update_provider=update_provider,
             registration_wait=allreduce_timeout * SENDER_SHARE,
-            target_group_size=target_group_size,
+            target_group_size=leader_cap,
             min_group_size=min_group_size,
             min_matchmaking_time=min_matchmaking_time,
             request_timeout=request_timeout,
@@ -317,6 +318,16 @@ class HivemindBackend:
                 control.cancel()
         if self._averager.is_alive():
             self._averager.shutdown()
+
+
+def leader_group_cap(target_group_size: int | None, robust: RobustConfig | None) -> int | None:
+    """The group size at which our hivemind leader stops gathering followers. Every member refuses
+    a group over ``robust.max_group_size`` (``allreduce.vet_group``: a group that large is an attack).
+    With no target size, hivemind's leader would gather everyone looking under the round's key, so
+    past that cap (64 peers) no group could form at all; capped, hivemind splits the key into
+    several groups of at most the cap instead. A target size below the cap is the cap."""
+    caps = [c for c in (target_group_size, robust.max_group_size if robust is not None else None) if c]
+    return min(caps) if caps else None
 
 
 def round_bits(round: int) -> str:
