@@ -77,6 +77,11 @@ class AveragingBackend(Protocol):
         the first of ``peers`` that still holds it (``SharedState.update_after``); None if none does.
         Validated as a message (shape, dtype, finite, the step asked for), not yet as a state."""
 
+    def share_state(self, allowed: bool) -> None:
+        """Serve our shared state to joiners, or not. A peer that is itself still joining holds the
+        run's initial weights: were it to serve them, joiners started with it would outvote the
+        donors that hold the run's real state (a download assembles the state most donors serve)."""
+
     def robustness(self) -> dict[str, int]:
         """What robust aggregation refused since start, by kind (``refused_parts``,
         ``refused_returns``, ``clipped_parts``, ``bans``); cumulative, never decreasing."""

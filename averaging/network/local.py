@@ -84,6 +84,7 @@ class LocalBackend:
     def __init__(self, hub: LocalHub, peer_id: str, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
                  update_provider: Callable[[int], AppliedUpdate | None] | None = None):
         self.hub, self.peer_id = hub, peer_id
+        self._state_provider = state_provider
         hub.state_providers[peer_id] = state_provider
         if update_provider is not None:
             hub.update_providers[peer_id] = update_provider
@@ -112,6 +113,12 @@ class LocalBackend:
         vector.copy_(mean)
         return AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered,
                               sync_s=time.perf_counter() - started)
+
+    def share_state(self, allowed: bool) -> None:
+        if allowed:
+            self.hub.state_providers[self.peer_id] = self._state_provider
+        else:
+            self.hub.state_providers.pop(self.peer_id, None)
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        same_state: Callable[[Any, Any], bool] | None = None,

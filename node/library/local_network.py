@@ -114,11 +114,14 @@ class LocalNetwork:
         return LocalDirectory(self.hub, run_id, self.peer_id)
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
-                client_mode: bool, update_provider: UpdateProvider | None = None) -> AveragingBackend:
+                client_mode: bool, update_provider: UpdateProvider | None = None,
+                share_state: bool = True) -> AveragingBackend:
         wire = averaging.wire
         if wire.quantized:  # reducers return deltas in the return code: each member ends slightly apart
             self.hub.averaging.return_code = wire.return_code
-        return LocalBackend(self.hub.averaging, self.peer_id, state_provider, update_provider)
+        backend = LocalBackend(self.hub.averaging, self.peer_id, state_provider, update_provider)
+        backend.share_state(share_state)
+        return backend
 
     def pids(self) -> list[int | None]:
         return []

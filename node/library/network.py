@@ -33,7 +33,8 @@ class Network(Protocol):
     def directory(self, run_id: str) -> RunDirectory: ...
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
-                client_mode: bool, update_provider: UpdateProvider | None = None) -> AveragingBackend:
+                client_mode: bool, update_provider: UpdateProvider | None = None,
+                share_state: bool = True) -> AveragingBackend:
         """The averaging backend (created once, before our own threads start)."""
 
     def pids(self) -> list[int | None]:
@@ -67,7 +68,8 @@ class HivemindNetwork:
         return DhtDirectory(self.dht, run_id, owner=self.dht.shoal_key.public)
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
-                client_mode: bool, update_provider: UpdateProvider | None = None) -> AveragingBackend:
+                client_mode: bool, update_provider: UpdateProvider | None = None,
+                share_state: bool = True) -> AveragingBackend:
         avg = averaging
         self._backend = HivemindBackend(
             self.dht, numel=numel, prefix=averager_prefix(run_id), state_provider=state_provider,
@@ -76,7 +78,7 @@ class HivemindNetwork:
             min_group_size=avg.min_group_size, min_matchmaking_time=avg.matchmaking_seconds,
             request_timeout=avg.request_timeout, allreduce_timeout=avg.allreduce_timeout, client_mode=client_mode,
             robust=avg.robust, admission=admission_key(self.swarm_key) if self.swarm_key is not None else None,
-            signer=self.dht.shoal_key,
+            signer=self.dht.shoal_key, share_state=share_state,
         )
         return self._backend
 

@@ -205,10 +205,13 @@ class DiLoCoSwarm:
         """The averager (hivemind forks it: before our own threads, and before CUDA if the caller
         allows), the sync worker, the peer monitor and the round engine."""
         avg = self.averaging
+        # A peer that downloads the swarm's state first serves none until then (``share_state``).
         backend = self._network.backend(run_id=self.run_id, numel=self._layout.numel,
                                         state_provider=self._serve_state, averaging=avg,
                                         client_mode=self.reachability.client_mode,
-                                        update_provider=self._shared.update_after)
+                                        update_provider=self._shared.update_after,
+                                        share_state=not self.initial_peers)
+        self._backend = backend
         self._worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
                                   matchmaking_grace=avg.matchmaking_seconds)
         self._closers.insert(0, self._worker.close)
@@ -306,6 +309,12 @@ class DiLoCoSwarm:
         Returns what was downloaded (``donors``, ``round``, ``seconds``), if anything;
         ``progress(done_bytes, total_bytes)`` follows the download (from another thread)."""
         joined = self._initial_sync(progress)
+        # Whatever came of it, our state is now the one we train on: serve it. Until now it was
+        # the run's initial weights (or a checkpoint's), and joiners started beside us would have
+        # counted it as a vote against the donors holding the swarm's state (benchmarks/scale_real:
+        # at 8-16 peers started at once, joiners assembled round 0 from one another while the
+        # organiser held round 2-5, and it then re-synced to their majority, losing its steps).
+        self._backend.share_state(True)
         self._monitor.start()
         self._loop.start()
         return joined

@@ -183,3 +183,37 @@ def test_a_joiner_that_stops_reading_holds_a_donors_slots_only_until_their_deadl
         # The joiner's own reader (fetching._download) takes an honest update too.
         fetched = joiner.fetch_update(donor, 4, numel=BIG_NUMEL, timeout=20.0)
         assert (fetched.round, fetched.rounds_done) == (7, 5) and torch.equal(fetched.update, update)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_still_joining_serves_no_state_so_joiners_take_the_swarms():
+    """Many peers started at once: while they join, the organiser has stepped alone a few rounds.
+    A joiner's download assembles the state most donors serve, and the other fresh joiners used to
+    serve theirs, the run's initial weights (benchmarks/scale_real: at 8-16 peers, joiners assembled
+    round 0 from one another, and the organiser then re-synced to their majority, losing its
+    steps). A peer serves nothing until its own join is done (``share_state``)."""
+    numel = 20_000
+
+    def state_of(round: int):
+        def provide():
+            return {"v": 1, "round": round, "numel": numel}, [torch.full((numel,), float(round)),
+                                                              torch.zeros(numel)]
+        return provide
+
+    prefix = f"joining-{uuid.uuid4().hex[:8]}"
+    providers = [state_of(3), state_of(0), state_of(0), state_of(0)]  # the organiser, then three joiners
+
+    def make(i: int, dht: hivemind.DHT) -> HivemindBackend:
+        return HivemindBackend(dht, numel=numel, prefix=prefix, state_provider=providers[i], share_state=i == 0)
+
+    with loopback_averagers(4, make) as backends:
+        organiser, joining, joiner = backends[0], backends[1:3], backends[3]
+        donors = [b.peer_id for b in backends[:3]]
+        got = joiner.download_state(donors, timeout=10.0)
+        assert got is not None and got.donors == (organiser.peer_id,), got
+        assert float(got.tensors[0][0]) == 3.0 and got.metadata["round"] == 3
+        # What it prevents: with the joiners serving, their round-0 majority wins the vote.
+        for backend in joining:
+            backend.share_state(True)
+        outvoted = joiner.download_state(donors, timeout=10.0)
+        assert outvoted is not None and outvoted.metadata["round"] == 0, outvoted

@@ -176,6 +176,23 @@ def test_a_joiner_downloads_the_state_only_once_the_swarm_has_stepped():
             peer.close()
 
 
+def test_a_joiner_serves_its_state_only_once_it_has_joined():
+    # Until its own join is done a joiner holds the run's initial weights; served, they would count
+    # as a vote against the donors that hold the swarm's state (test_donor_limits has the vote).
+    hub = LocalSwarmHub()
+    first = swarm(hub, "first", rounds=RoundConfig(seconds=600.0))
+    joiner = swarm(hub, "joiner", rounds=RoundConfig(seconds=600.0), initial_peers=["first"])
+    try:
+        first._monitor.tick()
+        providers = hub.averaging.state_providers
+        assert first.peer_id in providers and joiner.peer_id not in providers  # the organiser serves at once
+        joiner.start()
+        assert joiner.peer_id in providers
+    finally:
+        for peer in (joiner, first):
+            peer.close()
+
+
 def test_a_joiner_that_trusted_a_stale_record_replays_the_step_it_missed():
     """The first peer's record still says 0 outer steps when it has just stepped alone: the joiner
     starts from the initial weights, one step behind, and its first averaged round replays that

@@ -88,11 +88,13 @@ class HivemindBackend:
         robust: RobustConfig | None = RobustConfig(),
         admission: bytes | None = None,
         signer: PeerKey | None = None,
+        share_state: bool = True,
     ):
         """``admission``: a private swarm's admission key (``protocols.admission.admission_key``).
         ``signer``: this peer's libp2p identity (the DHT's): our claims are signed with it and every
         member's must be (``protocols.signed_claims``). Every real node has one; without it (tests
-        on bare hivemind DHTs) claims travel unsigned and unchecked."""
+        on bare hivemind DHTs) claims travel unsigned and unchecked. ``share_state``: serve our state
+        from the start (False for a peer that downloads the swarm's first: ``share_state``)."""
         if signer is not None and signer.peer_id != str(dht.peer_id):
             raise ValueError("the signer must be the DHT's own identity")
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
@@ -122,6 +124,7 @@ class HivemindBackend:
             compression=averager_compression(wire, numel=numel, target_group_size=target_group_size),
             state_compression=NoCompression(),  # shared state must arrive exact
             client_mode=client_mode,
+            allow_state_sharing=share_state and not client_mode,
             shutdown_timeout=3,
             robust=robust,
             admission=admission,
@@ -129,6 +132,7 @@ class HivemindBackend:
             **extra,
         )
         self._signer = signer
+        self._client_mode = client_mode
         self.peer_id = str(dht.peer_id)
         # What state_provider returns: by default anchor and momentum (SharedState.shared_state).
         self._state_lengths = list(state_lengths) if state_lengths is not None else [numel, numel]
@@ -185,6 +189,12 @@ class HivemindBackend:
             if not control.done() and control.stage in LOOKING:
                 logger.warning("an older round's matchmaking was still running; cancelled it")
                 control.cancel()
+
+    def share_state(self, allowed: bool) -> None:
+        # A request while we do not share gets an empty answer (``serving.rpc_download_state_slice``):
+        # the joiner's download takes that slice from another donor, and counts no vote of ours.
+        if not self._client_mode:  # a client serves nothing (nobody can connect to it)
+            self._averager.allow_state_sharing = allowed
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
                 round: int | None = None) -> AverageOutcome:
