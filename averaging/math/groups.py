@@ -1,0 +1,115 @@
+"""Round-seeded averaging sub-groups: which peers average together in a round, computed by every peer alone.
+
+With one all-reduce group of everybody, each member talks to N - 1 others and one peer leaving
+mid-round spoils the round for all. Sub-groups of about ``target_group_size`` peers bound both, but
+only if the swarm agrees on who averages with whom without a coordinator. Every peer derives its
+group from a stable hash of (salt, round, its peer id) and puts the group into hivemind's
+matchmaking key, so peers of one group find each other under one DHT key. The hash changes every
+round, so groups remix and what one group learned reaches the whole swarm in about
+log_G(N) rounds (Moshpit SGD, arXiv:2103.03239). These functions are pure: no DHT, no clock, no
+torch; ``benchmarks/scale_sim.py`` measures how they behave under churn and lagging live counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterable
+
+ROUND_BITS = 4  # round % 16 in the key: neighbouring rounds never share a key (as round_bits always did)
+_HASH_BITS = 64
+_PERSON = b"shoal-groups-v1"  # blake2b personalisation: these digests mean nothing elsewhere
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+def group_count(live_peers: int, target_group_size: int) -> int:
+    """How many groups ``live_peers`` peers split into: 1 when ``target_group_size`` is 0 (everybody)
+    or the peers fit one group; else the smallest power of two that brings the mean group size to at
+    most ``target_group_size`` (so between half of it and all of it).
+
+    A power of two so that two peers whose live counts differ by a doubling disagree on one key bit
+    only (``group_of``'s top bits), and so that the count maps onto matchmaking key bits."""
+    if live_peers < 0 or target_group_size < 0:
+        raise ValueError(f"live_peers ({live_peers}) and target_group_size ({target_group_size}) must be >= 0")
+    if target_group_size == 0 or live_peers <= target_group_size:
+        return 1
+    # integer arithmetic: the smallest k with target * 2**k >= live (a float log2 misrounds at the boundaries)
+    return 1 << (-(-live_peers // target_group_size) - 1).bit_length()
+
+
+def settled_group_count(live_peers: int, target_group_size: int, current: int | None, *,
+                        slack: float = 0.25) -> int:
+    """``current`` while its mean group size stays within ``[target/2 * (1 - slack), target * (1 + slack)]``,
+    else ``group_count``.
+
+    Each peer counts the live peers from DHT records that lag (a joiner shows up late, a leaver
+    lingers until its record expires), so near a boundary of ``group_count`` raw estimates a peer or
+    two apart give different counts, and peers with different counts never meet (their keys differ).
+    The band keeps the count still while the swarm drifts by a few peers. ``current`` None (a
+    peer with no count yet) takes ``group_count``."""
+    if not 0 <= slack < 1:
+        raise ValueError(f"slack ({slack}) must be in [0, 1)")
+    fresh = group_count(live_peers, target_group_size)
+    if current is None or target_group_size == 0 or not _is_power_of_two(current):
+        return fresh
+    mean = live_peers / current
+    low = 0.0 if current == 1 else target_group_size / 2 * (1 - slack)
+    return current if low <= mean <= target_group_size * (1 + slack) else fresh
+
+
+def agreed_group_count(published: Iterable[int], live_peers: int, target_group_size: int, *,
+                       slack: float = 0.25) -> int:
+    """The count to use this round from the counts the live peers published last round (progress
+    records) and our live count: the most common published count (ties to the smaller count, larger
+    groups) kept by ``settled_group_count``'s band.
+
+    A count derived from one's own history (``settled_group_count`` alone) can split the swarm for
+    good: a peer whose estimate crossed the band's edge a round before the others keeps its count while
+    theirs stays inside the band. Starting from what most peers used, every peer that sees about the
+    same records makes the same choice, and a minority that switched early is pulled back next round."""
+    counts = Counter(count for count in published if isinstance(count, int) and _is_power_of_two(count))
+    if not counts:
+        return group_count(live_peers, target_group_size)
+    most = max(counts.values())
+    current = min(count for count, seen in counts.items() if seen == most)
+    return settled_group_count(live_peers, target_group_size, current, slack=slack)
+
+
+def group_of(peer_id: str, round: int, groups: int, *, salt: str = "") -> int:
+    """The group of ``peer_id`` in ``round``: the top log2(groups) bits of a blake2b digest of
+    (salt, round, peer id).
+
+    Stable across processes and machines (unlike ``hash``), so every peer computes every other
+    peer's group; seeded by the round, so groups remix every round; the top bits, so the group for
+    ``2 * groups`` is the group for ``groups`` with one more bit appended."""
+    if not _is_power_of_two(groups):
+        raise ValueError(f"groups ({groups}) must be a power of two")
+    if groups == 1:
+        return 0
+    fields = (salt.encode(), str(int(round)).encode(), peer_id.encode())
+    message = b"".join(len(field).to_bytes(4, "big") + field for field in fields)  # unambiguous framing
+    digest = hashlib.blake2b(message, digest_size=_HASH_BITS // 8, person=_PERSON).digest()
+    return int.from_bytes(digest, "big") >> (_HASH_BITS - (groups.bit_length() - 1))
+
+
+def group_key_bits(round: int, group: int, groups: int) -> str:
+    """hivemind's matchmaking bits for ``group`` in ``round``: the round's 4 bits, then log2(groups)
+    bits of the group. One group (``groups == 1``) is exactly the round's bits: today's key."""
+    if not _is_power_of_two(groups):
+        raise ValueError(f"groups ({groups}) must be a power of two")
+    if not 0 <= group < groups:
+        raise ValueError(f"group ({group}) must be in [0, {groups})")
+    width = groups.bit_length() - 1
+    return format(round % (1 << ROUND_BITS), f"0{ROUND_BITS}b") + (format(group, f"0{width}b") if width else "")
+
+
+def members(peer_ids: Iterable[str], round: int, groups: int, *, salt: str = "") -> dict[int, list[str]]:
+    """Every group of ``round`` with its peers (sorted), from a list of peer ids: who a peer expects to
+    meet, and whom a peer that missed a round can fetch its group's update from."""
+    assigned: dict[int, list[str]] = {}
+    for peer_id in sorted(set(peer_ids)):
+        assigned.setdefault(group_of(peer_id, round, groups, salt=salt), []).append(peer_id)
+    return assigned
