@@ -100,6 +100,18 @@ def judge(state: SharedState, gathered: Mapping[str, Any], *, round: int, self_i
         ahead = sorted(((claims[p].rounds_done - state.rounds_done, p) for p in agreement.diverged
                         if 0 < claims[p].rounds_done - state.rounds_done <= HISTORY_ROUNDS), reverse=True)
         verdict.catch_up = tuple(CatchUp((peer,), steps, claims[peer]) for steps, peer in ahead)  # furthest first
+    elif self_id in agreement.agreeing and state.last_round < round - 1:
+        # We did not apply the last round's step (we stayed out of that round, or our round failed),
+        # and the members that did are fewer than those that did not: we win, and they, one step
+        # ahead, wait for us ("ahead, not apart" above) until the next round finds them apart and
+        # re-syncs them, losing their group's step (16 peers: 6 averaged in the swarm's first group
+        # while 10 joiners stayed out of it, and all 6 re-synced two rounds later). So replay the
+        # step, verified against their claim, from two or more members that agree on it: a group's
+        # step (a lone peer's is not ours to take; the tie above is the one-to-one case).
+        ahead = sorted(p for p in agreement.diverged if claims[p].rounds_done == state.rounds_done + 1)
+        if len(ahead) >= 2 and all(accept.claims_agree(claims[p], claims[ahead[0]], state.rel_tol, state.abs_tol)
+                                   for p in ahead[1:]):
+            verdict.catch_up = (CatchUp(tuple(ahead), 1, claims[ahead[0]]),)
     return verdict
 
 

@@ -210,6 +210,43 @@ def test_a_two_peer_tie_between_a_peer_ahead_and_one_behind_ends_in_a_catch_up_w
     assert behind_won and ahead_won  # both ways of the tie were exercised
 
 
+def test_a_majority_that_missed_a_groups_step_replays_it_instead_of_outvoting_it():
+    """Peers that joined late stayed out of a round that a smaller group averaged in (16 real
+    peers: 6 averaged, 10 stayed out). The next round the 10 win the vote and the 6, a step ahead,
+    wait; they used to re-sync a round later, losing their step. Now the majority replays the
+    step from the members ahead, verified against their claim, and every peer holds one anchor."""
+    names = [f"peer-{c}" for c in "abcde"]
+    states = {peer: new_state() for peer in names}
+    end_round(states, 1, randn(11, std=1e-3), catching_up=True)
+    group_step = randn(12, std=1e-3)
+    for peer in names[:2]:  # a and b averaged round 2 together; c, d and e stayed out of it
+        states[peer].apply(group_step, round=2)
+    conclusions = end_round(states, 3, averaged := randn(13, std=1e-3), catching_up=True)
+    assert conclusions["peer-c"].verdict.consensus.diverged == frozenset(names[:2])  # the majority wins the vote
+    for peer in names[2:]:
+        assert conclusions[peer].caught_up == 1 and conclusions[peer].resync is None
+    for peer in names[:2]:
+        assert conclusions[peer].resync is None and conclusions[peer].caught_up == 0  # ahead, not apart
+    expected = new_state()
+    for round, step in ((1, randn(11, std=1e-3)), (2, group_step), (3, averaged)):
+        expected.apply(step, round=round)
+    for state in states.values():  # up to the fp16 rounding of the replayed step
+        assert state.rounds_done == 3 and (state.anchor - expected.anchor).abs().max() < 1e-5
+    assert not end_round(states, 4, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.consensus.diverged
+
+
+def test_a_majority_does_not_replay_a_lone_peers_step():
+    """One member a step ahead (it stepped alone, or claims it did) is no group's step: the majority
+    does not take it (the one-to-one tie replays only between two peers, by the hash)."""
+    names = [f"peer-{c}" for c in "abc"]
+    states = {peer: new_state() for peer in names}
+    end_round(states, 1, randn(11, std=1e-3), catching_up=True)
+    states["peer-a"].apply(randn(12, std=1e-3), round=2)
+    conclusions = end_round(states, 3, randn(13, std=1e-3), catching_up=True)
+    assert all(conclusions[peer].caught_up == 0 for peer in names)
+    assert states["peer-b"].rounds_done == states["peer-c"].rounds_done == 2
+
+
 def test_a_peer_that_applied_a_step_without_the_one_before_undoes_it_and_replays_both():
     """A joiner whose first round's reports all predated the group's last step (made while it was
     being applied) is judged equal, then applies the next step on an anchor that lacks it. Next
