@@ -224,7 +224,7 @@ class RoundEngine:
         if prepared is None:  # we stayed out of this round: fold its work into the next one
             self._folded_tokens += window.tokens
             finished += self._report_later(self._stayed_out_stats(window))
-            return finished
+            return finished + self._report_jumped(window, next_round)
         assert len(self._jobs) < MAX_OUTSTANDING, "a round was joined with two syncs outstanding"
         # Buffers: the other pair than the sync still in flight (allocated only if one ever is).
         slot = 1 - self._jobs[-1].slot if self._jobs else 0
@@ -238,10 +238,24 @@ class RoundEngine:
         future = self.worker.submit(self.runner.run, window.round, tokens, event, self._host_params[slot],
                                     self._host_correction[slot], pending, prepared)
         self._jobs.append(_Job(window, future, slot))
+        jumped = self._report_jumped(window, next_round)
         if blocking:
             finished += self.try_merge(wait=True)
             self.window.started = self.clock.now()  # the wait belongs to the round that ended
-        return finished
+        return finished + jumped
+
+    def _report_jumped(self, window: Window, next_round: int) -> list[RoundStats]:
+        """Rounds that ended while a step ran past the next deadline (a stalled machine): no window
+        of ours covered them. Each gets its record anyway (one per round: docs/metrics.md), with
+        no work and the reason, after the round that ended."""
+        reports: list[RoundStats] = []
+        for round in range(window.round + 1, next_round):
+            reports += self._report_later(RoundStats(
+                round=round, inner_steps=0, tokens=0, compute_s=0.0, wait_s=0.0, sync_s=0.0, allreduce_s=0.0,
+                wall_s=0.0, loss=None, group_size=1, group=[], applied=Applied.FOLDED,
+                error=f"skipped: a training step ran past the end of round {round}", diverged=[], bad_reports=0,
+                resynced=False, rounds_done=self.state.rounds_done, skipped=True))
+        return reports
 
     def _report_later(self, stats: RoundStats) -> list[RoundStats]:
         """Keep reports in round order: a round we stayed out of is reported after the syncs before it."""

@@ -863,3 +863,20 @@ def test_each_round_record_counts_what_robust_aggregation_refused_during_its_syn
     # Per round, not cumulative; kinds that did not occur are left out.
     assert [s.robust for s in peers[0].stats] == [{"refused_parts": 2}] * 3
     assert [s.robust for s in peers[1].stats] == [{}] * 3
+
+
+def test_a_round_that_ends_during_one_long_step_still_gets_its_record(make_swarm):
+    # A step that outlasts a whole round (a stalled machine: 16 peers on 2 cores showed 10 s steps in
+    # 10 s rounds) moves the loop past that round without a window of its own; its record is one of
+    # "one per round" all the same, with no work and the reason.
+    config = LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=0.2)
+    round_seconds, last_round = 0.5, 4
+    peers = make_swarm(config, round_seconds=round_seconds, allreduce_seconds=0.1)
+    steps = {**OVERLAP_STEPS, "peer-c": 1.3 * round_seconds}
+    run_on_the_clock(peers, last_round=last_round, step_seconds=steps)
+    c = peers[2]
+    rounds = [s.round for s in c.stats]
+    assert rounds == sorted(rounds) and set(range(1, last_round + 1)) <= set(rounds), rounds
+    jumped = [s for s in c.stats if s.inner_steps == 0]
+    assert jumped and all(s.skipped and s.applied == "folded" and s.tokens == 0 for s in jumped), c.stats
+    assert all("ran past the end of round" in s.error for s in jumped)
