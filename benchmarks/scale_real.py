@@ -1,12 +1,15 @@
 """Real many-peer runs on this machine: N ``shoal run`` peers on loopback (issue 32).
 
     .venv/bin/python benchmarks/scale_real.py [--peers 4,8,12,16] [--rounds 12] [--round-seconds 10] \\
-        [--demand 0.8] [--throttle-clock wall|cpu] [--churn K] [--append]
+        [--demand 0.8] [--throttle-clock wall|cpu] [--churn K] [--bootstraps K] [--append]
     .venv/bin/python benchmarks/scale_real.py --report-only [--findings FILE]
 
 The results file holds 4, 8, 12 and 16 peers at the defaults; the same at ``--demand 0.4
 --throttle-clock cpu``; 4 and 16 peers at that with ``--churn 3``; and 16 peers at ``--demand 0.4``
-(the md lists the exact commands, run one after the other with ``--append``).
+(the md lists the exact commands, run one after the other with ``--append``). After the start-up
+fixes of issue 32, ``scale_real_fixed.{md,json}``: 16, 8 and 4 peers at ``--demand 0.4
+--throttle-clock cpu``, and 16 peers given two entry peers (``--bootstraps 2``: does a swarm
+started with one bootstrap list stay one swarm, and what does each entry peer carry).
 
 Per N, alone on the machine (it waits while a ``pytest tests`` run is going): a ``shoal bootstrap``
 entry peer, then peer-0 (it organises the run), then the other N-1 peers all at once, every one
@@ -269,7 +272,8 @@ class Run:
         self.throttle = n / args.demand
         self.key = (f"n{n}" + (f"-churn{args.churn}" if args.churn else "")
                     + (f"-d{args.demand:g}" if args.demand != DEFAULT_DEMAND else "")
-                    + ("-cpuclock" if args.throttle_clock == "cpu" else ""))
+                    + ("-cpuclock" if args.throttle_clock == "cpu" else "")
+                    + (f"-boot{args.bootstraps}" if args.bootstraps > 1 else ""))
         run_id = f"scale-{self.key.replace('.', 'p')}-{uuid.uuid4().hex[:6]}"  # a run id has no dots
         self.swarm = LocalSwarm(root / self.key, run_id=run_id, cwd=REPO,
                                 env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
@@ -278,6 +282,7 @@ class Run:
         self.address: list[str] = []
         self.events: list[dict] = []  # what the benchmark did: kills, joins, warm-up end
         self.schedule_start: float | None = None
+        self.bootstrap_load: list[dict] = []  # per entry peer: its processes' CPU and I/O over its life
 
     def launch(self, initial: bool) -> Member:
         name = f"peer-{len(self.members)}"
@@ -328,10 +333,15 @@ class Run:
         return self.round_now()
 
     def execute(self) -> dict:
-        entry = None
+        entries: list = []
         try:
             with CpuMeter() as cpu, BusyTimeline(period=1.0) as busy, self.sampler:
-                entry, self.address = start_entry_peer(self.root / self.key, None)
+                # Every peer is given every entry peer's address (hivemind's DHT pings them all and
+                # starts once one answers); with several, the load each carries is measured.
+                for i in range(self.args.bootstraps):
+                    entry, address = start_entry_peer(self.root / self.key / f"bootstrap-{i}", None)
+                    entries.append((entry, time.time()))
+                    self.address += address
                 organiser = self.launch(initial=True)
                 organiser.peer.wait_for_address(timeout=180)
                 for _ in range(self.n - 1):
@@ -358,11 +368,14 @@ class Run:
                                                 "time": time.time()})
                 window = (self.deadline(warm), self.deadline(last))
                 machine_in_window = busy.cores_between(*window)
+                self.bootstrap_load = [bootstrap_load(entry.proc.pid, since) for entry, since in entries]
         finally:
             self.swarm.kill_all()
-            if entry is not None:
+            for entry, _ in entries:
                 kill_process_group(entry.proc)
-        return measure(self, warm=warm, last=last, cpu=cpu.summary(), machine_in_window=machine_in_window)
+        measured = measure(self, warm=warm, last=last, cpu=cpu.summary(), machine_in_window=machine_in_window)
+        measured["bootstraps"] = self.bootstrap_load
+        return measured
 
     def churn_until(self, warm: int, last: int) -> None:
         """Until ``last``'s deadline (+1 s): every ``--churn`` rounds one SIGKILL and one joiner."""
@@ -387,6 +400,24 @@ class Run:
 
 
 # -- measuring --------------------------------------------------------------------------------------
+def bootstrap_load(pgid: int, since: float) -> dict:
+    """An entry peer's load since ``since``: CPU cores and I/O (``/proc/<pid>/io``: rchar + wchar, the
+    socket traffic included) summed over its process group (the bootstrap, its DHT, its p2pd)."""
+    cpu_s = io = 0.0
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) != pgid:
+                continue
+            times = proc.cpu_times()
+            cpu_s += times.user + times.system
+            counters = proc.io_counters()
+            io += counters.read_chars + counters.write_chars
+        except (psutil.Error, ProcessLookupError, AttributeError):
+            continue
+    elapsed = max(1e-9, time.time() - since)
+    return {"cpu_cores": cpu_s / elapsed, "io_kib_s": io / elapsed / 1024, "seconds": elapsed}
+
+
 def log_lines(member: Member) -> list[tuple[float, str, str, str]]:
     """(unix time, level, logger, message) of the peer's log; the log's clock is local time of day."""
     text = member.peer.log()
@@ -735,7 +766,15 @@ def report(results: dict) -> str:
     for columns in (AVERAGING_COLUMNS, COST_COLUMNS):
         lines += [*table([h for h, _ in columns], [[cell(run, summaries[key]) for _, cell in columns]
                                                      for key, run in runs.items()]), ""]
-    lines += [*target_lines(runs), "", "## Per peer", ""]
+    lines += [*target_lines(runs), ""]
+    booted = {key: run["bootstraps"] for key, run in runs.items() if run.get("bootstraps")}
+    if booted:
+        lines += ["Entry peers (`shoal bootstrap`), each given to every peer; their processes' load over "
+                  "their whole life (boot, joins and the run):", "",
+                  *table(["run", "entry peer", "CPU cores", "I/O KiB/s", "alive, s"],
+                         [[key, str(i), fmt(b["cpu_cores"], ".3f"), fmt(b["io_kib_s"], ".0f"), fmt(b["seconds"], ".0f")]
+                          for key, loads in booted.items() for i, b in enumerate(loads)]), ""]
+    lines += ["## Per peer", ""]
     rows = []
     for key, run in runs.items():
         for name, p in run["peers"].items():
@@ -823,6 +862,8 @@ def main() -> int:
                         help="every K rounds after warm-up: kill one peer, start a joiner")
     parser.add_argument("--throttle-clock", choices=("wall", "cpu"), default="wall",
                         help="wall: shoal run --throttle; cpu: by the step's CPU time (module docstring)")
+    parser.add_argument("--bootstraps", type=int, default=1,
+                        help="entry peers, each given to every peer (their load is reported)")
     parser.add_argument("--warmup-timeout", type=float, default=180.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--append", action="store_true", help="keep the runs already in the results json")
