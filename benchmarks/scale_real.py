@@ -8,8 +8,9 @@ The results file holds 4, 8, 12 and 16 peers at the defaults; the same at ``--de
 --throttle-clock cpu``; 4 and 16 peers at that with ``--churn 3``; and 16 peers at ``--demand 0.4``
 (the md lists the exact commands, run one after the other with ``--append``). After the start-up
 fixes of issue 32, ``scale_real_fixed.{md,json}``: 16, 8 and 4 peers at ``--demand 0.4
---throttle-clock cpu``, and 16 peers given two entry peers (``--bootstraps 2``: does a swarm
-started with one bootstrap list stay one swarm, and what does each entry peer carry).
+--throttle-clock cpu``, 16 peers given two entry peers (``--bootstraps 2``: does a swarm started
+with one bootstrap list stay one swarm, and what does each entry peer carry), and 16 peers with
+``--churn 3``.
 
 Per N, alone on the machine (it waits while a ``pytest tests`` run is going): a ``shoal bootstrap``
 entry peer, then peer-0 (it organises the run), then the other N-1 peers all at once, every one
