@@ -250,11 +250,9 @@ class RoundEngine:
         no work and the reason, after the round that ended."""
         reports: list[RoundStats] = []
         for round in range(window.round + 1, next_round):
-            reports += self._report_later(RoundStats(
-                round=round, inner_steps=0, tokens=0, compute_s=0.0, wait_s=0.0, sync_s=0.0, allreduce_s=0.0,
-                wall_s=0.0, loss=None, group_size=1, group=[], applied=Applied.FOLDED,
-                error=f"skipped: a training step ran past the end of round {round}", diverged=[], bad_reports=0,
-                resynced=False, rounds_done=self.state.rounds_done, skipped=True))
+            empty = Window(round, started=window.ended, ended=window.ended,
+                           stay_out=f"a training step ran past the end of round {round}")
+            reports += self._report_later(self._stayed_out_stats(empty))
         return reports
 
     def _report_later(self, stats: RoundStats) -> list[RoundStats]:

@@ -12,7 +12,8 @@ import pytest
 
 from averaging.math.robust import RobustConfig
 from averaging.network.hivemind import backend as backend_module
-from averaging.network.hivemind.backend import HivemindBackend, leader_group_cap, round_bits
+from averaging.network.hivemind.averager import leader_group_cap
+from averaging.network.hivemind.backend import HivemindBackend, round_bits
 
 
 class SilentAverager:

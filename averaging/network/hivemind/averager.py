@@ -87,6 +87,17 @@ DISTRUSTED_KEY = "shoal:distrusted"
 _STEP_ROUND: contextvars.ContextVar[int] = contextvars.ContextVar("shoal_step_round")
 
 
+def leader_group_cap(target_group_size: int | None, robust: RobustConfig | None) -> int | None:
+    """The largest group we accept (``ShoalAverager._max_group_size``, checked by
+    ``allreduce.vet_group``: a group over ``robust.max_group_size`` is an attack) and so the size at
+    which our hivemind leader stops gathering followers (the backend passes it as hivemind's
+    ``target_group_size``). With no target size, hivemind's leader would gather everyone looking
+    under the round's key, so past the cap (64 peers) no group could form at all; capped, hivemind
+    splits the key into several groups of at most the cap. A target size below the cap is the cap."""
+    caps = [c for c in (target_group_size, robust.max_group_size if robust is not None else None) if c]
+    return min(caps) if caps else None
+
+
 class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
     """hivemind's averager plus what it lacks: a pluggable state provider, a state download cut
     into slices that several donors serve at once (``averaging.network.slices``), and robust aggregation
@@ -138,8 +149,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         self._partial: dict[bytes, float] = {}
         # Averager process: groups our steps matched that will not run (any more), oldest first.
         self._ended_groups: dict[bytes, None] = {}
-        target = kwargs.get("target_group_size")
-        self._max_group_size = min(robust.max_group_size if robust is not None else 2**31, target or 2**31)
+        self._max_group_size = leader_group_cap(kwargs.get("target_group_size"), robust) or 2**31
         super().__init__(*args, **kwargs)
 
     # hivemind builds its Matchmaking in the averager process (``self._matchmaking = Matchmaking(...)``

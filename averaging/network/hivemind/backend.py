@@ -29,7 +29,7 @@ from hivemind.compression import NoCompression
 
 from averaging.math.robust import RobustConfig
 from averaging.math.wire import AVERAGE_RETURN_CODES, STATE_BYTES_PER_VALUE, WireFormat
-from averaging.network.hivemind.averager import DISTRUSTED_KEY, PARTIAL_KEY, ShoalAverager
+from averaging.network.hivemind.averager import DISTRUSTED_KEY, PARTIAL_KEY, ShoalAverager, leader_group_cap
 from averaging.network.hivemind.fetching import FETCH_GRACE_S, describe
 from averaging.network.hivemind.parts import (
     REDUCER_SHARE,
@@ -132,7 +132,6 @@ class HivemindBackend:
             **extra,
         )
         self._signer = signer
-        self._client_mode = client_mode
         self.peer_id = str(dht.peer_id)
         # What state_provider returns: by default anchor and momentum (SharedState.shared_state).
         self._state_lengths = list(state_lengths) if state_lengths is not None else [numel, numel]
@@ -193,7 +192,7 @@ class HivemindBackend:
     def share_state(self, allowed: bool) -> None:
         # A request while we do not share gets an empty answer (``serving.rpc_download_state_slice``):
         # the joiner's download takes that slice from another donor, and counts no vote of ours.
-        if not self._client_mode:  # a client serves nothing (nobody can connect to it)
+        if not self._averager.client_mode:  # a client serves nothing (nobody can connect to it)
             self._averager.allow_state_sharing = allowed
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
@@ -328,16 +327,6 @@ class HivemindBackend:
                 control.cancel()
         if self._averager.is_alive():
             self._averager.shutdown()
-
-
-def leader_group_cap(target_group_size: int | None, robust: RobustConfig | None) -> int | None:
-    """The group size at which our hivemind leader stops gathering followers. Every member refuses
-    a group over ``robust.max_group_size`` (``allreduce.vet_group``: a group that large is an attack).
-    With no target size, hivemind's leader would gather everyone looking under the round's key, so
-    past that cap (64 peers) no group could form at all; capped, hivemind splits the key into
-    several groups of at most the cap instead. A target size below the cap is the cap."""
-    caps = [c for c in (target_group_size, robust.max_group_size if robust is not None else None) if c]
-    return min(caps) if caps else None
 
 
 def round_bits(round: int) -> str:
