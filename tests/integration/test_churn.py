@@ -192,8 +192,11 @@ def test_wrong_clocks_then_a_kill_mid_allreduce_then_a_newcomer(swarm, config):
             assert re.search(rf"clock is (4\.[5-9]|5\.[0-5])s {word} the swarm's", log), clock_lines
         assert "NTP" not in a.log()
 
-    # The victim was in the crash round's group: it died after matchmaking, mid-exchange.
-    assert victim_id in survivors["a"][crash_round]["group"], json.dumps(
+    # The victim was in the crash round's group: it died after matchmaking, mid-exchange. In some
+    # survivor's record: a follower whose leader's group message the kill cut off ends its round with
+    # "Unable to run All-Reduce" and no group (seen twice in full runs: a and b so, c in a group of
+    # four with the victim, its average 75% partial).
+    assert any(victim_id in rounds[crash_round]["group"] for rounds in survivors.values()), json.dumps(
         {p: {r: rounds.get(r) for r in range(crash_round - 1, crash_round + 2)} for p, rounds in survivors.items()})
 
     # Survivors: every round completed, none later than the bound, no NaN anywhere.
