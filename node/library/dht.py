@@ -86,10 +86,20 @@ def load_swarm_key(path: Path) -> bytes:
     return data
 
 
+# hivemind's value cache, off. With it (hivemind's default) every node that reads a key keeps a
+# copy and serves it to every later lookup that passes by, and every lookup, a store's included
+# (hivemind's store first looks for the key's nearest nodes with the same RPC that returns values),
+# takes the copy of each node it visits: in a swarm whose every peer reads every peer's progress
+# record each heartbeat, each read came back with up to 20 copies of all N records, N^2 per peer.
+# Without it a lookup meets the key's 5 replicas only (benchmarks/results/dht_load.md).
+CACHE_VALUES = False
+
+
 def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str], timeout: float,
               identity: Path | None = None, reachability: Reachability = Reachability(),
-              rules: RecordRules = RecordRules()) -> DHT:
+              rules: RecordRules = RecordRules(), cache_values: bool = CACHE_VALUES) -> DHT:
     """Start our DHT node; an unreachable bootstrap peer is a one-line error after ``timeout`` s.
+    ``cache_values``: hivemind's value cache (``CACHE_VALUES``; on only to measure what it cost).
     hivemind's decoders are bounded first: the DHT process and the averager, forked later, inherit it.
 
     Our identity key is loaded (or made) here, before the DHT forks, because its validator signs
@@ -124,7 +134,7 @@ def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str
     try:
         try:
             dht = _start(initial_peers, listen, announce, timeout, identity_path, reachability, validators,
-                         sockets_before, check_identity=not fresh)
+                         sockets_before, check_identity=not fresh, cache_values=cache_values)
         except _ClockSkew as e:
             # hivemind refuses to bootstrap when an initial peer's time is more than 3 s from ours;
             # its error gives both times, so we start again on the peer's (the first estimate of
@@ -136,7 +146,7 @@ def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str
                            "its initial peer's: starting again on the peer's time (enable NTP to fix the clock)")
             try:
                 dht = _start(initial_peers, listen, announce, timeout, identity_path, reachability, validators,
-                             sockets_before, check_identity=False)
+                             sockets_before, check_identity=False, cache_values=cache_values)
             except _ClockSkew as again:
                 raise again.error from None
     finally:
@@ -147,7 +157,7 @@ def start_dht(*, initial_peers: list[str], listen: list[str], announce: list[str
 
 
 def _start(initial_peers, listen, announce, timeout, identity_path, reachability, validators, sockets_before,
-           *, check_identity: bool) -> DHT:
+           *, check_identity: bool, cache_values: bool) -> DHT:
     dht = DHT(
         initial_peers=initial_peers or None,
         host_maddrs=listen or ["/ip4/0.0.0.0/tcp/0"],
@@ -159,6 +169,8 @@ def _start(initial_peers, listen, announce, timeout, identity_path, reachability
         record_validators=validators,
         # A key made a moment ago cannot be in use elsewhere: skip hivemind's probe (another p2pd).
         check_if_identity_free=check_identity,
+        cache_locally=cache_values,
+        cache_nearest=1 if cache_values else 0,
         start=False,
     )
     try:

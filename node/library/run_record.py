@@ -305,6 +305,13 @@ def _follow_in_records(directory: RunDirectory, trust: RunTrust) -> None:
     follow(trust.pinned, trust.open_until())
 
 
+def converging(trust: RunTrust, now: float) -> bool:
+    """Whether ``converge`` may still act: we organised the run less than ``ADOPT_PERIOD_S`` ago.
+    Otherwise (a joiner, or later) it keeps the manifest we follow whatever others publish, and the
+    monitor need not read the run's manifests at all."""
+    return trust.organised_at is not None and now <= trust.organised_at + ADOPT_PERIOD_S
+
+
 def converge(current: RunManifest, found: list[RunManifest], trust: RunTrust, now: float) -> RunManifest:
     """A new organiser (within ``ADOPT_PERIOD_S`` of organising) switches only to a manifest signed by
     the key it was started with (``RunTrust.may_adopt``), of the same config and starting within
@@ -316,7 +323,7 @@ def converge(current: RunManifest, found: list[RunManifest], trust: RunTrust, no
     would otherwise take the run over and strand the joiners given our key by the join line. So two
     organisers that start one run id at once with new keys each keep their own run, each told once
     with the fix (unpinned joiners refuse to guess between them, ``join_run``)."""
-    if trust.organised_at is None or now > trust.organised_at + ADOPT_PERIOD_S:
+    if not converging(trust, now):
         return current
     rivals = [m for m in found if m.organiser != current.organiser]
     returning = [m for m in rivals if trust.may_adopt(m.organiser) and m.config_hash == current.config_hash

@@ -1,0 +1,265 @@
+"""What the swarm's bookkeeping costs each peer as the swarm grows: the DHT traffic of the
+heartbeat (``node.library.monitor``), with and without the limits issue 32 added.
+
+Each peer here is what a ``shoal run`` peer runs for its bookkeeping and nothing else: a real
+hivemind DHT node started as the node starts it (``start_dht``: shoal's record validators, its
+own libp2p key, a p2pd), the run joined through ``join_run`` (peer 0 organises), and a real
+``PeerMonitor`` publishing a progress record of a real peer's size (two dialable addresses) and
+reading everyone's. No training and no averager: the figures are the heartbeat's alone, so many
+peers fit on this 2-core machine (each is 2 processes).
+
+Two policies, side by side in one run, on the same swarm sizes:
+
+- ``before``: every heartbeat publishes the progress record *and the manifest*, reads *all
+  manifests* and all progress records, at a fixed period, and hivemind caches values (every
+  lookup then collects a copy from each node it visits);
+- ``after`` (today's defaults): no value cache (``node.library.dht.CACHE_VALUES``), the heartbeat
+  slows past 16 live peers (``heartbeat_period``), the manifest is republished about once a heartbeat
+  by the swarm as a whole, and read only while a new organiser may still converge (its first minute);
+- ``idle``: the same DHT nodes with no heartbeat at all (hivemind's own upkeep).
+
+Per peer: the DHT process's and its p2pd's I/O (``/proc/<pid>/io`` rchar + wchar: the DHT's RPCs
+through p2pd's unix socket, p2pd's loopback TCP to the other peers) and CPU, over a window after
+warm-up; the heartbeat period reached; the records read per second. The hotspot: the busiest
+peer's DHT I/O against the median (the nodes nearest the run's keys serve every read).
+
+    .venv/bin/python benchmarks/dht_load.py --peers 4,8,16,32 --seconds 60
+
+Results: ``benchmarks/results/dht_load.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import statistics  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import psutil  # noqa: E402
+
+from benchmarks.harness import REPO, out_flag, write_results  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "dht_load"
+RUN_ID = "dhtload"
+BASE_PERIOD_S = 10.0 / 3  # the heartbeat of 10 s rounds (node.library.swarm: a third of a round, 1-5 s)
+POLICIES = {
+    "idle": None,  # DHT nodes that joined the run and publish nothing after: hivemind's own upkeep
+    "before": {"heartbeat_peers": None, "manifest_publishers": None, "read_manifests": True},
+    "after": {},  # PeerMonitor's defaults
+}
+CACHES_VALUES = {"before": True}  # hivemind's value cache (node.library.dht.CACHE_VALUES): off after
+ADDRS = 2  # dialable addresses in a record, as a peer on two interfaces publishes
+
+
+@dataclass
+class Counted:
+    """A ``DhtDirectory`` that counts what the monitor reads."""
+
+    inner: object
+    progress_reads: int = 0
+    records_read: int = 0
+    manifest_reads: int = 0
+    manifest_writes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def progress(self):
+        found = self.inner.progress()
+        with self.lock:
+            self.progress_reads += 1
+            self.records_read += len(found[0])
+        return found
+
+    def manifests(self):
+        with self.lock:
+            self.manifest_reads += 1
+        return self.inner.manifests()
+
+    def publish_manifest(self, ours, *, ttl):
+        with self.lock:
+            self.manifest_writes += 1
+        self.inner.publish_manifest(ours, ttl=ttl)
+
+
+def _processes(dht) -> list[psutil.Process]:
+    """The DHT's process and its p2pd (its child)."""
+    root = psutil.Process(dht.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _sample(dhts) -> list[dict]:
+    out = []
+    for dht in dhts:
+        io = cpu = 0.0
+        dht_io = 0.0
+        for i, proc in enumerate(_processes(dht)):
+            try:
+                counters, times = proc.io_counters(), proc.cpu_times()
+            except psutil.Error:
+                continue
+            chars = counters.read_chars + counters.write_chars
+            io += chars
+            dht_io += chars if i == 0 else 0.0
+            cpu += times.user + times.system
+        out.append({"io": io, "dht_io": dht_io, "cpu": cpu})
+    return out
+
+
+def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float) -> dict:
+    """One swarm of ``n`` peers under ``policy``: the window's figures per peer."""
+    from hivemind.utils import get_dht_time
+
+    from node.library.dht import RecordRules, shutdown_dht, start_dht
+    from node.library.monitor import PeerMonitor
+    from node.library.run_record import DhtDirectory, RunTrust, join_run
+    from protocols.manifest import RunManifest
+    from protocols.progress import ProgressRecord
+
+    rules = RecordRules(run_ids=(RUN_ID,))
+    cache = CACHES_VALUES.get(policy, False)
+    dhts, monitors, directories = [], [], []
+    try:
+        started = time.monotonic()
+        first = start_dht(initial_peers=[], listen=["/ip4/127.0.0.1/tcp/0"], announce=[], timeout=60, rules=rules,
+                          cache_values=cache)
+        dhts.append(first)
+        bootstrap = [str(m) for m in first.get_visible_maddrs()]
+        for _ in range(n - 1):
+            dhts.append(start_dht(initial_peers=bootstrap, listen=["/ip4/127.0.0.1/tcp/0"], announce=[], timeout=60,
+                                  rules=rules, cache_values=cache))
+        ours = RunManifest.create(RUN_ID, {"model.d_model": 64}, start_time=get_dht_time(), round_seconds=10.0)
+        boot_s = time.monotonic() - started
+        for i, dht in enumerate(dhts):
+            peer_id = str(dht.peer_id)
+            directory = Counted(DhtDirectory(dht, RUN_ID, owner=dht.shoal_key.public))
+            trust = RunTrust()
+            manifest = join_run(directory, ours, record_ttl=600, trust=trust, alone=i == 0, settle_s=30)
+            addrs = tuple(f"/ip4/127.0.0.{k + 1}/tcp/{40000 + i}/p2p/{peer_id}" for k in range(ADDRS))
+
+            def status(peer_id=peer_id, addrs=addrs, directory=directory):
+                return ProgressRecord(
+                    peer_id=peer_id, round=7, tokens_per_s=1234.5, loss=2.5, eval_loss=2.6, device="cpu",
+                    utilization=0.9, bytes_sent=10**7, bytes_received=10**7, mode="full", version="0.1.0",
+                    tokens=10**6, time=directory.now(), phase="training", shard=3, round_bytes_sent=10**5,
+                    round_bytes_received=10**5, sync_late_s=0.5, rounds_done=6, clock_offset_s=0.01, addrs=addrs)
+
+            monitor = PeerMonitor(directory, manifest, peer_id=peer_id, period=BASE_PERIOD_S, status=status,
+                                  on_change=lambda joined, left: None, trust=trust, **(POLICIES[policy] or {}))
+            if POLICIES[policy] is not None:
+                monitor.start()
+            monitors.append(monitor)
+            directories.append(directory)
+        time.sleep(warmup_s)
+        before, t0 = _sample(dhts), time.monotonic()
+        counts0 = [(d.progress_reads, d.records_read, d.manifest_reads, d.manifest_writes) for d in directories]
+        time.sleep(seconds)
+        after, t1 = _sample(dhts), time.monotonic()
+        counts1 = [(d.progress_reads, d.records_read, d.manifest_reads, d.manifest_writes) for d in directories]
+        elapsed = t1 - t0
+        peers = []
+        for i in range(n):
+            c0, c1 = counts0[i], counts1[i]
+            peers.append({
+                "io_kib_s": (after[i]["io"] - before[i]["io"]) / elapsed / 1024,
+                "dht_io_kib_s": (after[i]["dht_io"] - before[i]["dht_io"]) / elapsed / 1024,
+                "cpu_cores": (after[i]["cpu"] - before[i]["cpu"]) / elapsed,
+                "period_s": monitors[i].period, "seen": len(monitors[i].peers),
+                "progress_reads_s": (c1[0] - c0[0]) / elapsed, "records_read_s": (c1[1] - c0[1]) / elapsed,
+                "manifest_reads_s": (c1[2] - c0[2]) / elapsed, "manifest_writes_s": (c1[3] - c0[3]) / elapsed,
+            })
+        return {"peers": n, "policy": policy, "boot_s": boot_s, "window_s": elapsed, "per_peer": peers}
+    finally:
+        for monitor in monitors:
+            monitor.stop()
+        for dht in dhts:
+            shutdown_dht(dht)
+
+
+def _median(rows, key):
+    return statistics.median(p[key] for p in rows)
+
+
+def report(results: dict) -> str:
+    lines = ["# The heartbeat's DHT cost per peer as the swarm grows (issue 32)", "",
+             f"Command: `{results['command']}` ({results['when']}).", "",
+             "Real hivemind DHT nodes started as `shoal run` starts them, on loopback, each with a real "
+             "`PeerMonitor` (progress records of a real peer's size), no training and no averager: the "
+             "heartbeat's cost alone. *before*: every heartbeat publishes the record and the manifest and "
+             "reads all manifests and all records, at a fixed period (a third of a 10 s round), with hivemind's "
+             "value cache on; *after*: today's defaults (no value cache, the heartbeat slows past 16 live peers, "
+             "the swarm republishes the manifest about once a heartbeat, manifests are read only in a new organiser's "
+             "first minute); *idle*: the same nodes with no heartbeat. I/O is the DHT "
+             "process's and its p2pd's (`/proc/<pid>/io` rchar + wchar: loopback and unix-socket traffic, "
+             "each byte counted where it is written and where it is read), medians over peers, in a window "
+             f"of {results['seconds']:.0f} s after {results['warmup_s']:.0f} s of warm-up.", "",
+             "| peers | policy | DHT + p2pd I/O per peer, KiB/s (median / max) | DHT process I/O, KiB/s (median / max) "
+             "| CPU per peer, cores | heartbeat, s | records read per peer per s | manifest reads / writes per peer per s "
+             "| peers seen (min) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for run in results["runs"]:
+        rows = run["per_peer"]
+        lines.append(
+            f"| {run['peers']} | {run['policy']} | {_median(rows, 'io_kib_s'):.1f} / {max(p['io_kib_s'] for p in rows):.1f} "
+            f"| {_median(rows, 'dht_io_kib_s'):.1f} / {max(p['dht_io_kib_s'] for p in rows):.1f} "
+            f"| {_median(rows, 'cpu_cores'):.3f} | {_median(rows, 'period_s'):.2f} | {_median(rows, 'records_read_s'):.2f} "
+            f"| {_median(rows, 'manifest_reads_s'):.2f} / {_median(rows, 'manifest_writes_s'):.3f} "
+            f"| {min(p['seen'] for p in rows)} |")
+    stalled = [r for r in results["runs"] if min(p["seen"] for p in r["per_peer"]) < r["peers"]]
+    for run in stalled:
+        rows = run["per_peer"]
+        lines += ["", f"- **{run['peers']} peers, {run['policy']}: the heartbeat did not keep up.** Peers saw as few "
+                      f"as {min(p['seen'] for p in rows)} of the {run['peers']} records (median "
+                      f"{_median(rows, 'seen'):.0f}) and read {_median(rows, 'records_read_s'):.2f} records a second: "
+                      "each heartbeat's DHT calls took longer than the records' lifetime, so its I/O is that of a "
+                      "swarm that no longer sees itself, not a lower cost."]
+    lines += ["", "The *max* column is the hotspot: the nodes nearest the run's keys, which serve every read."]
+    by = {(r["peers"], r["policy"]): r for r in results["runs"]}
+    lines += ["", "After against before, at each size (median DHT + p2pd I/O per peer):", ""]
+    for n in sorted({r["peers"] for r in results["runs"]}):
+        if (n, "before") in by and (n, "after") in by:
+            b, a = _median(by[n, "before"]["per_peer"], "io_kib_s"), _median(by[n, "after"]["per_peer"], "io_kib_s")
+            lines.append(f"- {n} peers: {a:.1f} vs {b:.1f} KiB/s ({a / b:.2f}x)")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16, 32])
+    parser.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+    parser.add_argument("--seconds", type=float, default=60.0, help="the measured window")
+    parser.add_argument("--warmup", type=float, default=20.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    if args.report_only:
+        import json
+        results = json.loads(args.out.with_suffix(".json").read_text())
+        write_results(results, args.out, report)
+        return
+    logging.basicConfig(level=logging.WARNING)
+    command = (f".venv/bin/python benchmarks/dht_load.py --peers {','.join(map(str, args.peers))} "
+               f"--policies {','.join(args.policies)} --seconds {args.seconds:g} --warmup {args.warmup:g}"
+               f"{out_flag(args.out, RESULTS)}")
+    results = {"command": command, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "seconds": args.seconds, "warmup_s": args.warmup, "runs": []}
+    for n in args.peers:
+        for policy in args.policies:  # side by side: both policies at each size before the next size
+            run = run_swarm(n, policy, warmup_s=args.warmup, seconds=args.seconds)
+            results["runs"].append(run)
+            print(f"{n} peers, {policy}: {_median(run['per_peer'], 'io_kib_s'):.1f} KiB/s per peer, "
+                  f"heartbeat {_median(run['per_peer'], 'period_s'):.2f} s", flush=True)
+            write_results(results, args.out, report)
+
+
+if __name__ == "__main__":
+    main()
