@@ -23,7 +23,8 @@ through p2pd's unix socket, p2pd's loopback TCP to the other peers) and CPU, ove
 warm-up; the heartbeat period reached; the records read per second. The hotspot: the busiest
 peer's DHT I/O against the median (the nodes nearest the run's keys serve every read).
 
-    .venv/bin/python benchmarks/dht_load.py --peers 4,8,16,32 --seconds 60
+    .venv/bin/python benchmarks/dht_load.py --peers 4,8,16,32 --seconds 45 --warmup 15
+    .venv/bin/python benchmarks/dht_load.py --peers 8,16,32 --policies after --bootstraps 2 --append
 
 Results: ``benchmarks/results/dht_load.{md,json}``.
 """
@@ -37,10 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
 import psutil  # noqa: E402
@@ -115,8 +118,21 @@ def _sample(dhts) -> list[dict]:
     return out
 
 
-def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float) -> dict:
-    """One swarm of ``n`` peers under ``policy``: the window's figures per peer."""
+def _start_all(count: int, initial: list[str], *, rules, cache: bool) -> list:
+    """``count`` DHT nodes started at once (threads), as peers launched together would be."""
+    from node.library.dht import start_dht
+
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        futures = [pool.submit(start_dht, initial_peers=initial, listen=["/ip4/127.0.0.1/tcp/0"], announce=[],
+                               timeout=60, rules=rules, cache_values=cache) for _ in range(count)]
+        return [future.result() for future in futures]
+
+
+def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float, bootstraps: int = 0) -> dict:
+    """One swarm of ``n`` peers under ``policy``: the window's figures per peer. ``bootstraps``: 0,
+    peer 0 is everyone's initial peer (started first); K > 0, K entry nodes started apart (none
+    knows another: the worst case of hivemind issue #624) and all ``n`` peers started at once with
+    all K addresses; their load is measured too."""
     from hivemind.utils import get_dht_time
 
     from node.library.dht import RecordRules, shutdown_dht, start_dht
@@ -127,23 +143,28 @@ def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float) -> dict:
 
     rules = RecordRules(run_ids=(RUN_ID,))
     cache = CACHES_VALUES.get(policy, False)
-    dhts, monitors, directories = [], [], []
+    dhts, monitors, directories, entries = [], [], [], []
     try:
         started = time.monotonic()
-        first = start_dht(initial_peers=[], listen=["/ip4/127.0.0.1/tcp/0"], announce=[], timeout=60, rules=rules,
+        if bootstraps:
+            entries += _start_all(bootstraps, [], rules=rules, cache=cache)  # each alone: nobody told them of each other
+            dhts += _start_all(n, [str(m) for e in entries for m in e.get_visible_maddrs()], rules=rules, cache=cache)
+        else:
+            first = start_dht(initial_peers=[], listen=["/ip4/127.0.0.1/tcp/0"], announce=[], timeout=60, rules=rules,
                           cache_values=cache)
-        dhts.append(first)
-        bootstrap = [str(m) for m in first.get_visible_maddrs()]
-        for _ in range(n - 1):
-            dhts.append(start_dht(initial_peers=bootstrap, listen=["/ip4/127.0.0.1/tcp/0"], announce=[], timeout=60,
-                                  rules=rules, cache_values=cache))
+            dhts.append(first)
+            bootstrap = [str(m) for m in first.get_visible_maddrs()]
+            for _ in range(n - 1):
+                dhts.append(start_dht(initial_peers=bootstrap, listen=["/ip4/127.0.0.1/tcp/0"], announce=[],
+                                      timeout=60, rules=rules, cache_values=cache))
         ours = RunManifest.create(RUN_ID, {"model.d_model": 64}, start_time=get_dht_time(), round_seconds=10.0)
         boot_s = time.monotonic() - started
         for i, dht in enumerate(dhts):
             peer_id = str(dht.peer_id)
             directory = Counted(DhtDirectory(dht, RUN_ID, owner=dht.shoal_key.public))
             trust = RunTrust()
-            manifest = join_run(directory, ours, record_ttl=600, trust=trust, alone=i == 0, settle_s=30)
+            manifest = join_run(directory, ours, record_ttl=600, trust=trust, alone=i == 0 and not bootstraps,
+                                settle_s=30)
             addrs = tuple(f"/ip4/127.0.0.{k + 1}/tcp/{40000 + i}/p2p/{peer_id}" for k in range(ADDRS))
 
             def status(peer_id=peer_id, addrs=addrs, directory=directory):
@@ -160,10 +181,10 @@ def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float) -> dict:
             monitors.append(monitor)
             directories.append(directory)
         time.sleep(warmup_s)
-        before, t0 = _sample(dhts), time.monotonic()
+        before, entries_before, t0 = _sample(dhts), _sample(entries), time.monotonic()
         counts0 = [(d.progress_reads, d.records_read, d.manifest_reads, d.manifest_writes) for d in directories]
         time.sleep(seconds)
-        after, t1 = _sample(dhts), time.monotonic()
+        after, entries_after, t1 = _sample(dhts), _sample(entries), time.monotonic()
         counts1 = [(d.progress_reads, d.records_read, d.manifest_reads, d.manifest_writes) for d in directories]
         elapsed = t1 - t0
         peers = []
@@ -177,11 +198,15 @@ def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float) -> dict:
                 "progress_reads_s": (c1[0] - c0[0]) / elapsed, "records_read_s": (c1[1] - c0[1]) / elapsed,
                 "manifest_reads_s": (c1[2] - c0[2]) / elapsed, "manifest_writes_s": (c1[3] - c0[3]) / elapsed,
             })
-        return {"peers": n, "policy": policy, "boot_s": boot_s, "window_s": elapsed, "per_peer": peers}
+        entry_load = [{"io_kib_s": (b["io"] - a["io"]) / elapsed / 1024, "cpu_cores": (b["cpu"] - a["cpu"]) / elapsed}
+                      for a, b in zip(entries_before, entries_after)]
+        organisers = len({m.manifest.organiser for m in monitors})
+        return {"peers": n, "policy": policy, "bootstraps": bootstraps, "boot_s": boot_s, "window_s": elapsed,
+                "per_peer": peers, "entries": entry_load, "organisers": organisers}
     finally:
         for monitor in monitors:
             monitor.stop()
-        for dht in dhts:
+        for dht in dhts + entries:
             shutdown_dht(dht)
 
 
@@ -206,7 +231,8 @@ def report(results: dict) -> str:
              "| CPU per peer, cores | heartbeat, s | records read per peer per s | manifest reads / writes per peer per s "
              "| peers seen (min) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for run in results["runs"]:
+    direct = [r for r in results["runs"] if not r.get("bootstraps")]
+    for run in direct:
         rows = run["per_peer"]
         lines.append(
             f"| {run['peers']} | {run['policy']} | {_median(rows, 'io_kib_s'):.1f} / {max(p['io_kib_s'] for p in rows):.1f} "
@@ -214,7 +240,7 @@ def report(results: dict) -> str:
             f"| {_median(rows, 'cpu_cores'):.3f} | {_median(rows, 'period_s'):.2f} | {_median(rows, 'records_read_s'):.2f} "
             f"| {_median(rows, 'manifest_reads_s'):.2f} / {_median(rows, 'manifest_writes_s'):.3f} "
             f"| {min(p['seen'] for p in rows)} |")
-    stalled = [r for r in results["runs"] if min(p["seen"] for p in r["per_peer"]) < r["peers"]]
+    stalled = [r for r in direct if min(p["seen"] for p in r["per_peer"]) < r["peers"]]
     for run in stalled:
         rows = run["per_peer"]
         lines += ["", f"- **{run['peers']} peers, {run['policy']}: the heartbeat did not keep up.** Peers saw as few "
@@ -223,12 +249,30 @@ def report(results: dict) -> str:
                       "each heartbeat's DHT calls took longer than the records' lifetime, so its I/O is that of a "
                       "swarm that no longer sees itself, not a lower cost."]
     lines += ["", "The *max* column is the hotspot: the nodes nearest the run's keys, which serve every read."]
-    by = {(r["peers"], r["policy"]): r for r in results["runs"]}
-    lines += ["", "After against before, at each size (median DHT + p2pd I/O per peer):", ""]
-    for n in sorted({r["peers"] for r in results["runs"]}):
-        if (n, "before") in by and (n, "after") in by:
-            b, a = _median(by[n, "before"]["per_peer"], "io_kib_s"), _median(by[n, "after"]["per_peer"], "io_kib_s")
-            lines.append(f"- {n} peers: {a:.1f} vs {b:.1f} KiB/s ({a / b:.2f}x)")
+    by = {(r["peers"], r["policy"]): r for r in direct}
+    pairs = sorted(n for n, policy in by if policy == "before" and (n, "after") in by)
+    if pairs:
+        lines += ["", "After against before, at each size (median DHT + p2pd I/O per peer):", ""]
+    for n in pairs:
+        b, a = _median(by[n, "before"]["per_peer"], "io_kib_s"), _median(by[n, "after"]["per_peer"], "io_kib_s")
+        lines.append(f"- {n} peers: {a:.1f} vs {b:.1f} KiB/s ({a / b:.2f}x)")
+    entered = [r for r in results["runs"] if r.get("bootstraps")]
+    if entered:
+        lines += ["", "## Several entry peers", "",
+                  "K entry nodes started apart (none told of another: the worst case of hivemind issue #624, where "
+                  "peers started with one bootstrap list split into two DHTs), then all N peers started at the same "
+                  "moment, each given every entry's address. *One swarm*: every peer saw all N records and all "
+                  "followed one organiser. The entry nodes run no monitor: their load is serving the others.", "",
+                  "| peers | entry peers | one swarm? (fewest records a peer saw; organisers) | I/O per peer, KiB/s "
+                  "(median) | each entry peer: I/O KiB/s, CPU cores |",
+                  "|---|---|---|---|---|"]
+        for run in entered:
+            rows = run["per_peer"]
+            seen = min(p["seen"] for p in rows)
+            one = "yes" if seen == run["peers"] and run["organisers"] == 1 else "**no**"
+            load = "; ".join(f"{e['io_kib_s']:.0f}, {e['cpu_cores']:.3f}" for e in run["entries"])
+            lines.append(f"| {run['peers']} | {run['bootstraps']} | {one} ({seen} of {run['peers']}; "
+                         f"{run['organisers']}) | {_median(rows, 'io_kib_s'):.1f} | {load} |")
     return "\n".join(lines) + "\n"
 
 
@@ -239,22 +283,29 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="the measured window")
     parser.add_argument("--warmup", type=float, default=20.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--bootstraps", type=int, default=0,
+                        help="K entry nodes, started apart, given to all peers started at once (0: peer 0 is the entry)")
+    parser.add_argument("--append", action="store_true", help="keep the runs already in the results json")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     if args.report_only:
-        import json
         results = json.loads(args.out.with_suffix(".json").read_text())
         write_results(results, args.out, report)
         return
     logging.basicConfig(level=logging.WARNING)
     command = (f".venv/bin/python benchmarks/dht_load.py --peers {','.join(map(str, args.peers))} "
                f"--policies {','.join(args.policies)} --seconds {args.seconds:g} --warmup {args.warmup:g}"
-               f"{out_flag(args.out, RESULTS)}")
-    results = {"command": command, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "seconds": args.seconds, "warmup_s": args.warmup, "runs": []}
+               + (f" --bootstraps {args.bootstraps}" if args.bootstraps else "")
+               + (" --append" if args.append else "") + out_flag(args.out, RESULTS))
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results = {"command": command, "when": when, "seconds": args.seconds, "warmup_s": args.warmup, "runs": []}
+    if args.append and args.out.with_suffix(".json").exists():
+        results = json.loads(args.out.with_suffix(".json").read_text())
+        results["command"] += f"`; `{command}"
+        results["when"] += f"; {when}"
     for n in args.peers:
         for policy in args.policies:  # side by side: both policies at each size before the next size
-            run = run_swarm(n, policy, warmup_s=args.warmup, seconds=args.seconds)
+            run = run_swarm(n, policy, warmup_s=args.warmup, seconds=args.seconds, bootstraps=args.bootstraps)
             results["runs"].append(run)
             print(f"{n} peers, {policy}: {_median(run['per_peer'], 'io_kib_s'):.1f} KiB/s per peer, "
                   f"heartbeat {_median(run['per_peer'], 'period_s'):.2f} s", flush=True)

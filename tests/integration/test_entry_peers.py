@@ -1,0 +1,60 @@
+"""Several entry peers: a swarm started at once through two entry nodes that do not know each other
+is one swarm (hivemind issue #624 saw peers started with one bootstrap list split into two DHTs).
+
+Real hivemind DHT nodes as ``shoal run`` starts them, with real ``PeerMonitor``s and nothing else
+(benchmarks/dht_load.py --bootstraps measures the same at 8-32 peers and the entry peers' load)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+RUN = "entries"
+
+
+@pytest.mark.timeout(180)
+def test_peers_started_at_once_through_two_unconnected_entry_peers_form_one_swarm():
+    from hivemind.utils import get_dht_time
+
+    from node.library.dht import RecordRules, shutdown_dht, start_dht
+    from node.library.monitor import PeerMonitor
+    from node.library.run_record import DhtDirectory, RunTrust, join_run
+    from protocols.manifest import RunManifest
+    from protocols.progress import ProgressRecord
+
+    rules = RecordRules(run_ids=(RUN,))
+    start = lambda initial: start_dht(initial_peers=initial, listen=["/ip4/127.0.0.1/tcp/0"],  # noqa: E731
+                                      announce=[], timeout=60, rules=rules)
+    entries, peers, monitors = [], [], []
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            entries = list(pool.map(start, [[], []]))  # each alone: neither knows the other
+            addresses = [str(m) for entry in entries for m in entry.get_visible_maddrs()]
+            peers = list(pool.map(start, [addresses] * 4))  # all at once, each given both
+        ours = RunManifest.create(RUN, {"model.d_model": 64}, start_time=get_dht_time(), round_seconds=6.0)
+        for dht in peers:
+            peer_id = str(dht.peer_id)
+            directory = DhtDirectory(dht, RUN, owner=dht.shoal_key.public)
+            trust = RunTrust()
+            manifest = join_run(directory, ours, record_ttl=600, trust=trust, settle_s=20)
+            status = lambda peer_id=peer_id, directory=directory: ProgressRecord(  # noqa: E731
+                peer_id=peer_id, round=1, tokens_per_s=1.0, loss=None, eval_loss=None, device="cpu", utilization=1.0,
+                bytes_sent=0, bytes_received=0, mode="full", version="0.1.0", tokens=0, time=directory.now(),
+                phase="training")
+            monitor = PeerMonitor(directory, manifest, peer_id=peer_id, period=2.0, status=status,
+                                  on_change=lambda joined, left: None, trust=trust)
+            monitor.start()
+            monitors.append(monitor)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and min(len(m.peers) for m in monitors) < len(peers):
+            time.sleep(1.0)
+        seen = sorted(len(m.peers) for m in monitors)
+        assert seen == [len(peers)] * len(peers), f"records each peer saw: {seen} (a split DHT sees a part)"
+        assert len({m.manifest.organiser for m in monitors}) == 1, "two halves organised two runs"
+    finally:
+        for monitor in monitors:
+            monitor.stop()
+        for dht in peers + entries:
+            shutdown_dht(dht)
