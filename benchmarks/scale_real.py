@@ -77,13 +77,14 @@ import os
 import sys
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--as-peer"]:
-    # One peer: ``shoal run`` with hivemind's matchmaking and all-reduce logs at DEBUG (when its
-    # groups assemble; why a reducer's or a sender's stream failed, and when each all-reduce ended);
-    # the CLI's logging set-up quiets the "hivemind" logger, not these children's own levels.
+    # One peer: ``shoal run`` with hivemind's matchmaking, all-reduce and p2p logs at DEBUG (when its
+    # groups assemble; why a reducer's or a sender's stream failed, when each all-reduce ended, and
+    # an answer a stream handler could not send); the CLI's logging set-up quiets the "hivemind"
+    # logger, not these children's own levels.
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    for name in ("hivemind.averaging.matchmaking", "hivemind.averaging.allreduce"):
+    for name in ("hivemind.averaging.matchmaking", "hivemind.averaging.allreduce", "hivemind.p2p.p2p_daemon"):
         logging.getLogger(name).setLevel(logging.DEBUG)
     cpu_throttle = float(os.environ.get("SCALE_REAL_CPU_THROTTLE") or 0)
     if cpu_throttle > 1:  # --throttle-clock cpu: see the module docstring

@@ -27,6 +27,11 @@ from benchmarks.harness import REPO  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 OUT = RESULTS / "scale"
+# Real runs: after the start-up fixes, and (LATEST) after the heartbeat's DHT fix as well.
+REAL_SOURCES = ("scale_real_fixed", "scale_real_heartbeat")
+LATEST = REAL_SOURCES[-1]
+# scale_real_fixed's 12-peer run was appended after the heartbeat's fix (739263e) had landed.
+AFTER_HEARTBEAT_FIX = {("scale_real_fixed", "n12-d0.4-cpuclock")}
 SIM_TARGET_SHARE = 0.95  # issue 32: every round completes for >= 95% of live peers (simulated, 256, G=16)
 
 
@@ -34,12 +39,12 @@ def _load(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text())
 
 
-def real_rows(real: dict) -> list[dict]:
-    """One row per real run without churn or extra entry peers, by N, and the churn run."""
+def real_rows(real: dict, *, source: str) -> list[dict]:
+    """One row per real run of a results file (``source``: its name), sorted by churn, entry peers, N."""
     rows = []
     for key, run in real["runs"].items():
         s = scale_real.summary(run)
-        rows.append({"run": key, "peers": run["peers_n"], "churn": run["churn"], "bootstraps": len(run.get("bootstraps") or [None]),
+        rows.append({"run": key, "source": source, "peers": run["peers_n"], "churn": run["churn"], "bootstraps": len(run.get("bootstraps") or [None]),
                      "join_s": s["join_s"], "after_boot_s": s["after_boot_s"], "boot_s": s["boot_s"],
                      "share_min": s["share_min"], "share_median": s["share_median"],
                      "resyncs": s["resyncs_run"], "whole_rounds": s["whole_rounds"], "window_rounds": s["window_rounds"],
@@ -72,8 +77,9 @@ def sim_rows(sim: dict) -> list[dict]:
 
 
 def targets(real: list[dict], sim: list[dict], twin_rounds: dict) -> list[tuple[str, str, bool]]:
+    """The issue's targets, from the newest real runs (``LATEST``) and the simulation."""
     out = []
-    base = [r for r in real if r["churn"] == 0 and r["bootstraps"] == 1]
+    base = [r for r in real if r["churn"] == 0 and r["bootstraps"] == 1 and r["source"] == LATEST]
     four = next((r for r in base if r["peers"] == 4), None)
     sixteen = next((r for r in base if r["peers"] == 16), None)
     if sixteen:
@@ -125,21 +131,23 @@ def report(summary: dict) -> str:
     lines = ["# How shoal scales (issue 32)", "",
              "One page from three benchmarks; each figure's source has its command and the full tables. "
              "Written by `.venv/bin/python benchmarks/scale_report.py`.", "",
-             "- Real peers: [scale_real_fixed.md](scale_real_fixed.md) (`" + summary["commands"]["real"] + "`)",
+             "- Real peers: [scale_real_fixed.md](scale_real_fixed.md), and after the heartbeat's DHT fix "
+             "[scale_real_heartbeat.md](scale_real_heartbeat.md) (`" + summary["commands"]["real"] + "`)",
              "- The heartbeat's DHT cost and entry peers: [dht_load.md](dht_load.md) (`" + summary["commands"]["dht"] + "`)",
              "- **Simulated** 64-1,024 peers: [scale_sim.md](scale_sim.md) (`" + summary["commands"]["sim"] + "`)", "",
              "## Targets", "", "| target | figure | met |", "|---|---|---|"]
     lines += [f"| {t} | {figure} | {'met' if ok else '**missed**'} |" for t, figure, ok in met]
     lines += ["", "## Real peers on this machine (2 cores, loopback, CPU-throttled training)", "",
-              "| run | peers | join, s: first averaged (after boot) | averaged share: min / median | re-syncs | "
+              "| run | heartbeat | peers | join, s: first averaged (after boot) | averaged share: min / median | re-syncs | "
               "rounds in one group of all | all-reduce p50, s | DHT / p2pd I/O per peer, KiB/s | PSS per peer, MiB |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in real:
-        lines.append(f"| {r['run']} | {r['peers']} | {r['join_s']:.1f} ({r['after_boot_s']:.1f}) | "
+        after = r["source"] == LATEST or (r["source"], r["run"]) in AFTER_HEARTBEAT_FIX
+        lines.append(f"| {r['run']} | {'after' if after else 'before'} | {r['peers']} | {r['join_s']:.1f} ({r['after_boot_s']:.1f}) | "
                      f"{r['share_min']:.0%} / {r['share_median']:.0%} | {r['resyncs']} | {r['whole_rounds']} of "
                      f"{r['window_rounds']} | {r['allreduce_p50']:.2f} | {r['dht_io_kib_s']:.0f} / {r['p2pd_io_kib_s']:.0f} | "
                      f"{r['pss_mib']:.0f} |")
-    lines += ["", "The DHT I/O above is from runs before the heartbeat's fix; the fix's own measure is below.", "",
+    lines += ["", "*heartbeat*: before or after the heartbeat's DHT fix (below). The targets take the newest runs.", "",
               "## The heartbeat's DHT cost per peer (real DHT nodes, no training)", "",
               "| peers | before, KiB/s (busiest) | after, KiB/s (busiest) | heartbeat after, s |", "|---|---|---|---|"]
     by = {(r["peers"], r["policy"]): r for r in dht if not r["bootstraps"]}
@@ -186,11 +194,12 @@ BREAKS = [
 
 
 def main() -> None:
-    real, dht, sim = _load("scale_real_fixed"), _load("dht_load"), _load("scale_sim")
+    reals = {name: _load(name) for name in REAL_SOURCES}
+    dht, sim = _load("dht_load"), _load("scale_sim")
     summary = {
-        "commands": {"real": "`; `".join(c["command"] for c in real["meta"]["commands"]),
+        "commands": {"real": "`; `".join(c["command"] for real in reals.values() for c in real["meta"]["commands"]),
                      "dht": dht["command"].split("`; `")[0], "sim": sim["command"]},
-        "real": real_rows(real), "dht": dht_rows(dht), "sim": sim_rows(sim), "breaks": BREAKS,
+        "real": [row for name, real in reals.items() for row in real_rows(real, source=name)], "dht": dht_rows(dht), "sim": sim_rows(sim), "breaks": BREAKS,
     }
     summary["targets"] = targets(summary["real"], summary["sim"], twin_agreement(sim))
     OUT.with_suffix(".json").write_text(json.dumps(summary, indent=1))
@@ -205,7 +214,8 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    base = [r for r in summary["real"] if r["churn"] == 0 and r["bootstraps"] == 1]
+    base = sorted((r for r in summary["real"] if r["churn"] == 0 and r["bootstraps"] == 1 and r["source"] == REAL_SOURCES[0]),
+                  key=lambda r: r["peers"])
     ax = axes[0]
     ns = [r["peers"] for r in base]
     ax.plot(ns, [r["share_min"] for r in base], "o-", label="averaged share, lowest peer")

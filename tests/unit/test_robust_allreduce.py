@@ -260,6 +260,54 @@ def test_a_peer_that_does_not_run_the_group_is_not_waited_for_as_a_sender(monkey
     assert runner.failed_reducers == [PEERS[1], PEERS[2]]  # both are judged when the all-reduce ends
 
 
+@pytest.mark.parametrize("how, why", [
+    ("hang_up", "its stream ended (the sender hung up)"),
+    ("timeout", "its next part did not come within the sender timeout (4.0s)"),
+    ("failed", "it was failed as a sender meanwhile"),
+    ("whole", None),
+])
+def test_a_sender_that_stops_short_is_named_by_its_reducer_with_the_reason(how, why, caplog):
+    """hivemind fails a sender whose stream stops short without a word; the sender then reads our
+    answer stream ending early ("sent 2 parts, but we expected 3") and nobody logged why. Now the
+    reducer says how many parts came and why no more did; a whole stream says nothing."""
+    runner = RobustAllReduceRunner.__new__(RobustAllReduceRunner)
+    runner.sender_peer_ids, runner.excluded_peers, runner.group_id = list(PEERS), [], bytes.fromhex("b783fae9") * 2
+    runner.sender_timeout, runner.tensor_part_reducer = 4.0, types.SimpleNamespace(num_parts=3)
+    parts = 3 if how == "whole" else 2
+
+    async def stream():
+        for i in range(parts):
+            yield i
+        if how == "timeout":
+            raise TimeoutError
+
+    async def reduce_parts(incoming, sender_index):  # hivemind's loop: an answer per part, until it stops
+        async for part in incoming:
+            yield part
+            if how == "failed" and part == 1:
+                return  # BannedException: the sender was failed elsewhere, the loop breaks
+
+    runner._reduce_parts = reduce_parts
+
+    async def answers() -> list:
+        out = []
+        try:
+            async for answer in runner._accumulate_parts_streaming(stream(), 1):
+                out.append(answer)
+        except TimeoutError:
+            pass
+        return out
+
+    with caplog.at_level("WARNING", logger="averaging.network.hivemind.allreduce"):
+        got = asyncio.run(answers())
+    assert len(got) == parts
+    if why is None:
+        assert caplog.text == ""
+    else:
+        assert f"group b783fae9: as a reducer, got 2 of 3 parts from {PEERS[1]}" in caplog.text
+        assert why in caplog.text
+
+
 GROUP = [PeerID(f"member-{i}".encode()) for i in range(5)]  # GROUP[0] is us
 
 

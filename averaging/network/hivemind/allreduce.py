@@ -312,6 +312,43 @@ class RobustAllReduceRunner(AllReduceRunner):
             await self._ban_sender(peer_id)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        """As a reducer, one sender's parts in and our answers out (``_reduce_parts``), and a
+        warning that says why when the sender's stream stopped short. hivemind fails such a sender
+        without a word (its ``_ban_sender`` logs nothing), and the sender then reads our answer
+        stream ending a part or more short ("sent 2 parts, but we expected 3"): about one peer-round
+        in a hundred ended so with no warning on either side (docs/limitations.md)."""
+        answered, why, hung_up = 0, "", False
+        started = asyncio.get_running_loop().time()
+
+        async def watched():
+            nonlocal hung_up
+            async for message in stream:
+                yield message
+            hung_up = True
+
+        try:
+            async for answer in self._reduce_parts(watched(), sender_index):
+                answered += 1
+                yield answer
+            why = "its stream ended (the sender hung up)" if hung_up else \
+                "it was failed as a sender meanwhile (refused, banned, or its parts timed out here)"
+        except TimeoutError:
+            why = f"its next part did not come within the sender timeout ({self.sender_timeout:.1f}s)"
+            raise
+        except GeneratorExit:
+            why = ""  # our own answer stream was closed: the all-reduce ended or was cancelled
+            raise
+        except Exception as e:
+            why = f"{e!r}"
+            raise
+        finally:
+            sender = self.sender_peer_ids[sender_index]
+            if why and answered != self.tensor_part_reducer.num_parts and sender not in self.excluded_peers:
+                logger.warning(f"group {self.group_id.hex()[:8]}: as a reducer, got {answered} of "
+                               f"{self.tensor_part_reducer.num_parts} parts from {sender} after "
+                               f"{asyncio.get_running_loop().time() - started:.1f}s: {why}; its result misses our share")
+
+    async def _reduce_parts(self, stream, sender_index: int):
         """hivemind's reducer loop for one sender; with int8/int4 returns each answer is the part's
         average as its reducer quantized it once (``RobustPartReducer.returns``), the same bytes
         for every member, instead of the sender's delta re-encoded."""
