@@ -264,6 +264,7 @@ def test_a_peer_that_does_not_run_the_group_is_not_waited_for_as_a_sender(monkey
     ("hang_up", "its stream ended (the sender hung up)"),
     ("timeout", "its next part did not come within the sender timeout (4.0s)"),
     ("failed", "it was failed as a sender meanwhile"),
+    ("cancelled", "our handler was cancelled"),
     ("whole", None),
 ])
 def test_a_sender_that_stops_short_is_named_by_its_reducer_with_the_reason(how, why, caplog):
@@ -280,6 +281,8 @@ def test_a_sender_that_stops_short_is_named_by_its_reducer_with_the_reason(how, 
             yield i
         if how == "timeout":
             raise TimeoutError
+        if how == "cancelled":
+            raise asyncio.CancelledError
 
     async def reduce_parts(incoming, sender_index):  # hivemind's loop: an answer per part, until it stops
         async for part in incoming:
@@ -294,7 +297,7 @@ def test_a_sender_that_stops_short_is_named_by_its_reducer_with_the_reason(how, 
         try:
             async for answer in runner._accumulate_parts_streaming(stream(), 1):
                 out.append(answer)
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError):
             pass
         return out
 

@@ -338,6 +338,11 @@ class RobustAllReduceRunner(AllReduceRunner):
         except GeneratorExit:
             why = ""  # our own answer stream was closed: the all-reduce ended or was cancelled
             raise
+        except asyncio.CancelledError:
+            # hivemind's stream handler cancels us when its reader hits the end of the sender's
+            # connection (or the all-reduce is cancelled): our remaining answers are never sent.
+            why = "our handler was cancelled (the connection to the sender closed, or the all-reduce was cancelled)"
+            raise
         except Exception as e:
             why = f"{e!r}"
             raise
