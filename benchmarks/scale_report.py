@@ -183,7 +183,9 @@ BREAKS = [
     "beside the int4 pseudo-gradient; shoal's all-reduce carries one error-fed vector, and its robust "
     "aggregation judges a part by its sender's work, which an anchor is not.",
     "**Join time on this machine** grows with N because N peers boot at once on 2 cores (importing torch and "
-    "hivemind, starting a DHT, an averager and a p2pd each): a machine per peer would not see it.",
+    "hivemind, starting a DHT, an averager and a p2pd each): after the heartbeat fix, boot took 15 s for 4 peers "
+    "and 62 s for 16, about 7.5 core-seconds a peer either way, so the boot is the cores' queue; from the end of "
+    "boot to the first averaged round 16 peers took 1.29x what 4 did. A machine per peer would not see it.",
     "**The DHT's progress key**: each peer's heartbeat cost is flat past 16 peers, but the key's 5 replicas "
     "serve every read (about 5 x N records a second each), and past 1,024 peers the key's cap refuses "
     "records: sharding is the fix (docs/scale.md), not built.",
