@@ -4,11 +4,11 @@ After start-up all calls to the run's directory happen on this monitor's thread 
 hivemind's DHT talks to its process through a pipe that is not safe to write from several threads
 at once.
 
-What a heartbeat costs, and why it is kept flat as the swarm grows (docs/scale.md, "The DHT"):
-every record lives under one DHT key, so each read returns every live peer's record, from each of
-the key's replicas (hivemind stores a value on the 5 nodes nearest its key and a ``latest`` read
-asks all of them). Reading N records every ``period`` makes each peer's DHT traffic grow with N and
-the swarm's with N^2. So:
+What a heartbeat costs, and why it is kept flat as the swarm grows (docs/scale.md, "The heartbeat's
+DHT cost"; measured by benchmarks/dht_load.py): every record lives under one DHT key, so each read
+returns every live peer's record, from each of the key's replicas (hivemind stores a value on the
+5 nodes nearest its key and a ``latest`` read asks all of them). Reading N records every ``period``
+makes each peer's DHT traffic grow with N and the swarm's with N^2. So:
 
 - the heartbeat slows once the swarm is larger than ``HEARTBEAT_PEERS`` (``heartbeat_period``):
   each peer then reads about as many records per second as at that size, and a crashed peer's
