@@ -46,7 +46,9 @@ class AveragingConfig:
     # auto (int8 for int8 sends, int4 for int4 and int2)
     return_compression: str = "auto"
     error_feedback: bool = True  # int codes: what quantization drops re-enters the next round (per peer)
-    target_group_size: int = 0  # 0 = everybody; else the maximum group size (Moshpit sub-groups)
+    # 0 = everybody (groups of up to 64); else the largest group. A swarm larger than that splits into
+    # groups that apply different averages (sub-groups are not built: docs/scale.md, node.library.group_limit)
+    target_group_size: int = 0
     min_group_size: int = 2
     matchmaking_seconds: float = 3.0  # hivemind min_matchmaking_time
     request_timeout: float = 1.5  # must be < matchmaking_seconds

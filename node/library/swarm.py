@@ -28,6 +28,7 @@ from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
 from averaging.math.outer_step import OuterConfig
 from averaging.math.wire import STATE_BYTES_PER_VALUE, round_payload
+from averaging.network.hivemind.averager import leader_group_cap
 from averaging.network.interface import Progress
 from averaging.state.served import DownloadedState
 from averaging.state.shared_state import SharedState
@@ -36,6 +37,7 @@ from node.library.acquaintances import Acquaintances
 from node.library.cleanup import close_hivemind, hivemind_sockets
 from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.library.dht import Reachability, RecordRules
+from node.library.group_limit import GroupLimitWatch
 from node.library.monitor import PeerMonitor
 from node.library.network import HivemindNetwork, Network
 from node.library.rediscovery import PeerCache, Rediscovery
@@ -216,9 +218,11 @@ class DiLoCoSwarm:
                                   matchmaking_grace=avg.matchmaking_seconds)
         self._closers.insert(0, self._worker.close)
         period = min(5.0, max(1.0, self.rounds.seconds / 3))
+        self._group_limit = GroupLimitWatch(leader_group_cap(avg.target_group_size or None, avg.robust))
+        self._on_peers_changed = on_peers_changed
         self._monitor = PeerMonitor(self._directory, self.manifest, peer_id=self.peer_id,
                                     period=period, status=self._status,
-                                    on_change=on_peers_changed or (lambda joined, left: None), trust=self.trust,
+                                    on_change=self._peers_changed, trust=self.trust,
                                     rediscovery=self._rediscovery(period), present=self._present_others)
         self._closers.insert(0, self._monitor.stop)
         self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
@@ -233,6 +237,14 @@ class DiLoCoSwarm:
             device=self.device, wire=avg.wire, client_mode=self.reachability.client_mode,
             swarm_lateness=self._others_lateness,
         )
+
+    def _peers_changed(self, joined: set[str], left: set[str]) -> None:
+        """The monitor's news (its thread): the operator is told once when the swarm outgrows one
+        group (``node.library.group_limit``), then the caller's callback runs."""
+        if (warning := self._group_limit.observe(self._monitor.peer_count)) is not None:
+            logger.warning(warning)
+        if self._on_peers_changed is not None:
+            self._on_peers_changed(joined, left)
 
     def _rediscovery(self, period: float) -> Rediscovery:
         """Re-dialling the initial peers and the peers met (kept in ``trust_dir``, the checkpoint
