@@ -131,9 +131,12 @@ def test_a_banned_peer_is_kept_out_of_the_next_groups():
             if round == 4:  # the ban (rounds 2 and 3) is over; the peer now sends honest parts
                 ATTACK.value = b"honest"
             scheduled = time.time() + 4.0
-            for backend in backends:  # the attacker, turned away by everyone, gives up sooner
+            # The attacker gives up sooner; banned (rounds 2 and 3) and turned away by everyone, it waits out
+            # its whole timeout: a second after the others' group formed (it was 10 s: CI time).
+            attacker_timeout = {1: 10, 2: 5, 3: 5}.get(round, 30)
+            for backend in backends:
                 backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round},
-                                timeout=10 if backend is backends[HONEST] and round < 4 else 30)
+                                timeout=attacker_timeout if backend is backends[HONEST] else 30)
             results = [vector.clone() for vector in vectors]
             futures = [pool.submit(backend.average, result, weight=1.0, timeout=60)
                        for backend, result in zip(backends, results)]
