@@ -78,11 +78,22 @@ def llama_config(root, text: str):
     return text.replace(model, LLAMA + "\n").replace("[data]\npaths = []", data).replace("\nlr = 3e-3\n", "\nlr = 1e-3\n")
 
 
+def background(command: list[str], request) -> subprocess.Popen:
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    request.addfinalizer(proc.kill)  # a no-op once it has been read
+    return proc
+
+
+def finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 @pytest.mark.timeout(400)
 # int4 only: the default fp16 path runs in every other swarm test (churn: 4 peers, anchors compared),
 # and one 3-peer run costs over a minute of the CI's budget.
 @pytest.mark.parametrize(("compression", "returns"), [("int4", "int4")])
-def test_three_peers_train_one_model(swarm, compression, returns):
+def test_three_peers_train_one_model(swarm, compression, returns, request):
     config_path = every_round_checkpoints(
         swarm.root / f"llama-{compression}.toml",
         text=llama_config(swarm.root, TINY.read_text().replace(
@@ -98,6 +109,13 @@ def test_three_peers_train_one_model(swarm, compression, returns):
     # from the first round every peer took part in, every group must hold all three.
     common = train_then_interrupt(peers, full_rounds=FULL_ROUNDS, timeout=300)
     last = common[-1]
+    # `shoal plot` and `shoal export` read what the peers left: both start now, beside each other and
+    # the checks below (each is an interpreter start-up, seconds on two cores); read where checked.
+    png = peers[0].workdir.parent / "swarm.png"
+    exported = swarm.root / "exported"
+    plotting = background([*shoal_command(), "plot", *(str(p.metrics_path) for p in peers), "-o", str(png)], request)
+    exporting = background([*shoal_command(), "export", "--checkpoint-dir", str(first.checkpoint_dir),
+                            "--output", str(exported)], request)
     per_peer = {peer.name: rounds_of(peer) for peer in peers}
     assert len(common) >= 3, {name: sorted(r) for name, r in per_peer.items()}
     config = load_config(config_path)
@@ -158,9 +176,7 @@ def test_three_peers_train_one_model(swarm, compression, returns):
     assert slow_steps < 0.6 * fast_steps, (slow_steps, fast_steps)
 
     # `shoal plot` draws these real metrics files (loss vs wall-clock and tokens, utilization).
-    png = peers[0].workdir.parent / "swarm.png"
-    plotted = subprocess.run([*shoal_command(), "plot", *(str(p.metrics_path) for p in peers), "-o", str(png)],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    plotted = finished(plotting)
     assert plotted.returncode == 0, plotted.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
@@ -211,9 +227,7 @@ def test_three_peers_train_one_model(swarm, compression, returns):
     # its tokenizer, gives the logits shoal's own model gives on the same input, and generates.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    exported = swarm.root / "exported"
-    result = subprocess.run([*shoal_command(), "export", "--checkpoint-dir", str(first.checkpoint_dir),
-                             "--output", str(exported)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = finished(exporting)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     checkpoint = load_latest_valid(first.checkpoint_dir)
     ours = trained_model(checkpoint.params, config.model, 400).eval()
