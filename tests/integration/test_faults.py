@@ -79,6 +79,10 @@ import netns  # noqa: E402
 
 SPLIT_ROUND_S = 6.0
 SPLIT_S = 30.0  # the outage of issue 31: long enough for every record and routing entry across it to expire
+# A third of a core each: three unthrottled peers training took both cores, and the fourth one's
+# start-up (an interpreter importing torch) then took 35 s instead of 10. How fast they train is
+# not what this test is about.
+SPLIT_THROTTLE = ("--throttle", "3")
 
 
 @pytest.mark.timeout(420)
@@ -94,8 +98,9 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
     config = every_round_checkpoints(swarm.root / "tiny.toml", TINY)
     with netns.Network(4, mbit=200) as net:
         def start(i: int, initial: list[str] | None):
-            return swarm.start(f"p{i}", "--round-seconds", str(SPLIT_ROUND_S), config=config, initial=initial,
-                               prefix=net.hosts[i].prefix(), listen=f"/ip4/{net.hosts[i].address}/tcp/0")
+            return swarm.start(f"p{i}", "--round-seconds", str(SPLIT_ROUND_S), *SPLIT_THROTTLE, config=config,
+                               initial=initial, prefix=net.hosts[i].prefix(),
+                               listen=f"/ip4/{net.hosts[i].address}/tcp/0")
 
         def address(peer, i: int) -> list[str]:
             return [m for m in peer.wait_for_address() if net.hosts[i].address in m][:1]
@@ -124,13 +129,25 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
         heal_round = math.ceil((healed - schedule_start(p0)) / SPLIT_ROUND_S)
         assert max(min(rounds) for rounds in whole) <= heal_round + 5, (heal_round, whole)  # a few rounds
         last = max(max(rounds) for rounds in whole)
-        wait_until(lambda: all(last + 1 in rounds_of(p) for p in peers), 60, "the swarm stopped after the heal")
+
+        def averaged_by_all() -> list[int]:
+            """Rounds after ``last`` whose average all four applied (a follower that missed its leader's
+            answer on two busy cores leaves a round partial for everyone: no checkpoint of that round)."""
+            per_peer = [rounds_of(p) for p in peers]
+            return [r for r in sorted(per_peer[0]) if r > last
+                    and all(r in rounds and rounds[r]["applied"] == "averaged" for rounds in per_peer)]
+
+        try:
+            wait_until(averaged_by_all, 60, "the swarm did not average together after the heal")
+        except TimeoutError:
+            raise TimeoutError(f"the swarm did not average together after the heal:\n{_tails(peers)}") from None
+        final = averaged_by_all()[0]
         for peer in peers:
             peer.interrupt()
         for peer in peers:
             assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
         assert any("rediscovery:" in p.log() and "reached" in p.log() for p in peers), _tails(peers)
-        anchors = [anchor_at(p, last + 1) for p in peers]
+        anchors = [anchor_at(p, final) for p in peers]
         spread = max(float((a - anchors[0]).norm() / anchors[0].norm()) for a in anchors[1:])
         assert spread < 1e-3, spread  # one anchor again (one half re-synced to the other's)
         # ... keeping the other half's work: its outer steps apart are merged through its next contribution.
