@@ -8,7 +8,8 @@ published two progress records and then never woke again, so the swarm never saw
 records. With ``FAKETIME_DONT_FAKE_MONOTONIC=1`` those waits work, but ``time.sleep``
 (``clock_nanosleep`` on the monotonic clock) fails with EINVAL; this wrapper makes ``time.sleep``
 a timed wait, before anything imports it, for the peer and the processes it forks. Durations are
-on the true monotonic clock; only the wall clock is wrong, as on a real machine.
+on the true monotonic clock; only the wall clock is wrong, as on a real machine. With
+``SHOAL_TEST_GATE`` the peer waits behind a start gate (``start_gate.py``) before ``shoal run`` begins.
 """
 
 import sys
@@ -25,6 +26,9 @@ def _sleep(seconds: float) -> None:
 time.sleep = _sleep
 sys.argv = ["shoal", "run", *sys.argv[1:]]
 
+from start_gate import wait_for_gate  # noqa: E402 - beside this file; after the sleep above
+
 from node.cli import main  # noqa: E402
 
+wait_for_gate()
 main()

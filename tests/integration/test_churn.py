@@ -19,6 +19,7 @@ import math
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from examples.swarm_launcher import kill_process_group
 from node.library.checkpoint import load_latest_valid
 from node.observe.metrics import read_metrics
 from protocols.schedule import RoundSchedule
+from tests.integration.start_gate import gated, open_gate
 from tests.integration.swarm import (
     FAKETIME,
     REPO,
@@ -101,8 +103,11 @@ def config(tmp_path):
 def test_wrong_clocks_then_a_kill_mid_allreduce_then_a_newcomer(swarm, config, request):
     common = ("--round-seconds", str(ROUND_S), *THROTTLE)
 
-    def launch(name: str, initial: list[str] | None = None):
+    def launch(name: str, initial: list[str] | None = None, gate: Path | None = None):
+        """``gate``: the launcher's interpreter starts now, ``shoal run`` once the gate opens (start_gate.py)."""
         env = skewed(CLOCKS[name]) if CLOCKS[name] else None
+        if env is not None and gate is not None:
+            env = {**env, **gated(gate)}
         return swarm.start(name, *common, initial=initial, config=config, env=env,
                            program=SKEWED_PEER if env is not None else None)
 
@@ -145,6 +150,11 @@ def test_wrong_clocks_then_a_kill_mid_allreduce_then_a_newcomer(swarm, config, r
     time.sleep(max(0.0, deadline + 0.05 - time.time()))
     kill_process_group(victim.proc)
     killed_at = time.time()
+    # The newcomer's interpreter starts now, behind a gate opened two rounds after the crash (below):
+    # its imports (5-15 s on these two busy cores) overlap the wait; its `shoal run` begins then.
+    # Without libfaketime it runs plain `shoal run`, started then.
+    joiner_gate = swarm.root / "joiner.gate"
+    gated_joiner = launch("joiner", address, gate=joiner_gate) if skewed(CLOCKS["joiner"]) is not None else None
 
     # The killed peer's record expires on its own: a look after its TTL no longer lists it (read
     # below; the newcomer may start meanwhile, and may be listed too).
@@ -159,7 +169,9 @@ def test_wrong_clocks_then_a_kill_mid_allreduce_then_a_newcomer(swarm, config, r
     # round (as long as start-up takes, but no longer: CI time).
     time.sleep(max(0.0, deadline + 2 * ROUND_S - time.time()))
     joiner_started = time.time()
-    joiner = launch("joiner", address)
+    if gated_joiner is not None:
+        open_gate(joiner_gate)
+    joiner = gated_joiner or launch("joiner", address)
     after_the_kill = status_snapshot(look)
     print(f"shoal status after the kill took {time.time() - looked:.1f}s")
 
