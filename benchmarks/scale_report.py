@@ -23,7 +23,7 @@ import statistics  # noqa: E402
 
 import scale_real  # noqa: E402
 
-from benchmarks.harness import REPO  # noqa: E402
+from benchmarks.harness import REPO, write_results  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 OUT = RESULTS / "scale"
@@ -204,8 +204,7 @@ def main() -> None:
         "real": [row for name, real in reals.items() for row in real_rows(real, source=name)], "dht": dht_rows(dht), "sim": sim_rows(sim), "breaks": BREAKS,
     }
     summary["targets"] = targets(summary["real"], summary["sim"], twin_agreement(sim))
-    OUT.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    OUT.with_suffix(".md").write_text(report(summary) + "\n![scale](scale.png)\n")
+    write_results(summary, OUT, lambda s: report(s) + "\n![scale](scale.png)\n")
     plot(summary, OUT.with_suffix(".png"))
 
 

@@ -84,6 +84,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # harness's own imports
 
 import torch  # noqa: E402
 
@@ -96,6 +97,7 @@ from averaging.math.groups import (  # noqa: E402
     settled_group_count,
 )
 from averaging.math.outer_step import outer_step_  # noqa: E402
+from benchmarks.harness import write_results  # noqa: E402
 
 TOL = 0.25  # shoal's rel_tol: anchors agree within 0.25 x RMS of the last averaged pseudo-gradient
 MAX_GROUP = 64  # shoal's RobustConfig.max_group_size: every member refuses a bigger group
@@ -804,11 +806,8 @@ def main() -> int:
     minutes = (time.time() - started) / 60
     command = ".venv/bin/python benchmarks/scale_sim.py " + shlex.join(sys.argv[1:])
     text = report(results, args, command, minutes)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"simulated": True, "command": command, "minutes": minutes, "noise_measurement": measured,
-         "args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=1))
-    args.out.with_suffix(".md").write_text(text)
+    write_results({"simulated": True, "command": command, "minutes": minutes, "noise_measurement": measured,
+                   "args": {k: str(v) for k, v in vars(args).items()}, **results}, args.out, lambda _: text)
     plot(results, args.out.with_suffix(".png"))
     print(text)
     return 0

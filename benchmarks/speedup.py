@@ -63,6 +63,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # harness's own imports
 
 import torch  # noqa: E402
 
@@ -72,6 +73,7 @@ from averaging.math.groups import group_count, members  # noqa: E402
 from averaging.math.merge import apply_correction_, eager_jump, landing_correction, merge_correction, stand_in  # noqa: E402
 from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
 from averaging.math.wire import WireFormat, accounted_for, returned  # noqa: E402
+from benchmarks.harness import write_results  # noqa: E402
 from benchmarks.lr_sweep import _DATA, _eval, _samplers, _setup  # noqa: E402 - the same peers, data and eval
 from node.training.model import build_model  # noqa: E402
 from node.training.trainer import Trainer, inner_lr  # noqa: E402
@@ -449,11 +451,9 @@ def main() -> int:
     minutes = (time.time() - started) / 60
     command = ".venv/bin/python benchmarks/speedup.py " + shlex.join(sys.argv[1:])
     text, summary = report(points, args, command, minutes)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"simulated": True, "command": command, "minutes": minutes, "args": {k: str(v) for k, v in vars(args).items()},
-         "summary": summary, "points": points}, indent=1))
-    args.out.with_suffix(".md").write_text(text)
+    write_results({"simulated": True, "command": command, "minutes": minutes,
+                   "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "points": points},
+                  args.out, lambda _: text)
     plot(summary, args.out.with_suffix(".png"))
     print(text)
     return 0
