@@ -14,13 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from averaging.math.robust import RobustConfig
+
+HARD_CAP = RobustConfig().max_group_size  # a larger group is refused as an attack, whatever the target size
+
 
 def over_cap_message(live_peers: int, cap: int) -> str:
     return (f"the swarm has {live_peers} live peers, more than one averaging group holds ({cap}: "
-            "averaging.target_group_size, else 64): each round splits into groups that apply different "
+            f"averaging.target_group_size, else {HARD_CAP}): each round splits into groups that apply different "
             "averages, and members of the smaller ones re-sync to the others' anchor. Sub-groups for larger "
             f"swarms are not built yet (docs/scale.md): keep the run to {cap} peers or fewer"
-            + (", or raise averaging.target_group_size" if cap < 64 else ""))
+            + (", or raise averaging.target_group_size" if cap < HARD_CAP else ""))
 
 
 @dataclass
