@@ -8,6 +8,7 @@ session, and every launcher kills its sessions on the way out, also after an err
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -121,6 +122,19 @@ def _machine_busy() -> tuple[float, float]:
     idle = fields[3] + fields[4]  # idle + iowait
     ticks = os.sysconf("SC_CLK_TCK")
     return (sum(fields) - idle) / ticks, sum(fields) / ticks
+
+
+def setting(text: str) -> tuple[str, object]:
+    """``section.field=value``; the value as TOML would read it (a number or a string)."""
+    key, sep, value = text.partition("=")
+    if not sep or "." not in key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected section.field=value")
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
 
 
 def write_results(results: dict, out: Path, report) -> None:

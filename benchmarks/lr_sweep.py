@@ -57,9 +57,9 @@ from node.training.trainer import Trainer, inner_lr  # noqa: E402
 _DATA: dict = {}  # per worker process: the config, split and eval batches, loaded once
 
 
-def _setup(config_path: str, rounds: int) -> None:
+def _setup(config_path: str, rounds: int, overrides: dict | None = None) -> None:
     torch.set_num_threads(1)
-    config = load_config(Path(config_path))
+    config = load_config(Path(config_path), overrides)
     config = dataclasses.replace(config, inner=dataclasses.replace(
         config.inner, total_rounds=float(rounds), warmup_rounds=0.1 * rounds))
     split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,

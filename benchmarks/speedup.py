@@ -26,6 +26,10 @@ the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
   share, the last landed average for the others') and trains from there; when the average lands
   the parameters move by the difference (``eager_jump`` / ``landing_correction``); ``eager-own``
   uses its own pseudo-gradient alone as the stand-in;
+- ``ddp``: the lockstep baseline, no DiLoCo: one model, each step the mean gradient of one batch per
+  peer (as ``lr_sweep.py``'s ``ddp``), so every step waits for the slowest peer: with a speed spread
+  the swarm takes the slowest peer's steps a round, with equal speeds it is the ceiling a DiLoCo
+  swarm of the same tokens is measured against (``--ddp-lrs``: its lr grid, default the inner lr);
 - suffixes on any rule: ``+muon`` trains inner steps with Muon (``inner.optimizer = "muon"``: Muon
   on the Linear weights, AdamW on the rest, the same lr, MuLoCo's recipe); ``+reset`` clears the
   inner optimizer's state at every outer step (fresh moments from the new anchor); ``+avgstate``
@@ -73,7 +77,7 @@ from averaging.math.groups import group_count, members  # noqa: E402
 from averaging.math.merge import apply_correction_, eager_jump, landing_correction, merge_correction, stand_in  # noqa: E402
 from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
 from averaging.math.wire import WireFormat, accounted_for, returned  # noqa: E402
-from benchmarks.harness import write_results  # noqa: E402
+from benchmarks.harness import setting, write_results  # noqa: E402
 from benchmarks.lr_sweep import _DATA, _eval, _samplers, _setup  # noqa: E402 - the same peers, data and eval
 from node.training.model import build_model  # noqa: E402
 from node.training.trainer import Trainer, inner_lr  # noqa: E402
@@ -139,6 +143,21 @@ def average_inner_state(trainers: list[Trainer], weights: list[float], slots: tu
             for key in states[0] if key.rpartition(".")[2] in slots}
     for t, s in zip(trainers, states):
         t.load_inner_state({**s, **mean})
+
+
+def run_ddp(seed: int, steps: list[int], rounds: int, lr: float) -> dict:
+    """Lockstep data parallel over ``len(steps)`` peers: a round is the slowest peer's ``min(steps)``
+    steps, each the mean gradient of one batch per peer (the batches concatenated: the loss is a mean)
+    and one AdamW step, the schedule spanning ``rounds`` as the swarm's does."""
+    trainer, samplers = _trainer(seed, lr, rounds), _samplers(seed, len(steps), 0)
+    n = min(steps)
+    for r in range(rounds):
+        for step in range(n):
+            batches = [s.next_batch() for s in samplers]
+            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            trainer.inner_step(x, y, inner_lr(trainer.inner, r + step / n))
+    layout = FlatLayout.of(trainer.model.named_parameters())
+    return {"final_eval": _eval(trainer, layout, layout.pack(dict(trainer.model.named_parameters()), layout.new_buffer()))}
 
 
 def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: float, mu: float, rule: str,
@@ -289,6 +308,8 @@ def _point(point: dict) -> dict:
     t0 = time.time()
     if point["kind"] == "lone":
         result = run_lone(point["seed"], point["lone_steps"], point["lr"], point.get("optimizer", "adamw"))
+    elif point["rule"] == "ddp":
+        result = run_ddp(point["seed"], point["steps"], point["rounds"], point["lr"])
     elif point.get("group_size"):
         result = run_swarm_groups(point["seed"], point["steps"], point["rounds"], point["lr"], point["outer_lr"],
                                   point["mu"], point["rule"], point["delay"], point["compression"],
@@ -305,6 +326,8 @@ def label(p: dict) -> str:
     if p["kind"] == "lone":
         return f"lone {p['lone_steps']} steps lr={p['lr']:g}" + ("" if p.get("optimizer", "adamw") == "adamw" else
                                                                    f" {p['optimizer']}")
+    if p["rule"] == "ddp":
+        return f"ddp N={len(p['steps'])} {p['spread']} lr={p['lr']:g}"
     groups = f" G={p['group_size']}" if p.get("group_size") else ""
     return f"{p['rule']} N={len(p['steps'])} {p['spread']} outer={p['outer_lr']:g}/{p['mu']:g}{groups}"
 
@@ -354,7 +377,8 @@ def report(points: list[dict], args, command: str, minutes: float) -> tuple[str,
                  for s in sorted(next(iter(lone.values())))]
     lines = [f"# The swarm trains like N x one peer (simulated, no network): {args.rounds} rounds, fastest peer "
              f"{args.steps} inner steps a round, {len(seeds)} seed(s)", "",
-             f"Command: `{command}` ({minutes:.0f} min). Model, data and eval batches of {args.config.name}; "
+             f"Command: `{command}` ({minutes:.0f} min). Model, data and eval batches of {args.config.name}"
+             f"{' with ' + ', '.join(f'{k} = {x}' for k, x in args.set) if args.set else ''}; "
              f"sends in {args.compression} with error feedback; overlap/eager merge {args.delay:g} of the next round "
              f"in. Speedup = lone steps (best of {'/'.join(args.lone_opts)} and of lr {args.lrs}, schedule per length) "
              "reaching the swarm's eval "
@@ -403,6 +427,7 @@ def main() -> int:
     parser.add_argument("--outer", type=lambda s: [tuple(float(x) for x in v.split(":")) for v in s.split(",")],
                         default=[(1.0, 0.5)], help="outer lr:momentum pairs")
     parser.add_argument("--inner-lr", type=float, default=0.006)
+    parser.add_argument("--ddp-lrs", type=floats, default=[], help="the ddp rule's lrs (default: --inner-lr)")
     parser.add_argument("--delay", type=float, default=0.5, help="fraction of the next round before the merge")
     parser.add_argument("--compression", default="int4")
     parser.add_argument("--lone-lengths", type=floats, default=[1, 2, 3, 4, 6])
@@ -414,6 +439,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
+    parser.add_argument("--set", type=setting, action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="change the config of every run, lone and swarm alike (model size, batch)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speedup")
     parser.add_argument("--lone-from", type=Path, help="reuse the lone-peer runs of this earlier result's .json "
                         "(same rounds x steps, lrs, lengths and config) instead of running them again")
@@ -430,6 +457,8 @@ def main() -> int:
                              f"{stored['args']['steps']} steps, not {args.rounds} x {args.steps}")
         if stored["args"]["config"] != str(args.config):
             raise SystemExit(f"--lone-from: that run used config = {stored['args']['config']}, not {args.config}")
+        if stored["args"].get("set", "[]") != str(args.set):
+            raise SystemExit(f"--lone-from: that run used --set {stored['args'].get('set', '[]')}, not {args.set}")
         same = lambda p, q: all(p.get(k, "adamw") == q.get(k, "adamw") for k in ("seed", "lone_steps", "lr", "optimizer"))  # noqa: E731
         # The runs this one plans and that one ran; a lone point depends on nothing else.
         reused = [q for q in stored["points"] if q["kind"] == "lone" and any(same(p, q) for p in plan)]
@@ -438,6 +467,11 @@ def main() -> int:
         for n in args.peers:
             for spread in args.spread if n > 1 else ["equal"]:
                 for rule in args.rules:
+                    if rule == "ddp":  # no outer step, no groups: one point per lr
+                        plan.extend(dict(kind="swarm", seed=s, steps=spread_steps(n, args.steps, spread), spread=spread,
+                                         rounds=args.rounds, lr=lr, rule=rule, outer_lr=0.0, mu=0.0, group_size=0)
+                                    for lr in args.ddp_lrs or [args.inner_lr])
+                        continue
                     for (o, m), g in itertools.product(args.outer, args.group_sizes):
                         if g and g >= n:
                             continue  # one group of everyone: the plain swarm
@@ -446,7 +480,7 @@ def main() -> int:
                                          delay=args.delay, compression=args.compression, group_size=g))
     plan.sort(key=lambda p: -(p.get("lone_steps") or sum(p.get("steps", [0])) * p.get("rounds", 0)))  # longest first
     started = time.time()
-    with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config), args.rounds)) as pool:
+    with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config), args.rounds, dict(args.set))) as pool:
         points = reused + list(pool.map(_point, plan))
     minutes = (time.time() - started) / 60
     command = ".venv/bin/python benchmarks/speedup.py " + shlex.join(sys.argv[1:])

@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import netns  # noqa: E402
-from harness import CpuMeter, run_ddp_ranks, start_entry_peer, start_shoal_peers, write_results  # noqa: E402
+from harness import CpuMeter, run_ddp_ranks, setting, start_entry_peer, start_shoal_peers, write_results  # noqa: E402
 from learning import Evaluator, interrupted, spread, write_config  # noqa: E402
 
 from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
@@ -76,19 +76,6 @@ netns.BRIDGE, netns.PREFIX, netns.SUBNET = "shoalsbr0", "shoals", "10.215.0"
 
 def outer_settings(text: str) -> list[tuple[float, float]]:
     return [(float(lr), float(mu)) for lr, mu in (item.split(":") for item in text.split(",") if item)]
-
-
-def setting(text: str) -> tuple[str, object]:
-    """``section.field=value``; the value as TOML would read it (a number or a string)."""
-    key, sep, value = text.partition("=")
-    if not sep or "." not in key:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected section.field=value")
-    for kind in (int, float):
-        try:
-            return key, kind(value)
-        except ValueError:
-            pass
-    return key, value
 
 
 def run_swarm(seed: int, outer: tuple[float, float], args, hosts, root: Path, evaluator: Evaluator) -> dict:
