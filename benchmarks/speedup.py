@@ -360,6 +360,12 @@ def report(points: list[dict], args, command: str, minutes: float) -> tuple[str,
     for p in points:
         if p["kind"] != "lone":
             by_label.setdefault(label(p), []).append(p)
+    # The lockstep baseline of the same peers (its best lr): what a swarm's loss is compared with.
+    ddp: dict[tuple[int, str], float] = {}
+    for runs in by_label.values():
+        if runs[0]["rule"] == "ddp":
+            where = (len(runs[0]["steps"]), runs[0]["spread"])
+            ddp[where] = min(ddp.get(where, math.inf), statistics.fmean(p["final_eval"] for p in runs))
     for key, runs in by_label.items():
         speedups, marks = [], set()
         for p in runs:
@@ -371,8 +377,13 @@ def report(points: list[dict], args, command: str, minutes: float) -> tuple[str,
         speed = statistics.fmean(speedups)
         spread = f" (seeds {min(speedups):.2f}-{max(speedups):.2f})" if len(speedups) > 1 else ""
         summary[key] = {"eval": loss, "speedup": speed, "per_seed": speedups, "bound": mark}
+        base = ddp.get((len(runs[0]["steps"]), runs[0]["spread"]))
+        versus = f"{loss / base - 1:+.1%}" if base and runs[0]["rule"] != "ddp" else "-"
+        if base and runs[0]["rule"] != "ddp":
+            summary[key]["vs_ddp"] = loss / base - 1
         rows.append((runs[0]["rule"], len(runs[0]["steps"]), runs[0]["spread"],
-                     f"| {key} | {'+'.join(map(str, runs[0]['steps']))} | {loss:.4f} | {mark}{speed:.2f}x{spread} |"))
+                     f"| {key} | {'+'.join(map(str, runs[0]['steps']))} | {loss:.4f} | {mark}{speed:.2f}x{spread} "
+                     f"| {versus} |"))
     lone_rows = [f"| {s:,} ({s / fastest_steps:g}x) | " + " / ".join(f"{lone[seed][s]:.4f}" for seed in seeds) + " |"
                  for s in sorted(next(iter(lone.values())))]
     lines = [f"# The swarm trains like N x one peer (simulated, no network): {args.rounds} rounds, fastest peer "
@@ -383,10 +394,12 @@ def report(points: list[dict], args, command: str, minutes: float) -> tuple[str,
              f"in. Speedup = lone steps (best of {'/'.join(args.lone_opts)} and of lr {args.lrs}, schedule per length) "
              "reaching the swarm's eval "
              f"loss / the fastest member's {fastest_steps:,} steps. '>' : better than the longest lone run (a lower "
-             "bound); '<': worse than the shortest (an upper bound).", "",
+             "bound); '<': worse than the shortest (an upper bound). Lockstep DDP (rule ddp) of the same peers takes its "
+             "slowest peer's steps a round: with a speed spread it trains fewer tokens than the swarm.", "",
              "| lone steps | best eval loss per seed |", "|---|---|", *lone_rows, "",
-             "| swarm | inner steps a round | eval loss (mean) | speedup vs its fastest member alone |",
-             "|---|---|---|---|", *[r[-1] for r in sorted(rows)]]
+             "| swarm | inner steps a round | eval loss (mean) | speedup vs its fastest member alone "
+             "| loss vs lockstep DDP of the same peers |",
+             "|---|---|---|---|---|", *[r[-1] for r in sorted(rows)]]
     return "\n".join(lines) + "\n", summary
 
 
@@ -444,7 +457,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speedup")
     parser.add_argument("--lone-from", type=Path, help="reuse the lone-peer runs of this earlier result's .json "
                         "(same rounds x steps, lrs, lengths and config) instead of running them again")
+    parser.add_argument("--report-only", action="store_true",
+                        help="redraw --out's .md, .json and .png from its .json (the run's own command line)")
     args = parser.parse_args()
+    if args.report_only:
+        stored = json.loads(args.out.with_suffix(".json").read_text())
+        command, minutes = stored["command"], stored["minutes"]
+        args = parser.parse_args([*shlex.split(command)[2:], "--out", str(args.out)])
+        return finish(stored["points"], args, command, minutes)
     fastest = args.rounds * args.steps
     plan = [dict(kind="lone", seed=s, lone_steps=round(k * fastest), lr=lr, optimizer=o)
             for s in range(args.seeds) for k in args.lone_lengths for lr in args.lrs for o in args.lone_opts]
@@ -482,8 +502,12 @@ def main() -> int:
     started = time.time()
     with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config), args.rounds, dict(args.set))) as pool:
         points = reused + list(pool.map(_point, plan))
-    minutes = (time.time() - started) / 60
     command = ".venv/bin/python benchmarks/speedup.py " + shlex.join(sys.argv[1:])
+    return finish(points, args, command, (time.time() - started) / 60)
+
+
+def finish(points: list[dict], args, command: str, minutes: float) -> int:
+    """The report of a run's points: .json, .md and .png beside ``--out``, the table on stdout."""
     text, summary = report(points, args, command, minutes)
     write_results({"simulated": True, "command": command, "minutes": minutes,
                    "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "points": points},
