@@ -21,7 +21,10 @@ T = TypeVar("T")
 
 class SyncWorker:
     def __init__(self, backend: AveragingBackend, *, allreduce_timeout: float, matchmaking_grace: float):
-        self.backend = backend  # only ever used from the worker's thread
+        # Used from the worker's threads (jobs, and ``prepare`` on its own lane); the one other
+        # caller is DiLoCoSwarm.start turning on ``share_state`` from the training thread: a flag
+        # the averager's process reads (hivemind's allow_state_sharing), set once before the loop starts.
+        self.backend = backend
         self.allreduce_timeout = allreduce_timeout
         self.matchmaking_grace = matchmaking_grace  # how long past a deadline a group may still form
         # The thread starts on the first submit, after hivemind's forks (docs/hivemind.md).
