@@ -99,9 +99,10 @@ class Evaluator:
     """The eval loss shoal peers report (``Trainer.evaluate_anchor`` on the config's eval batches),
     here for final checkpoints; and the unthrottled step time that sizes the runs."""
 
-    def __init__(self, config_path: Path):
+    def __init__(self, config_path: Path, overrides: dict | None = None):
         torch.set_num_threads(1)
-        self.config = load_config(config_path)
+        # The runs' own settings (speedup_real --set): eval batches follow data.batch_size and the model.
+        self.config = load_config(config_path, overrides)
         c = self.config
         self.split = split_corpus(load_corpus(c.data), c.data.eval_fraction, c.data.max_eval_bytes,
                                   block_bytes=c.data.eval_block_bytes)

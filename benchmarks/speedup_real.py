@@ -232,7 +232,7 @@ def main() -> int:
     capped = netns.available()
     if not capped:
         print("not root (or no ip/tc): running on loopback WITHOUT bandwidth caps", file=sys.stderr)
-    evaluator = Evaluator(args.config)
+    evaluator = Evaluator(args.config, dict(args.set))
     seeds = list(range(args.seeds))
     results = {"meta": {
         "command": " ".join([".venv/bin/python", "benchmarks/speedup_real.py", *sys.argv[1:]]),
