@@ -9,3 +9,13 @@
 
 Library users import ``node.api``.
 """
+
+# Before anything below imports hivemind: its averager imports scipy.optimize, which shoal never
+# calls (~0.9 s of CPU at every start). See node.library.deferred_imports; SHOAL_DEFER_IMPORTS=0
+# turns it off (benchmarks/boot.py compares both).
+import os  # noqa: E402
+
+from node.library.deferred_imports import defer_unused_imports  # noqa: E402
+
+if os.environ.get("SHOAL_DEFER_IMPORTS", "1") != "0":
+    defer_unused_imports()

@@ -61,7 +61,9 @@ def install() -> int:
     it rebound; modules imported later take ``hivemind.utils.get_dht_time``, already rebound."""
     rebound = 0
     for module in list(sys.modules.values()):
-        if getattr(module, "get_dht_time", None) is time.time:
+        # The module's own names, not getattr: a module-level __getattr__ (torch's lazy submodules,
+        # node.library.deferred_imports' stand-ins) must not import anything for this scan.
+        if getattr(module, "__dict__", {}).get("get_dht_time") is time.time:
             module.get_dht_time = now
             rebound += 1
     return rebound
