@@ -14,7 +14,6 @@ the same machine. Writes ``benchmarks/results/boot.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -31,6 +30,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from harness import write_results  # noqa: E402
+
+from node.observe.metrics import read_metrics  # noqa: E402
 
 VARIANTS = {"deferred (default)": {}, "eager (SHOAL_DEFER_IMPORTS=0)": {"SHOAL_DEFER_IMPORTS": "0"}}
 
@@ -55,8 +56,7 @@ def boot_once(env: dict[str, str]) -> dict[str, float]:
                         cpu[p.pid] = times.user + times.system
                     except psutil.Error:
                         pass
-                if metrics.exists() and any(json.loads(line).get("event") == "start"
-                                            for line in metrics.read_text().splitlines() if line.endswith("}")):
+                if metrics.exists() and any(r.get("event") == "start" for r in read_metrics(metrics)):
                     break
                 time.sleep(0.05)
             wall = time.time() - started

@@ -79,6 +79,7 @@ from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
 from averaging.math.wire import WireFormat, accounted_for, returned  # noqa: E402
 from benchmarks.harness import setting, write_results  # noqa: E402
 from benchmarks.lr_sweep import _DATA, _eval, _samplers, _setup  # noqa: E402 - the same peers, data and eval
+from benchmarks.lr_sweep import run_ddp as lockstep_ddp  # noqa: E402
 from node.training.model import build_model  # noqa: E402
 from node.training.trainer import Trainer, inner_lr  # noqa: E402
 
@@ -146,18 +147,9 @@ def average_inner_state(trainers: list[Trainer], weights: list[float], slots: tu
 
 
 def run_ddp(seed: int, steps: list[int], rounds: int, lr: float) -> dict:
-    """Lockstep data parallel over ``len(steps)`` peers: a round is the slowest peer's ``min(steps)``
-    steps, each the mean gradient of one batch per peer (the batches concatenated: the loss is a mean)
-    and one AdamW step, the schedule spanning ``rounds`` as the swarm's does."""
-    trainer, samplers = _trainer(seed, lr, rounds), _samplers(seed, len(steps), 0)
-    n = min(steps)
-    for r in range(rounds):
-        for step in range(n):
-            batches = [s.next_batch() for s in samplers]
-            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-            trainer.inner_step(x, y, inner_lr(trainer.inner, r + step / n))
-    layout = FlatLayout.of(trainer.model.named_parameters())
-    return {"final_eval": _eval(trainer, layout, layout.pack(dict(trainer.model.named_parameters()), layout.new_buffer()))}
+    """Lockstep data parallel over ``len(steps)`` peers (``lr_sweep.run_ddp``: each step the mean
+    gradient of one batch per peer, one AdamW step): a round is the slowest peer's ``min(steps)`` steps."""
+    return {"final_eval": lockstep_ddp(seed, len(steps), rounds, min(steps), lr)["final_eval"]}
 
 
 def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: float, mu: float, rule: str,
@@ -377,10 +369,10 @@ def report(points: list[dict], args, command: str, minutes: float) -> tuple[str,
         speed = statistics.fmean(speedups)
         spread = f" (seeds {min(speedups):.2f}-{max(speedups):.2f})" if len(speedups) > 1 else ""
         summary[key] = {"eval": loss, "speedup": speed, "per_seed": speedups, "bound": mark}
-        base = ddp.get((len(runs[0]["steps"]), runs[0]["spread"]))
-        versus = f"{loss / base - 1:+.1%}" if base and runs[0]["rule"] != "ddp" else "-"
-        if base and runs[0]["rule"] != "ddp":
+        base = ddp.get((len(runs[0]["steps"]), runs[0]["spread"])) if runs[0]["rule"] != "ddp" else None
+        if base:
             summary[key]["vs_ddp"] = loss / base - 1
+        versus = f"{summary[key]['vs_ddp']:+.1%}" if base else "-"
         rows.append((runs[0]["rule"], len(runs[0]["steps"]), runs[0]["spread"],
                      f"| {key} | {'+'.join(map(str, runs[0]['steps']))} | {loss:.4f} | {mark}{speed:.2f}x{spread} "
                      f"| {versus} |"))

@@ -36,7 +36,7 @@ class _Deferred(types.ModuleType):
         if name.startswith("__"):  # module scans (inspect.getmodule) read these: not a use
             raise AttributeError(name)
         real = _load_real(self.__name__)
-        self.__dict__.update({k: v for k, v in real.__dict__.items() if k not in ("__class__",)})
+        self.__dict__.update(real.__dict__)
         return getattr(real, name)
 
 
