@@ -242,7 +242,8 @@ class ReunionWatch:
     """Tells, from the round records alone (pure), when this peer's side of a split meets the
     rest again: a round whose group is larger than every one of the rounds just before it (and as
     large as one before those: we were together), in which anchors differed (we re-synced, or
-    members diverged from ours). ``observe`` returns the ``reunion`` event's fields then, once per
+    members diverged from ours). A round that folded met nobody for good (a partial all-reduce,
+    or we stayed out while the last sync ran) and counts neither way. ``observe`` returns the ``reunion`` event's fields then, once per
     meeting; None otherwise. Which side is kept is the consensus's choice (docs/design.md); the
     two lineages are merged by the round engine (``averaging.engine.lineage``)."""
 
@@ -257,13 +258,19 @@ class ReunionWatch:
         (``RoundStats.lineage_reunion``: the other side stepped apart too). On the kept side it is
         final: a member that merely missed a round rejoins diverged (it is behind and catches up),
         which the records alone cannot tell from a reunion. None: not known (records only)."""
-        apart = []
+        # A folded round met nobody for good (a partial all-reduce, or we stayed out of the sync):
+        # it neither ends the stretch apart nor starts one. Its work rode on the next round that
+        # applied: its tokens count apart when that round was one apart, not when it is this one.
+        apart, together_before = [], False
         for size, was_applied, was_tokens in reversed(self.rounds):
-            if size >= group_size:
+            if was_applied == "folded":
+                if apart:
+                    apart.append((size, was_applied, was_tokens))
+                continue
+            if size >= group_size:  # together before (a joiner growing the swarm is no reunion)
+                together_before = True
                 break
             apart.append((size, was_applied, was_tokens))
-        # Together before (a group this large, then smaller ones): a joiner growing the swarm is not a reunion.
-        together_before = len(apart) < len(self.rounds)
         self.rounds.append((group_size, str(applied), tokens))
         while len(self.rounds) > self.window:
             self.rounds.popleft()
@@ -271,11 +278,11 @@ class ReunionWatch:
             return None
         if not resynced and reunion is False:
             return None
-        steps = sum(1 for _, was_applied, _ in apart if was_applied in ("averaged", "local"))
+        stepped = [size for size, was_applied, _ in apart if was_applied != "folded"]
         apart_tokens = sum(t for *_, t in apart)
         dropped = resynced and not folded
-        return {"round": round, "group_size": group_size, "apart_rounds": len(apart),
-                "apart_group_size": max(size for size, _, _ in apart), "kept": not resynced,
-                "steps_dropped": steps if dropped else 0, "tokens_dropped": apart_tokens if dropped else 0,
+        return {"round": round, "group_size": group_size, "apart_rounds": len(stepped),
+                "apart_group_size": max(stepped), "kept": not resynced,
+                "steps_dropped": len(stepped) if dropped else 0, "tokens_dropped": apart_tokens if dropped else 0,
                 "rejoined": sorted(diverged), "steps_merged": folded if resynced else 0,
                 "tokens_merged": apart_tokens if resynced and folded else 0}

@@ -127,7 +127,9 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
                    f"not one group of four after the heal:\n{_tails(peers)}")
         whole = rounds_with(4, healed)
         heal_round = math.ceil((healed - schedule_start(p0)) / SPLIT_ROUND_S)
-        assert max(min(rounds) for rounds in whole) <= heal_round + 5, (heal_round, whole)  # a few rounds
+        # Within a minute: 1-3 rounds here; CI once took 9 (its first group of four after the heal
+        # that all applied), so the bound is 10 rounds and a miss prints every peer's rounds.
+        assert max(min(rounds) for rounds in whole) <= heal_round + 10, (heal_round, whole, _tails(peers))
         last = max(max(rounds) for rounds in whole)
 
         def averaged_by_all() -> list[int]:

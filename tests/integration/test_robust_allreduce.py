@@ -65,16 +65,38 @@ def test_honest_peers_survive_every_attack(tmp_path):
         with loopback_averagers(HONEST + 1, make) as backends:
             attacker = backends[HONEST].peer_id
 
+            honest_ids = [backend.peer_id for backend in backends[:HONEST]]
+
+            def play(round: int) -> tuple[list, list[torch.Tensor], str]:
+                """One round of the current attack: outcomes, results, and what the log gained."""
+                logged = log_path.stat().st_size
+                scheduled = time.time() + 4.0
+                for backend in backends:
+                    backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round}, timeout=30)
+                results = [vector.clone() for vector in vectors]
+                futures = [pool.submit(backend.average, result, weight=1.0, timeout=60)
+                           for backend, result in zip(backends, results)]
+                outcomes = [future.result(timeout=90) for future in futures]
+                handler.flush()
+                with log_path.open() as log_file:
+                    log_file.seek(logged)
+                    return outcomes, results, log_file.read()
+
             with ThreadPoolExecutor(HONEST + 1) as pool:
-                for round, attack in enumerate(ATTACKS, start=1):
+                round = 0
+                for attack in ATTACKS:
                     ATTACK.value = attack.encode()
-                    scheduled = time.time() + 4.0
-                    for backend in backends:
-                        backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round}, timeout=30)
-                    results = [vector.clone() for vector in vectors]
-                    futures = [pool.submit(backend.average, result, weight=1.0, timeout=60)
-                               for backend, result in zip(backends, results)]
-                    outcomes = [future.result(timeout=90) for future in futures]
+                    round += 1
+                    outcomes, results, logged = play(round)
+                    if attack != "lie" and any(o.partial for o in outcomes[:HONEST]):
+                        # An honest reducer's answer stream ended a part short, with no error on either
+                        # side (docs/limitations.md: about one member-round in 15-20 on a busy machine,
+                        # cause not found): that round says nothing about the attack. Only that failure
+                        # is replayed, once; an attack that makes rounds partial fails the replay too.
+                        assert any(f"reducer {peer} failed" in logged and "but we expected" in logged
+                                   for peer in honest_ids), f"{attack}: a partial round, not the known stream shortfall:\n{logged[-3000:]}"
+                        round += 1
+                        outcomes, results, logged = play(round)
 
                     for i in range(HONEST):
                         outcome = outcomes[i]

@@ -146,11 +146,11 @@ def test_a_try_still_running_is_not_doubled():
 
 
 # -- the reunion event ----------------------------------------------------------------------------
-def rounds(watch: ReunionWatch, sizes: list[int], **last) -> dict | None:
+def rounds(watch: ReunionWatch, sizes: list[int], folded_rounds: tuple[int, ...] = (), **last) -> dict | None:
     out = None
     for r, size in enumerate(sizes, start=1):
         final = r == len(sizes)
-        out = watch.observe(round=r, group_size=size, applied="averaged", tokens=100,
+        out = watch.observe(round=r, group_size=size, applied="folded" if r in folded_rounds else "averaged", tokens=100,
                             resynced=final and last.get("resynced", False), diverged=last.get("diverged", []) if final else [],
                             folded=last.get("folded", 0) if final else 0,
                             reunion=last.get("reunion") if final else False)
@@ -181,3 +181,17 @@ def test_a_reunion_is_told_on_both_sides_with_what_the_replaced_side_folded_or_d
 ])
 def test_no_reunion_without_a_split_that_ends(sizes, last):
     assert rounds(ReunionWatch(), sizes, **last) is None
+
+
+def test_a_folded_round_neither_ends_a_split_nor_starts_one():
+    """Seen in the split test: the first group of four after the heal was a partial round (folded by
+    the kept side), the next one averaged with the diverged half. The folded round met nobody for
+    good: the reunion is told at the averaged one, with the apart rounds' tokens and a folded
+    round's between them. And a round we stayed out of (group 1, folded: the last sync still ran)
+    is no split: the re-sync after it is a member catching up, not a reunion."""
+    kept = rounds(ReunionWatch(), [4, 4, 2, 2, 1, 2, 4, 4], folded_rounds=(5, 7), diverged=["x", "y"], reunion=True)
+    assert kept is not None and kept["kept"] and kept["round"] == 8
+    assert (kept["apart_rounds"], kept["apart_group_size"]) == (3, 2)
+    replaced = rounds(ReunionWatch(), [4, 4, 2, 2, 1, 2, 4, 4], folded_rounds=(5, 7), resynced=True, diverged=["x"])
+    assert (replaced["steps_dropped"], replaced["tokens_dropped"]) == (3, 400)  # round 5's work rode on round 6's
+    assert rounds(ReunionWatch(), [4, 4, 4, 1, 4], folded_rounds=(4,), resynced=True, diverged=["x"]) is None
