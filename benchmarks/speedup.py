@@ -35,7 +35,9 @@ the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
   inner optimizer's state at every outer step (fresh moments from the new anchor); ``+avgstate``
   replaces every peer's inner optimizer state by the token-weighted mean of all peers' at every
   outer step (DES-LOC's moment sync at the outer period: twice the traffic of the parameters,
-  free here; ``+avgm`` the first moment alone, ``+avgv`` the second alone); ``+mwarm`` ramps the
+  free here; ``+avgm`` the first moment alone, ``+avgv`` the second alone; with ``+late``, in
+  overlap and eager, the mean lands with the average instead, ``delay`` into the next round, through
+  ``averaging.math.inner_state.land``: what a real peer that keeps training can do); ``+mwarm`` ramps the
   outer momentum linearly from 0 over the first 10% of rounds;
 - ``+norm`` gives each part of the average the token-weighted mean of its senders' norms
   (the average's direction, the members' length: ``averaging.math.robust.keep_norm``, what a
@@ -71,7 +73,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # harness's own imports
 
 import torch  # noqa: E402
 
-from averaging.math import robust  # noqa: E402
+from averaging.math import inner_state, robust  # noqa: E402
 from averaging.math.flat import FlatLayout  # noqa: E402
 from averaging.math.groups import group_count, members  # noqa: E402
 from averaging.math.merge import apply_correction_, eager_jump, landing_correction, merge_correction, stand_in  # noqa: E402
@@ -139,9 +141,7 @@ def average_inner_state(trainers: list[Trainer], weights: list[float], slots: tu
     """Every peer's inner optimizer state in ``slots`` := the weighted mean of all peers'
     (``+avgstate``: every slot; ``+avgm``: the first moment; ``+avgv``: the second)."""
     states = [t.inner_state() for t in trainers]
-    total = sum(weights)
-    mean = {key: sum(w / total * s[key].float() for s, w in zip(states, weights)).to(states[0][key].dtype)
-            for key in states[0] if key.rpartition(".")[2] in slots}
+    mean = inner_state.weighted_mean(states, weights, slots)
     for t, s in zip(trainers, states):
         t.load_inner_state({**s, **mean})
 
@@ -166,6 +166,10 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
     momentum = torch.zeros_like(anchor)
     pending = None  # (new anchor, old anchor, per peer (accounted, jump)) awaiting the merge
     previous = None  # the last average that landed (eager's stand-in for the others' work)
+    # +late: per peer (its inner state at the round's end, the peers' mean of it), landing with the average
+    state_pending: list[tuple[dict, dict]] | None = None
+    late_state = "late" in flags and mode != "blocking"
+    state_decays = inner_state.decays(trainers[0].optimizers)
 
     def add(t: Trainer, correction: torch.Tensor) -> None:
         views = layout.views(correction)
@@ -187,7 +191,11 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
                 t.inner_step(*s.next_batch(), inner_lr(t.inner, r + step / n))
                 if pending is not None and step + 1 == lands:
                     land_one(i, pending)
-        pending = None
+                    if state_pending is not None:  # the mean as of the snapshot, and the steps since kept
+                        snapshot, mean = state_pending[i]
+                        t.load_inner_state(inner_state.land_state(t.inner_state(), snapshot, mean, state_decays,
+                                                                  steps=lands))
+        pending, state_pending = None, None
         grads = [pseudo_gradient(anchor, pack(t)) for t in trainers]
         sends = [wire.to_send(g) for g in grads]
         weights = [float(n) for n in steps]  # tokens: every step is one batch
@@ -198,7 +206,12 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
                 for optimizer in t.optimizers:
                     optimizer.state.clear()
         for flag in set(flags) & set(STATE_SLOTS):
-            average_inner_state(trainers, weights, STATE_SLOTS[flag])
+            if late_state:
+                states = [t.inner_state() for t in trainers]
+                mean = inner_state.weighted_mean(states, weights, STATE_SLOTS[flag])
+                state_pending = [(state, mean) for state in states]
+            else:
+                average_inner_state(trainers, weights, STATE_SLOTS[flag])
         if "mwarm" in flags:  # the momentum ramps 0 -> mu over the first 10% of rounds
             mu_now = mu * min(1.0, r / max(1.0, 0.1 * rounds))
         else:
