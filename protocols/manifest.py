@@ -20,7 +20,7 @@ from typing import Any
 
 from protocols.errors import ConfigError
 from protocols.identity import RUN_KEY_BYTES, RunKey, verify_run_signature
-from protocols.keys import validate_run_id
+from protocols.keys import validate_progress_shards, validate_run_id
 from protocols.messages import MessageError
 from protocols.version import PROTOCOL_VERSION
 
@@ -160,6 +160,16 @@ def first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None
         if ours.get(key) != theirs.get(key):
             return f"{key}={theirs.get(key, '<missing>')!r} (this peer: {ours.get(key, '<missing>')!r})"
     return None
+
+
+def progress_shards(manifest: RunManifest) -> int:
+    """How many DHT keys the run's progress records are spread over (``averaging.progress_shards``;
+    absent: 1, the one key); ``MessageError`` if a manifest read from the network holds a bad count."""
+    shards = manifest.fields.get("averaging.progress_shards", 1)
+    try:
+        return validate_progress_shards(shards)
+    except ConfigError as e:
+        raise MessageError(f"manifest: {e}") from None
 
 
 def check_compatible(ours: RunManifest, theirs: RunManifest) -> None:

@@ -76,7 +76,7 @@ from protocols.dht_storage import (  # noqa: F401 - the caps are part of this mo
     BoundedStorage,
 )
 from protocols.identity import PeerKey, peer_id_of, verify_peer_signature
-from protocols.keys import peers_key, run_key
+from protocols.keys import MAX_PROGRESS_SHARDS, peers_key, run_key
 from protocols.messages import MessageError
 from protocols.pinning import changed_functions
 
@@ -148,7 +148,8 @@ class ShoalRecordValidator(RecordValidatorBase):
         self._organisers: dict[bytes, tuple[bytes, float]] = {}
         for run_id in run_ids:
             self._kinds[DHTID.generate(source=run_key(run_id)).to_bytes()] = ("manifest", MANIFEST_TTL)
-            self._kinds[DHTID.generate(source=peers_key(run_id)).to_bytes()] = ("progress", MAX_PROGRESS_TTL)
+            for shard in range(MAX_PROGRESS_SHARDS):  # whatever count the run's manifest names
+                self._kinds[DHTID.generate(source=peers_key(run_id, shard)).to_bytes()] = ("progress", MAX_PROGRESS_TTL)
             if pinned_run_key is not None:
                 self.follow_organiser(run_id, pinned_run_key)
         self.refuse = _Refusals()

@@ -18,6 +18,7 @@ from averaging.math.outer_step import OuterConfig
 from averaging.math.robust import AGGREGATIONS, RobustConfig
 from averaging.math.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat
 from protocols.errors import ConfigError
+from protocols.keys import validate_progress_shards
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,6 +64,10 @@ class AveragingConfig:
     # (honest ones fail now and then: docs/security.md, "Reducers that fail rounds"); 0 = never.
     strike_limit: int = 5
     strike_window: int = 20
+    # The run's progress records (every peer's heartbeat) under this many DHT keys: 1 (one key) suits
+    # up to a hundred or so peers; a run of hundreds spreads the reads over more DHT nodes (docs/scale.md).
+    # Shared: every peer of a run must read and write the same keys.
+    progress_shards: int = 1
 
     def __post_init__(self):
         if self.compression not in COMPRESSIONS:
@@ -87,6 +92,7 @@ class AveragingConfig:
         if self.strike_limit < 0 or self.strike_window < max(1, self.strike_limit):
             raise ConfigError(f"averaging.strike_limit ({self.strike_limit}) must be >= 0 (0 = never) and "
                               f"averaging.strike_window ({self.strike_window}) at least the limit and >= 1")
+        validate_progress_shards(self.progress_shards)
         if self.allreduce_timeout <= 0 or self.rel_tol <= 0 or self.abs_tol < 0:
             raise ConfigError("averaging.allreduce_timeout and averaging.rel_tol must be > 0, averaging.abs_tol >= 0")
 
@@ -119,6 +125,8 @@ def sync_shared_fields(*, outer: OuterConfig, rounds: RoundConfig, averaging: Av
         wire = averaging.wire
         shared.update({"averaging.block_size": wire.block_size, "averaging.return_compression": wire.return_code,
                        "averaging.target_group_size": averaging.target_group_size})
+    if averaging.progress_shards != 1:  # only then: an unsharded run's manifest (and hash) stays what it was
+        shared["averaging.progress_shards"] = averaging.progress_shards
     return shared
 
 

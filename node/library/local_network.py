@@ -26,6 +26,7 @@ from averaging.network.local import LocalBackend, LocalHub
 from node.library.config import AveragingConfig
 from node.library.run_record import RunDirectory, decode_manifests
 from protocols import progress
+from protocols.keys import validate_progress_shards
 from protocols.manifest import RunManifest
 from protocols.progress import ProgressRecord
 
@@ -100,6 +101,10 @@ class LocalDirectory:
         # Keyed like the DHT (peer id bytes as subkeys), so the same validating reader runs.
         found = {PeerID.from_base58(peer).to_bytes(): item for peer, item in self.hub.read(self.run_id, "progress").items()}
         return progress.read_records(found, self.now())
+
+    def use_progress_shards(self, shards: int) -> None:
+        """Nothing to spread: one in-process hub serves every read (``DhtDirectory`` shards DHT keys)."""
+        validate_progress_shards(shards)
 
 
 class LocalNetwork:

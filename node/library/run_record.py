@@ -35,7 +35,7 @@ from node.library.atomic import write_atomically
 from protocols import manifest, progress, records, swarm_time
 from protocols.errors import ConfigError, NetworkError
 from protocols.identity import RunKey, format_run_key, peer_id_of
-from protocols.keys import peers_key, run_key
+from protocols.keys import peers_key, progress_shard, run_key, validate_progress_shards
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
 from protocols.progress import ProgressRecord
@@ -134,6 +134,10 @@ class RunDirectory(Protocol):
     def progress(self) -> tuple[dict[str, ProgressRecord], int]:
         """The live peers' valid progress records by peer id, and how many were ignored."""
 
+    def use_progress_shards(self, shards: int) -> None:
+        """Write and read the progress records under the run's ``shards`` keys (its manifest's
+        ``averaging.progress_shards``), from now on."""
+
     def refusal(self) -> str | None:
         """Why the swarm refuses this peer (e.g. a private swarm and no swarm key), or None."""
 
@@ -158,10 +162,19 @@ def decode_manifests(values: list[Any], now: float | None = None) -> tuple[list[
 
 class DhtDirectory:
     """The run's records in hivemind's DHT, one subkey per peer: its libp2p public key, which
-    ``protocols.records`` checks signed the record. ``owner`` None: read-only (``shoal status``)."""
+    ``protocols.records`` checks signed the record. ``owner`` None: read-only (``shoal status``).
+
+    Progress records live under one key, or under ``shards`` keys (``use_progress_shards``): each
+    peer writes to the one its id hashes to (``protocols.keys.progress_shard``) and reads them all,
+    at once. Why: every lookup collects the key's records from the nodes nearest it, so with one key
+    its 5 replicas serve every peer's read of all N records; with S keys each replica serves N / S."""
 
     def __init__(self, dht: DHT, run_id: str, owner: bytes | None = None):
         self.dht, self.run_id, self.owner = dht, run_id, owner
+        self.shards = 1
+
+    def use_progress_shards(self, shards: int) -> None:
+        self.shards = validate_progress_shards(shards)
 
     def now(self) -> float:
         return swarm_time.now()
@@ -179,21 +192,31 @@ class DhtDirectory:
 
     def publish_progress(self, record: ProgressRecord, *, ttl: float) -> None:
         assert self.owner is not None, "a read-only directory publishes nothing"
-        self.dht.store(peers_key(self.run_id), subkey=self.owner, value=progress.encode(record),
+        shard = progress_shard(str(self.dht.peer_id), self.shards) if self.shards > 1 else 0
+        self.dht.store(peers_key(self.run_id, shard), subkey=self.owner, value=progress.encode(record),
                        expiration_time=swarm_time.now() + ttl)
 
     def progress(self) -> tuple[dict[str, ProgressRecord], int]:
-        found = self.dht.get(peers_key(self.run_id), latest=True)
-        value = found.value if found is not None else None
-        by_peer: dict[bytes, Any] = {}
-        bad_subkeys = 0
-        for subkey, item in (value.items() if isinstance(value, dict) else ()):
-            try:
-                by_peer[PeerID.from_base58(peer_id_of(subkey)).to_bytes()] = item
-            except MessageError:
-                bad_subkeys += 1
-        records, malformed = progress.read_records(by_peer if isinstance(value, dict) else value, swarm_time.now())
-        return records, malformed + bad_subkeys
+        # Every shard's lookup at once: a heartbeat waits for the slowest one, not for their sum.
+        futures = [self.dht.get(peers_key(self.run_id, shard), latest=True, return_future=True)
+                   for shard in range(self.shards)]
+        records: dict[str, ProgressRecord] = {}
+        ignored = 0
+        for future in futures:
+            found = future.result()
+            value = found.value if found is not None else None
+            if isinstance(value, dict):
+                by_peer: dict[bytes, Any] = {}
+                for subkey, item in value.items():
+                    try:
+                        by_peer[PeerID.from_base58(peer_id_of(subkey)).to_bytes()] = item
+                    except MessageError:
+                        ignored += 1
+                value = by_peer
+            shard_records, malformed = progress.read_records(value, swarm_time.now())
+            records.update(shard_records)
+            ignored += malformed
+        return records, ignored
 
     def refusal(self) -> str | None:
         return private_swarm_refusal(self.dht)

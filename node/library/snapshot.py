@@ -72,24 +72,38 @@ class SwarmSnapshot:
         }
 
 
-def schedule_of(manifests: Iterable[RunManifest]) -> RoundSchedule | None:
-    """The run's schedule as its peers see it: among the manifests of the most common config
-    (a stray peer with another config does not decide), the earliest start, like ``join_run``."""
+def _chosen(manifests: Iterable[RunManifest]) -> list[RunManifest]:
+    """The manifests of the most common config (a stray peer with another config does not decide)."""
     manifests = list(manifests)
     if not manifests:
-        return None
+        return []
     counts = Counter(m.config_hash for m in manifests)
     best = max(counts, key=lambda h: (counts[h], -min(m.start_time for m in manifests if m.config_hash == h)))
-    chosen = [m for m in manifests if m.config_hash == best]
+    return [m for m in manifests if m.config_hash == best]
+
+
+def schedule_of(manifests: Iterable[RunManifest]) -> RoundSchedule | None:
+    """The run's schedule as its peers see it: among the manifests of the most common config, the
+    earliest start, like ``join_run``."""
+    chosen = _chosen(manifests)
+    if not chosen:
+        return None
     return RoundSchedule(min(m.start_time for m in chosen), chosen[0].round_seconds)
 
 
 def look(dht, run_id: str) -> SwarmSnapshot:
     """One read of the run's manifests and progress records."""
     from node.library.run_record import DhtDirectory
+    from protocols.manifest import progress_shards
+    from protocols.messages import MessageError
 
     directory = DhtDirectory(dht, run_id)
     manifests, malformed_manifests = directory.manifests()
+    chosen = _chosen(manifests)
+    try:  # the records are where the run's own manifest says (one key, or its progress shards)
+        directory.use_progress_shards(progress_shards(chosen[0]) if chosen else 1)
+    except MessageError:
+        malformed_manifests += 1
     records, malformed = directory.progress()
     return SwarmSnapshot(run_id=run_id, time=directory.now(), schedule=schedule_of(manifests), records=records,
                          malformed=malformed, malformed_manifests=malformed_manifests)

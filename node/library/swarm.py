@@ -51,7 +51,7 @@ from node.library.run_record import MANIFEST_TTL, RunTrust, join_run
 from protocols import swarm_time
 from protocols.addresses import parse_peer_multiaddr, peer_id_of
 from protocols.errors import AddressError, CheckpointError
-from protocols.manifest import RunManifest
+from protocols.manifest import RunManifest, progress_shards
 from protocols.messages import MessageError
 from protocols.progress import ProgressRecord, before_first_step
 from protocols.schedule import RoundSchedule
@@ -202,6 +202,7 @@ class DiLoCoSwarm:
         self.manifest = join_run(self._directory, ours, record_ttl=MANIFEST_TTL, trust=self.trust,
                                  # a DHT that knows no peer cannot see another organiser (in-process hubs can)
                                  alone=not self.initial_peers and isinstance(network, HivemindNetwork))
+        self._directory.use_progress_shards(progress_shards(self.manifest))
 
     def _build_engine(self, device, on_peers_changed) -> None:
         """The averager (hivemind forks it: before our own threads, and before CUDA if the caller

@@ -1,5 +1,7 @@
 """Several entry peers: a swarm started at once through two entry nodes that do not know each other
 is one swarm (hivemind issue #624 saw peers started with one bootstrap list split into two DHTs).
+The run spreads its progress records over 4 keys (``averaging.progress_shards``), so the same
+swarm shows that every peer, and ``shoal status`` from a node outside the run, reads them all.
 
 Real hivemind DHT nodes as ``shoal run`` starts them, with real ``PeerMonitor``s and nothing else
 (benchmarks/dht_load.py --bootstraps measures the same at 8-32 peers and the entry peers' load)."""
@@ -21,7 +23,9 @@ def test_peers_started_at_once_through_two_unconnected_entry_peers_form_one_swar
     from node.library.dht import RecordRules, shutdown_dht, start_dht
     from node.library.monitor import PeerMonitor
     from node.library.run_record import DhtDirectory, RunTrust, join_run
-    from protocols.manifest import RunManifest
+    from node.library.snapshot import look
+    from protocols.keys import progress_shard
+    from protocols.manifest import RunManifest, progress_shards
     from protocols.progress import ProgressRecord
 
     rules = RecordRules(run_ids=(RUN,))
@@ -33,12 +37,14 @@ def test_peers_started_at_once_through_two_unconnected_entry_peers_form_one_swar
             entries = list(pool.map(start, [[], []]))  # each alone: neither knows the other
             addresses = [str(m) for entry in entries for m in entry.get_visible_maddrs()]
             peers = list(pool.map(start, [addresses] * 4))  # all at once, each given both
-        ours = RunManifest.create(RUN, {"model.d_model": 64}, start_time=get_dht_time(), round_seconds=6.0)
+        ours = RunManifest.create(RUN, {"model.d_model": 64, "averaging.progress_shards": 4},
+                                  start_time=get_dht_time(), round_seconds=6.0)
         for dht in peers:
             peer_id = str(dht.peer_id)
             directory = DhtDirectory(dht, RUN, owner=dht.shoal_key.public)
             trust = RunTrust()
             manifest = join_run(directory, ours, record_ttl=600, trust=trust, settle_s=20)
+            directory.use_progress_shards(progress_shards(manifest))  # as DiLoCoSwarm does after joining
             status = lambda peer_id=peer_id, directory=directory: ProgressRecord(  # noqa: E731
                 peer_id=peer_id, round=1, tokens_per_s=1.0, loss=None, eval_loss=None, device="cpu", utilization=1.0,
                 bytes_sent=0, bytes_received=0, mode="full", version="0.1.0", tokens=0, time=directory.now(),
@@ -53,6 +59,13 @@ def test_peers_started_at_once_through_two_unconnected_entry_peers_form_one_swar
         seen = sorted(len(m.peers) for m in monitors)
         assert seen == [len(peers)] * len(peers), f"records each peer saw: {seen} (a split DHT sees a part)"
         assert len({m.manifest.organiser for m in monitors}) == 1, "two halves organised two runs"
+        # The records are spread: the one key (shard 0) holds only the peers that hash there ...
+        ids = [str(dht.peer_id) for dht in peers]
+        first_key, _ = DhtDirectory(entries[0], RUN).progress()
+        assert sorted(first_key) == sorted(i for i in ids if progress_shard(i, 4) == 0), (first_key, ids)
+        # ... and ``shoal status`` (a read-only directory that learns the count from the manifest) sees all.
+        snapshot = look(entries[1], RUN)
+        assert sorted(snapshot.records) == sorted(ids) and snapshot.malformed == 0
     finally:
         for monitor in monitors:
             monitor.stop()

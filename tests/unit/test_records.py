@@ -27,7 +27,7 @@ from node.library.run_record import ADOPT_PERIOD_S, RunTrust, converge, join_run
 from protocols import progress, records
 from protocols.errors import ConfigError
 from protocols.identity import PeerKey, RunKey, format_run_key, parse_run_key, peer_id_of
-from protocols.keys import peers_key, run_key
+from protocols.keys import MAX_PROGRESS_SHARDS, peers_key, run_key
 from protocols.manifest import RunManifest, decode_signed
 from protocols.progress import ProgressRecord
 
@@ -491,3 +491,13 @@ def test_a_replicated_dictionary_keeps_its_good_subkeys(dht_time):
     asyncio.run(node.rpc_store(request, STRANGER_PEER))
     kept = node.storage.get(DHTID.from_bytes(RUN_ID))
     assert kept is not None and [subkey for subkey, _ in kept.value.items()] == [HONEST.public]
+
+
+def test_every_progress_shard_key_is_validated_like_the_one_key():
+    """A sharded run (``averaging.progress_shards``) stores records under ``peers_key(run, shard)``:
+    each such key is the progress kind, so a forged or unsigned record there is refused too."""
+    last = DHTID.generate(source=peers_key(RUN, MAX_PROGRESS_SHARDS - 1)).to_bytes()
+    assert validator(ATTACKER).validate(stored(beat(), key=last))
+    assert not validator().validate(stored(beat(), by=ATTACKER, subkey_owner=HONEST, key=last))
+    unsigned = DHTRecord(last, MSGPackSerializer.dumps(HONEST.public), MSGPackSerializer.dumps(beat()), NOW + 15)
+    assert not validator().validate(unsigned)

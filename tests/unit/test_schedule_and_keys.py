@@ -3,14 +3,27 @@
 import math
 import random
 import time
+from collections import Counter
 
 import pytest
 
 from averaging.engine.stats import StepTimer
+from averaging.math.outer_step import OuterConfig
+from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.training.config import InnerConfig
 from node.training.trainer import inner_lr
 from protocols.errors import ConfigError
-from protocols.keys import averager_prefix, peers_key, run_key, validate_run_id
+from protocols.keys import (
+    MAX_PROGRESS_SHARDS,
+    averager_prefix,
+    peers_key,
+    progress_shard,
+    run_key,
+    validate_progress_shards,
+    validate_run_id,
+)
+from protocols.manifest import RunManifest, progress_shards
+from protocols.messages import MessageError
 from protocols.schedule import RoundSchedule
 
 # -- RoundSchedule -----------------------------------------------------------------------------
@@ -156,3 +169,39 @@ def test_step_timer_needs_the_time_it_is_asked_about():
     now = time.time()
     assert not timer.fits_before(now + 60.0, now)
     assert timer.fits_before(now + 7200.0, now)
+
+
+def test_progress_shards_keep_the_one_key_and_spread_peers_evenly():
+    """Shard 0 is the key every unsharded run uses (old and new peers meet there); a peer's shard
+    is a stable hash of its id, and 2,048 ids fill 8 shards evenly."""
+    assert peers_key("r", 0) == peers_key("r") == "shoal.r.peers"
+    keys = {peers_key("r", shard) for shard in range(MAX_PROGRESS_SHARDS)}
+    assert len(keys) == MAX_PROGRESS_SHARDS and run_key("r") not in keys
+    with pytest.raises(ValueError):
+        peers_key("r", MAX_PROGRESS_SHARDS)
+    ids = [f"12D3KooW{i:040d}" for i in range(2048)]
+    assert all(progress_shard(i, 1) == 0 for i in ids[:10])
+    assert [progress_shard(i, 8) for i in ids[:50]] == [progress_shard(i, 8) for i in ids[:50]]
+    counts = Counter(progress_shard(i, 8) for i in ids)
+    assert sorted(counts) == list(range(8)) and max(counts.values()) < 1.3 * 256, counts
+
+
+@pytest.mark.parametrize("bad", [0, 3, 128, True, "4", 2.0])
+def test_a_progress_shard_count_that_is_no_power_of_two_up_to_64_is_one_line(bad):
+    with pytest.raises(ConfigError, match=r"averaging.progress_shards .* power of two from 1 to 64"):
+        validate_progress_shards(bad)
+
+
+def test_only_a_sharded_run_carries_its_shard_count_in_the_manifest():
+    """An unsharded run's shared fields (so its manifest and config hash) are what they were; a
+    sharded one's name the count, which ``progress_shards`` reads back (and a bad count is refused)."""
+    plain = sync_shared_fields(outer=OuterConfig(), rounds=RoundConfig(), averaging=AveragingConfig())
+    assert not any("progress_shards" in key for key in plain)
+    sharded = sync_shared_fields(outer=OuterConfig(), rounds=RoundConfig(), averaging=AveragingConfig(progress_shards=8))
+    assert sharded == {**plain, "averaging.progress_shards": 8}
+    make = lambda fields: RunManifest.create("r", fields, start_time=1e9, round_seconds=10.0)  # noqa: E731
+    assert progress_shards(make(plain)) == 1 and progress_shards(make(sharded)) == 8
+    with pytest.raises(MessageError, match="power of two"):
+        progress_shards(make({**plain, "averaging.progress_shards": 6}))
+    with pytest.raises(ConfigError, match="power of two"):
+        AveragingConfig(progress_shards=6)
