@@ -25,6 +25,7 @@ peer's DHT I/O against the median (the nodes nearest the run's keys serve every 
 
     .venv/bin/python benchmarks/dht_load.py --peers 4,8,16,32 --seconds 45 --warmup 15
     .venv/bin/python benchmarks/dht_load.py --peers 8,16,32 --policies after --bootstraps 2 --append
+    .venv/bin/python benchmarks/dht_load.py --peers 32 --policies after --shards 1,4 --out benchmarks/results/dht_shards
 
 Results: ``benchmarks/results/dht_load.{md,json}``.
 """
@@ -128,17 +129,17 @@ def _start_all(count: int, initial: list[str], *, rules, cache: bool) -> list:
         return [future.result() for future in futures]
 
 
-def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float, bootstraps: int = 0) -> dict:
+def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float, bootstraps: int = 0, shards: int = 1) -> dict:
     """One swarm of ``n`` peers under ``policy``: the window's figures per peer. ``bootstraps``: 0,
     peer 0 is everyone's initial peer (started first); K > 0, K entry nodes started apart (none
     knows another: the worst case of hivemind issue #624) and all ``n`` peers started at once with
-    all K addresses; their load is measured too."""
+    all K addresses; their load is measured too. ``shards``: the run's ``averaging.progress_shards``."""
     from hivemind.utils import get_dht_time
 
     from node.library.dht import RecordRules, shutdown_dht, start_dht
     from node.library.monitor import PeerMonitor
     from node.library.run_record import DhtDirectory, RunTrust, join_run
-    from protocols.manifest import RunManifest
+    from protocols.manifest import RunManifest, progress_shards
     from protocols.progress import ProgressRecord
 
     rules = RecordRules(run_ids=(RUN_ID,))
@@ -157,7 +158,8 @@ def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float, bootstrap
             for _ in range(n - 1):
                 dhts.append(start_dht(initial_peers=bootstrap, listen=["/ip4/127.0.0.1/tcp/0"], announce=[],
                                       timeout=60, rules=rules, cache_values=cache))
-        ours = RunManifest.create(RUN_ID, {"model.d_model": 64}, start_time=get_dht_time(), round_seconds=10.0)
+        fields = {"model.d_model": 64, **({"averaging.progress_shards": shards} if shards > 1 else {})}
+        ours = RunManifest.create(RUN_ID, fields, start_time=get_dht_time(), round_seconds=10.0)
         boot_s = time.monotonic() - started
         for i, dht in enumerate(dhts):
             peer_id = str(dht.peer_id)
@@ -165,6 +167,7 @@ def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float, bootstrap
             trust = RunTrust()
             manifest = join_run(directory, ours, record_ttl=600, trust=trust, alone=i == 0 and not bootstraps,
                                 settle_s=30)
+            directory.use_progress_shards(progress_shards(manifest))  # as DiLoCoSwarm does after joining
             addrs = tuple(f"/ip4/127.0.0.{k + 1}/tcp/{40000 + i}/p2p/{peer_id}" for k in range(ADDRS))
 
             def status(peer_id=peer_id, addrs=addrs, directory=directory):
@@ -201,7 +204,9 @@ def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float, bootstrap
         entry_load = [{"io_kib_s": (b["io"] - a["io"]) / elapsed / 1024, "cpu_cores": (b["cpu"] - a["cpu"]) / elapsed}
                       for a, b in zip(entries_before, entries_after)]
         organisers = len({m.manifest.organiser for m in monitors})
-        return {"peers": n, "policy": policy, "bootstraps": bootstraps, "boot_s": boot_s, "window_s": elapsed,
+        label = policy if shards == 1 else f"{policy}, {shards} shards"
+        return {"peers": n, "policy": label, "shards": shards, "bootstraps": bootstraps, "boot_s": boot_s,
+                "window_s": elapsed,
                 "per_peer": peers, "entries": entry_load, "organisers": organisers}
     finally:
         for monitor in monitors:
@@ -256,6 +261,17 @@ def report(results: dict) -> str:
     for n in pairs:
         b, a = _median(by[n, "before"]["per_peer"], "io_kib_s"), _median(by[n, "after"]["per_peer"], "io_kib_s")
         lines.append(f"- {n} peers: {a:.1f} vs {b:.1f} KiB/s ({a / b:.2f}x)")
+    sharded = sorted({(r["peers"], r["policy"]) for r in direct if r.get("shards", 1) > 1})
+    if sharded:
+        lines += ["", "Progress records spread over S keys (`averaging.progress_shards`) against one key, at each "
+                      "size (DHT + p2pd I/O per peer, KiB/s, median / max: the max is the hotspot):", ""]
+    for n, label in sharded:
+        base = by.get((n, label.split(",")[0]))
+        if base is not None:
+            s_rows, b_rows = by[n, label]["per_peer"], base["per_peer"]
+            s_max, b_max = max(p["io_kib_s"] for p in s_rows), max(p["io_kib_s"] for p in b_rows)
+            lines.append(f"- {n} peers, {label}: {_median(s_rows, 'io_kib_s'):.1f} / {s_max:.1f} against "
+                         f"{_median(b_rows, 'io_kib_s'):.1f} / {b_max:.1f} with one key (hotspot {s_max / b_max:.2f}x)")
     entered = [r for r in results["runs"] if r.get("bootstraps")]
     if entered:
         lines += ["", "## Several entry peers", "",
@@ -285,6 +301,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--bootstraps", type=int, default=0,
                         help="K entry nodes, started apart, given to all peers started at once (0: peer 0 is the entry)")
+    parser.add_argument("--shards", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                        help="the run's averaging.progress_shards, each measured side by side (1: one key)")
     parser.add_argument("--append", action="store_true", help="keep the runs already in the results json")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
@@ -296,6 +314,7 @@ def main() -> None:
     command = (f".venv/bin/python benchmarks/dht_load.py --peers {','.join(map(str, args.peers))} "
                f"--policies {','.join(args.policies)} --seconds {args.seconds:g} --warmup {args.warmup:g}"
                + (f" --bootstraps {args.bootstraps}" if args.bootstraps else "")
+               + (f" --shards {','.join(map(str, args.shards))}" if args.shards != [1] else "")
                + (" --append" if args.append else "") + out_flag(args.out, RESULTS))
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = {"command": command, "when": when, "seconds": args.seconds, "warmup_s": args.warmup, "runs": []}
@@ -305,11 +324,14 @@ def main() -> None:
         results["when"] += f"; {when}"
     for n in args.peers:
         for policy in args.policies:  # side by side: both policies at each size before the next size
-            run = run_swarm(n, policy, warmup_s=args.warmup, seconds=args.seconds, bootstraps=args.bootstraps)
-            results["runs"].append(run)
-            print(f"{n} peers, {policy}: {_median(run['per_peer'], 'io_kib_s'):.1f} KiB/s per peer, "
-                  f"heartbeat {_median(run['per_peer'], 'period_s'):.2f} s", flush=True)
-            write_results(results, args.out, report)
+            for shards in args.shards:
+                run = run_swarm(n, policy, warmup_s=args.warmup, seconds=args.seconds, bootstraps=args.bootstraps,
+                                shards=shards)
+                results["runs"].append(run)
+                print(f"{n} peers, {run['policy']}: {_median(run['per_peer'], 'io_kib_s'):.1f} KiB/s per peer "
+                      f"(max {max(p['io_kib_s'] for p in run['per_peer']):.1f}), "
+                      f"heartbeat {_median(run['per_peer'], 'period_s'):.2f} s", flush=True)
+                write_results(results, args.out, report)
 
 
 if __name__ == "__main__":
