@@ -41,7 +41,7 @@ def validate_progress_shards(shards: int) -> int:
     if not isinstance(shards, int) or isinstance(shards, bool) or not 1 <= shards <= MAX_PROGRESS_SHARDS \
             or shards & (shards - 1):
         raise ConfigError(f"averaging.progress_shards ({shards!r}) must be a power of two from 1 to "
-                          f"{MAX_PROGRESS_SHARDS} (1 unless the run has hundreds of peers: docs/scale.md)")
+                          f"{MAX_PROGRESS_SHARDS} (1 below about 48 peers, then about one per 16: docs/scale.md)")
     return shards
 
 

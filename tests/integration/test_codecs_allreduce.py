@@ -16,6 +16,7 @@ import hivemind
 import psutil
 import pytest
 import torch
+from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import serialization
 
 from averaging.math import codecs
@@ -76,7 +77,15 @@ def p2pd_descendants() -> set[int]:
     return found
 
 
-@pytest.mark.timeout(90)
+def _group_or_none(control):
+    """A step's gathered group, or None if its matchmaking found none (the round never ran)."""
+    try:
+        return control.result(timeout=60)
+    except AllreduceException:
+        return None
+
+
+@pytest.mark.timeout(180)
 def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
     part_values = balanced_part_size(NUMEL, PEERS, 64, bytes_per_value=codecs.bytes_per_value("int4"))
     part_lengths = [min(part_values, NUMEL - start) for start in range(0, NUMEL, part_values)]
@@ -133,12 +142,14 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
             for _attempt in range(3):
                 controls = [averager.step(weight=weight, wait=False, timeout=40)
                             for averager, weight in zip(averagers[name], WEIGHTS)]
-                groups = [control.result(timeout=60) for control in controls]
-                if not any(group and PARTIAL_KEY in group for group in groups):
+                groups = [_group_or_none(control) for control in controls]
+                if all(groups) and not any(PARTIAL_KEY in group for group in groups):
                     break
                 # A partial result (a reducer's share never arrived: docs/limitations.md; seen
                 # once in CI) is not applied by shoal and the round is replayed: so here, from what
-                # was sent (hivemind's own runner, for fp16 returns, does not say).
+                # was sent (hivemind's own runner, for fp16 returns, does not say). So is a round
+                # whose matchmaking failed ("could not find a group", hivemind's leader/follower
+                # races: docs/hivemind.md; seen once here with the suite on both cores).
                 for averager, vector in zip(averagers[name], to_send[name]):
                     with averager.get_tensors() as (tensor,):
                         tensor.copy_(vector)
