@@ -31,6 +31,7 @@ class SwarmSnapshot:
     records: dict[str, ProgressRecord] = field(default_factory=dict)
     malformed: int = 0  # progress records ignored as malformed
     malformed_manifests: int = 0
+    progress_shards: int = 1  # the DHT keys the records were read from (``averaging.progress_shards``)
 
     @property
     def summary(self) -> SwarmSummary:
@@ -59,6 +60,7 @@ class SwarmSnapshot:
             "eval_loss": summary.eval_loss,
             "malformed": self.malformed,
             "malformed_manifests": self.malformed_manifests,
+            "progress_shards": self.progress_shards,
             "peer_list": [
                 {"peer_id": r.peer_id, "round": r.round, "tokens_per_s": r.tokens_per_s, "loss": r.loss,
                  "eval_loss": r.eval_loss, "device": r.device, "utilization": r.utilization, "mode": r.mode,
@@ -106,4 +108,5 @@ def look(dht, run_id: str) -> SwarmSnapshot:
         malformed_manifests += 1
     records, malformed = directory.progress()
     return SwarmSnapshot(run_id=run_id, time=directory.now(), schedule=schedule_of(manifests), records=records,
-                         malformed=malformed, malformed_manifests=malformed_manifests)
+                         malformed=malformed, malformed_manifests=malformed_manifests,
+                         progress_shards=directory.shards)

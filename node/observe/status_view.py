@@ -26,7 +26,8 @@ def render_snapshot(snapshot: SwarmSnapshot) -> Panel:
     if not snapshot.records:
         grid.add_row("peers", Text(f"no peer of run '{snapshot.run_id}' is online (wrong --run-id?)", style="bold yellow"))
     else:
-        grid.add_row("peers", Text(f"{summary.peers} online", style="bold green"))
+        spread = f"   (records under {snapshot.progress_shards} DHT keys)" if snapshot.progress_shards > 1 else ""
+        grid.add_row("peers", Text(f"{summary.peers} online{spread}", style="bold green"))
     if schedule is not None:
         left = schedule.round_end(snapshot.round) - snapshot.time if snapshot.round else schedule.start_time - snapshot.time
         grid.add_row("round", f"{snapshot.round}   ({schedule.round_seconds:g}s rounds, {max(left, 0.0):.0f}s left)")

@@ -57,6 +57,7 @@ def test_json_has_the_documented_keys():
                      "last_seen_s": 2.0}
     assert second["round_bytes_sent"] == 3 and second["round_bytes_received"] == 4
     assert second["sync_late_s"] == 14.5 and second["rounds_done"] == 6
+    assert out["progress_shards"] == 1 and snapshot(progress_shards=8).to_json()["progress_shards"] == 8
 
 
 def test_without_a_manifest_the_round_comes_from_the_peers():
@@ -73,9 +74,13 @@ def test_the_table_shows_the_figures():
     assert "2 online" in text and "round  7   (10s rounds, 5s left)" in text
     assert "4,000 tokens/s" in text and "2 malformed progress records" in text
     assert "…Uy56Sd" in text and "cuda:0" in text and "2s ago" in text
+    assert "DHT keys" not in text  # one key: nothing to say
     console = Console(file=io.StringIO(), width=100)
     console.print(render_snapshot(snapshot(records={}, malformed=0)))
     assert "no peer of run 'demo' is online" in console.file.getvalue()
+    console = Console(file=io.StringIO(), width=100)
+    console.print(render_snapshot(snapshot(progress_shards=4)))
+    assert "2 online   (records under 4 DHT keys)" in console.file.getvalue()
 
 
 def test_a_peer_whose_syncs_outlast_the_round_gets_the_round_length_to_use():
