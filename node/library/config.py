@@ -64,9 +64,9 @@ class AveragingConfig:
     # (honest ones fail now and then: docs/security.md, "Reducers that fail rounds"); 0 = never.
     strike_limit: int = 5
     strike_window: int = 20
-    # The run's progress records (every peer's heartbeat) under this many DHT keys: 1 (one key) suits
-    # up to a hundred or so peers; a run of hundreds spreads the reads over more DHT nodes (docs/scale.md).
-    # Shared: every peer of a run must read and write the same keys.
+    # The run's progress records (every peer's heartbeat) under this many DHT keys: 1 (one key) below
+    # about 48 peers, then about one per 16 peers, which spreads the reads over more DHT nodes
+    # (measured: docs/scale.md). Shared: every peer of a run must read and write the same keys.
     progress_shards: int = 1
 
     def __post_init__(self):

@@ -192,7 +192,7 @@ class DhtDirectory:
 
     def publish_progress(self, record: ProgressRecord, *, ttl: float) -> None:
         assert self.owner is not None, "a read-only directory publishes nothing"
-        shard = progress_shard(str(self.dht.peer_id), self.shards) if self.shards > 1 else 0
+        shard = progress_shard(str(self.dht.peer_id), self.shards)  # 0 (the one key) when unsharded
         self.dht.store(peers_key(self.run_id, shard), subkey=self.owner, value=progress.encode(record),
                        expiration_time=swarm_time.now() + ttl)
 
