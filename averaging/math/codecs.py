@@ -91,6 +91,7 @@ CODES: dict[str, Code] = {
     for code in (
         Code("fp32", 32, 32, 0, 0),
         Code("fp16", 16, 16, 0, 0),
+        Code("bf16", 17, 16, 0, 0),  # fp32's range at 8 bits of precision: values spanning many binades
         Code("int8", 8, 8, 127, 64),
         Code("int4", 4, 4, 7, 64),
         Code("int2", 2, 2, 1, 256),
@@ -162,6 +163,10 @@ def _quantize(tensor: torch.Tensor, spec: Code, block: int) -> _Quantized:
     if spec.name == "fp32":
         zero = torch.zeros((), dtype=torch.int32, device=flat.device)
         return _Quantized(flat, no_scales, zero, flat.new_ones(()), torch.isfinite(_peak(flat.abs())))
+    if spec.name == "bf16":
+        zero = torch.zeros((), dtype=torch.int32, device=flat.device)
+        brain = flat.to(torch.bfloat16)  # rounds to nearest; fp32's largest values may round to inf
+        return _Quantized(brain, no_scales, zero, flat.new_ones(()), torch.isfinite(_peak(brain.abs())))
     if spec.name == "fp16":
         peak = _peak(flat.abs())
         # e <= 112 and saturating at 65504 keep 65504 * 2**e finite in fp32 (2**15 * 2**113 is not).
@@ -262,7 +267,7 @@ def encode(tensor: torch.Tensor, code: str, *, block_size: int | None = None) ->
             levels = _pack((levels + offset).to(torch.uint8), spec.bits)
         parts = [quantized.scales, levels]
     else:
-        parts = [quantized.levels]
+        parts = [quantized.levels.view(torch.int16) if spec.name == "bf16" else quantized.levels]
     header = HEADER.pack(MAGIC, VERSION, spec.wire_id, 0, block, int(quantized.exponent), numel)
     return b"".join([header, *(part.contiguous().cpu().numpy().tobytes() for part in parts)])
 
@@ -312,7 +317,7 @@ def _checked_header(data: bytes | bytearray | memoryview, max_numel: int):
             raise _fail(f"block size {block} out of range")
         if not MIN_EXPONENT <= exponent <= MAX_EXPONENT:
             raise _fail(f"exponent {exponent} out of range")
-    elif block != 0 or (spec.name == "fp32" and exponent != 0):
+    elif block != 0 or (spec.name in ("fp32", "bf16") and exponent != 0):
         raise _fail(f"{spec.name} with block size {block}, exponent {exponent}")
     elif not MIN_EXPONENT <= exponent <= FP16_MAX_EXPONENT:
         raise _fail(f"exponent {exponent} out of range")
@@ -322,12 +327,17 @@ def _checked_header(data: bytes | bytearray | memoryview, max_numel: int):
     return view, spec, block, exponent, numel
 
 
+_FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def _decode_float(body: torch.Tensor, spec, exponent: int) -> torch.Tensor:
-    values = body.view(torch.float32 if spec.name == "fp32" else torch.float16)
+    values = body.view(_FLOAT_DTYPES[spec.name])
     # amax propagates NaN and inf, and is much faster than isfinite(values).all().
     if values.numel() and not bool(torch.isfinite(values.abs().amax())):
         raise _fail("non-finite value")
-    return values if spec.name == "fp32" else values.float().mul_(2.0**exponent)
+    if spec.name == "fp32":
+        return values
+    return values.float() if spec.name == "bf16" else values.float().mul_(2.0**exponent)
 
 
 def _decode_blocks(body: torch.Tensor, spec, block: int, exponent: int, numel: int) -> torch.Tensor:

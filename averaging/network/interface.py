@@ -52,10 +52,12 @@ class AveragingBackend(Protocol):
         """Start matchmaking for ``round`` now, so the group is ready when the round ends."""
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
-                round: int | None = None) -> AverageOutcome:
+                round: int | None = None, extra: torch.Tensor | None = None) -> AverageOutcome:
         """Average ``vector`` (flat fp32 CPU) in place with the group prepared for ``round`` (default:
         the last one prepared), weighted by ``weight``. ``prepare`` may run concurrently (another
-        thread: matchmaking for the next round starts while this one's all-reduce runs)."""
+        thread: matchmaking for the next round starts while this one's all-reduce runs). ``extra``:
+        a second vector averaged in place in the same all-reduce (a backend built for one; every
+        member sends one), with its own codec and robust rule: the inner optimizer's moments."""
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        same_state: Callable[[Any, Any], bool] | None = None,

@@ -24,6 +24,7 @@ from averaging.state.served import AppliedUpdate, CheckSlice, DownloadedState
 from protocols.messages import MAX_ROUND
 
 logger = logging.getLogger(__name__)
+EXTRA_KEY = "__extra_mean__"  # where the hub's results carry the extra vectors' mean (not a peer id)
 
 
 class LocalHub:
@@ -39,6 +40,7 @@ class LocalHub:
         self._prepared: dict[int, set[str]] = {}
         self._arrived: dict[int, dict[str, tuple[torch.Tensor, float, Any]]] = {}
         self._own: dict[tuple[int, str], torch.Tensor] = {}  # what each member sent, for its return error
+        self._extras: dict[int, dict[str, torch.Tensor]] = {}  # round -> each member's extra vector
         self._results: dict[int, tuple[torch.Tensor, dict[str, Any]] | None] = {}
         self.state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]] = {}
         self.update_providers: dict[str, Callable[[int], AppliedUpdate | None]] = {}
@@ -47,13 +49,18 @@ class LocalHub:
         with self._cond:
             self._prepared.setdefault(round, set()).add(peer)
 
-    def average(self, peer: str, round: int, vector: torch.Tensor, weight: float, gather: Any, timeout: float):
+    def average(self, peer: str, round: int, vector: torch.Tensor, weight: float, gather: Any, timeout: float,
+                extra: torch.Tensor | None = None):
+        """(mean, gathered) or None; with ``extra`` the extra vectors' weighted mean is
+        ``gathered[EXTRA_KEY]`` (exact: the return code applies to the main vector only)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             if round in self._results:
                 # The round ended without us: its result is not ours (nor is a failure's).
                 result = self._results[round]
                 return result if result is not None and peer in result[1] else None
+            if extra is not None:
+                self._extras.setdefault(round, {})[peer] = extra.clone()
             self._arrived.setdefault(round, {})[peer] = (vector.clone(), weight, gather)
             if self.return_code is not None:
                 self._own[round, peer] = self._arrived[round][peer][0]
@@ -61,7 +68,11 @@ class LocalHub:
             if set(arrived) >= self._prepared.get(round, set()) and len(arrived) >= self.min_group_size:
                 total = sum(w for _, w, _ in arrived.values())
                 mean = sum(v * (w / total) for v, w, _ in arrived.values())
-                self._results[round] = (mean, {p: g for p, (_, _, g) in arrived.items()})
+                gathered = {p: g for p, (_, _, g) in arrived.items()}
+                extras = self._extras.pop(round, {})
+                if extras and set(extras) >= set(arrived):
+                    gathered[EXTRA_KEY] = sum(extras[p] * (w / total) for p, (_, w, _) in arrived.items())
+                self._results[round] = (mean, gathered)
                 self._cond.notify_all()
             if self.matchmaking_s is not None:
                 deadline = min(deadline, time.monotonic() + self.matchmaking_s) if len(
@@ -98,7 +109,7 @@ class LocalBackend:
             self._prepared[round] = gather
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
-                round: int | None = None) -> AverageOutcome:
+                round: int | None = None, extra: torch.Tensor | None = None) -> AverageOutcome:
         with self._lock:
             if round is None and self._prepared:
                 round = max(self._prepared)
@@ -106,11 +117,18 @@ class LocalBackend:
         if gather is None:
             return AverageOutcome(ok=False, error="no averaging step was prepared")
         started = time.perf_counter()
-        result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout)
+        result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout, extra=extra)
         if result is None:
             return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error="timed out")
         mean, gathered = result
+        gathered = dict(gathered)
+        extra_mean = gathered.pop(EXTRA_KEY, None)
+        if extra is not None and (extra_mean is None or extra_mean.shape != extra.shape):
+            return AverageOutcome(ok=False, sync_s=time.perf_counter() - started,
+                                  error="the group's members did not all send an extra vector")
         vector.copy_(mean)
+        if extra is not None:
+            extra.copy_(extra_mean)
         return AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered,
                               sync_s=time.perf_counter() - started)
 

@@ -79,6 +79,17 @@ def test_fp_codes():
     assert bool(((x - y).abs() <= 2**-11 * x.abs() + 2**-39 * x.abs().max()).all())
 
 
+def test_bf16_keeps_every_binade():
+    """The code for optimizer moments: an Adam second moment spans tens of binades, and fp16 (even
+    scaled) flushes its small entries to 0, whose square root then divides a step by eps."""
+    x = torch.logspace(-30, 30, 3001) * torch.where(torch.arange(3001) % 2 == 0, 1.0, -1.0)
+    y = decode(encode(x, "bf16"), max_numel=3001)
+    assert bool(((x - y).abs() <= 2**-8 * x.abs()).all())  # relative 2**-8 (round to nearest of 8 bits)
+    assert bool((y != 0).all())
+    assert torch.equal(quantize(y, "bf16"), y) and torch.equal(quantize(x, "bf16"), y)
+    assert len(encode(x, "bf16")) == encoded_size(3001, "bf16") == HEADER.size + 2 * 3001
+
+
 def test_an_outlier_only_costs_its_own_block():
     x = sample(640)
     x[100] = 1e4

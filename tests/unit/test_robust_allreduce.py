@@ -18,7 +18,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from averaging.math import codecs
+from averaging.math import codecs, robust
 from averaging.math.robust import BanList, RobustConfig, Strikes
 from averaging.network.hivemind import matchmaking, pins
 from averaging.network.hivemind.allreduce import (
@@ -48,18 +48,18 @@ def test_the_self_check_notices_a_change(monkeypatch):
         pins.check()
 
 
-def make_reducer(senders: int, refused: list, return_code: str | None = None) -> RobustPartReducer:
+def make_reducer(senders: int, refused: list, return_code: str | None = None, **extra) -> RobustPartReducer:
     """Build inside the event loop that uses it (the reducer creates asyncio futures)."""
     def refuse(index, reason):  # what the runner does: record, then fail the sender
         refused.append((index, reason))
         reducer.on_sender_failed(index)
 
     reducer = RobustPartReducer(SHAPES, senders, config=RobustConfig(), local_sender_index=0, refuse=refuse,
-                                return_code=return_code)
+                                return_code=return_code, **extra)
     return reducer
 
 
-def run_senders(senders, refused, parts_by_sender, weights, return_code=None, reducers=None):
+def run_senders(senders, refused, parts_by_sender, weights, return_code=None, reducers=None, **extra):
     reducer = None
 
     async def sender(index):
@@ -73,7 +73,7 @@ def run_senders(senders, refused, parts_by_sender, weights, return_code=None, re
 
     async def main():
         nonlocal reducer
-        reducer = make_reducer(senders, refused, return_code)
+        reducer = make_reducer(senders, refused, return_code, **extra)
         if reducers is not None:
             reducers.append(reducer)
         return await asyncio.wait_for(asyncio.gather(*(sender(i) for i in range(len(parts_by_sender)))), 5)
@@ -161,6 +161,27 @@ def test_with_quantized_returns_every_sender_gets_the_same_quantized_average(cod
             assert torch.equal(results[sender][part_index], expected)
         # ...and the bytes every member receives decode to exactly those values
         assert torch.equal(codecs.decode(reducers[0].returns[part_index], max_numel=64), expected)
+
+
+def test_an_extra_tensors_part_is_judged_without_work_and_returned_in_its_own_code():
+    """Part 0 is a pseudo-gradient's (int4 average returns; CenteredClip gives the sender with 3x
+    the work a 3x wider radius), part 1 an extra tensor's (a moment: no work scaling, bf16 returns)."""
+    refused, reducers = [], []
+    parts = [honest(0), honest(1), honest(2)]
+    for part in parts[2]:
+        part += 1.5  # the peer that did 3x the others' work sent parts far from theirs
+    weights = [1.0, 1.0, 3.0]
+    results = run_senders(3, refused, parts, weights, return_code="int4", reducers=reducers,
+                          extra_parts=[False, True], extra_code="bf16")
+    assert refused == []
+    config = RobustConfig()
+    bounded = robust.bound_weights(weights, max_ratio=config.max_weight_ratio, max_weight=config.max_weight)
+    for index, (work_scaled, code) in enumerate(((True, "int4"), (False, "bf16"))):
+        expected = robust.aggregate([p[index] for p in parts], bounded, config, work_scaled=work_scaled).value
+        assert torch.equal(results[0][index], codecs.quantize(expected, code))
+        assert codecs.decode(reducers[0].returns[index], max_numel=64).equal(results[1][index])
+    unscaled = robust.aggregate([p[0] for p in parts], bounded, config, work_scaled=False).value
+    assert not torch.allclose(unscaled, robust.aggregate([p[0] for p in parts], bounded, config).value)
 
 
 def checked_container(tensor: torch.Tensor, peers: int,

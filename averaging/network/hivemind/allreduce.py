@@ -97,9 +97,14 @@ class RobustPartReducer(TensorPartReducer):
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, config: RobustConfig,
                  local_sender_index: int | None, refuse: Callable[[int, str], None],
-                 return_code: str | None = None):
+                 return_code: str | None = None, extra_parts: Sequence[bool] = (), extra_code: str | None = None):
+        """``extra_parts[i]``: our part ``i`` is of the extra tensor (``PayloadCompression``): judged
+        without work scaling (a moment is not work: a peer that did more steps has no longer ones),
+        and with ``return_code`` returned as its average in ``extra_code``."""
         self.config, self.local_sender_index, self.refuse = config, local_sender_index, refuse
-        self.return_code = return_code
+        self.return_code, self.extra_code = return_code, extra_code
+        self.extra_parts = tuple(extra_parts) or (False,) * len(part_shapes)
+        assert len(self.extra_parts) == len(part_shapes)
         self.returns: dict[int, bytes] = {}
         self.declared_weights: list[float | None] = [None] * num_senders
         self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
@@ -159,7 +164,8 @@ class RobustPartReducer(TensorPartReducer):
         if self.current_part_accumulated_from == self.num_current_senders:
             result = self._aggregate_current()
             if self.return_code is not None:
-                self.returns[self.current_part_index], result = hivemind_codecs.encode_average(result, self.return_code)
+                code = self.extra_code if self.extra_parts[self.current_part_index] else self.return_code
+                self.returns[self.current_part_index], result = hivemind_codecs.encode_average(result, code)
             self.current_part_future.set_result(result)
             self.reset_accumulators()
 
@@ -189,7 +195,9 @@ class RobustPartReducer(TensorPartReducer):
             return torch.zeros(self.part_shapes[self.current_part_index])
         weights = robust.bound_weights([self.contributions[s][1] for s in senders],
                                        max_ratio=self.config.max_weight_ratio, max_weight=self.config.max_weight)
-        result = robust.aggregate([self.contributions[s][0] for s in senders], weights, self.config)
+        extra = self.extra_parts[self.current_part_index]
+        result = robust.aggregate([self.contributions[s][0] for s in senders], weights, self.config,
+                                  work_scaled=False if extra else None)
         self.clipped.update(senders[i] for i in result.clipped)
         return result.value
 
@@ -236,10 +244,19 @@ class RobustAllReduceRunner(AllReduceRunner):
         local_index = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
         container = self.tensor_part_container
         self.return_code = hivemind_codecs.average_return_code(container.compression)
+        # Every part of the payload, in order (each tensor's parts, tensor by tensor): the type its
+        # answer carries, and its return code. Our reducer's parts are a contiguous run of them.
+        self.part_codes = hivemind_codecs.part_codes(container.compression, container.num_parts_by_tensor)
+        own_index = self.ordered_peer_ids.index(self.peer_id)
+        first = sum(container.num_parts_by_peer[:own_index])
+        own_codes = self.part_codes[first:first + len(self.parts_for_local_averaging)]
+        main_parts = container.num_parts_by_tensor[0]
         self.tensor_part_reducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
             config=robust_config, local_sender_index=local_index, refuse=self._refuse_sender,
-            return_code=self.return_code)
+            return_code=self.return_code, extra_parts=[first + i >= main_parts for i in range(len(own_codes))],
+            extra_code=hivemind_codecs.extra_code(container.compression))
+        self._answer_types = [kind for kind, _ in own_codes]
         container.__class__ = CheckedPartContainer
         container.max_norm_ratio, container.on_bad_return, container.distrusted = (
             robust_config.max_norm_ratio, self._refuse_reducer, set())
@@ -362,7 +379,6 @@ class RobustAllReduceRunner(AllReduceRunner):
                 yield answer
             return
         reducer = self.tensor_part_reducer
-        compression_type = self.tensor_part_container.compression.compression_type
         received = 0
         try:
             async for tensor_part, weight in amap_in_executor(
@@ -375,8 +391,9 @@ class RobustAllReduceRunner(AllReduceRunner):
                     break
                 data = reducer.returns[received]
                 received += 1
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART,
-                                                  tensor_part=hivemind_codecs.message(data, average, compression_type))
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART,
+                    tensor_part=hivemind_codecs.message(data, average, self._answer_types[received - 1]))
         finally:
             if received != reducer.num_parts:  # as hivemind: a sender that stopped short is failed
                 await self._ban_sender(self.sender_peer_ids[sender_index])

@@ -32,6 +32,7 @@ from averaging.math.wire import AVERAGE_RETURN_CODES, STATE_BYTES_PER_VALUE, Wir
 from averaging.network.hivemind.averager import DISTRUSTED_KEY, PARTIAL_KEY, ShoalAverager, leader_group_cap
 from averaging.network.hivemind.fetching import FETCH_GRACE_S, describe
 from averaging.network.hivemind.parts import (
+    HIVEMIND_PART_BYTES,
     REDUCER_SHARE,
     SENDER_SHARE,
     averager_compression,
@@ -89,12 +90,16 @@ class HivemindBackend:
         admission: bytes | None = None,
         signer: PeerKey | None = None,
         share_state: bool = True,
+        extra_numel: int = 0,
     ):
         """``admission``: a private swarm's admission key (``protocols.admission.admission_key``).
         ``signer``: this peer's libp2p identity (the DHT's): our claims are signed with it and every
         member's must be (``protocols.signed_claims``). Every real node has one; without it (tests
         on bare hivemind DHTs) claims travel unsigned and unchecked. ``share_state``: serve our state
-        from the start (False for a peer that downloads the swarm's first: ``share_state``)."""
+        from the start (False for a peer that downloads the swarm's first: ``share_state``).
+        ``extra_numel``: a second vector of that many values averaged in the same all-reduce
+        (``average(extra=...)``), in bf16 and judged without work scaling: the inner optimizer's
+        moments. Every member of a run must agree on it (the parts are cut from both tensors)."""
         if signer is not None and signer.peer_id != str(dht.peer_id):
             raise ValueError("the signer must be the DHT's own identity")
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
@@ -102,10 +107,12 @@ class HivemindBackend:
         wire = wire or WireFormat()
         if robust is None and wire.return_code in AVERAGE_RETURN_CODES:
             raise ValueError(f"{wire.return_code} returns need shoal's all-reduce runner: pass a RobustConfig")
-        extra = {} if wire.quantized else {"part_size_bytes": float_part_bytes(wire, numel)}
+        part_bytes = {} if wire.quantized else {"part_size_bytes": float_part_bytes(wire, numel)}
         leader_cap = leader_group_cap(target_group_size, robust)
+        self.extra_numel = extra_numel
         self._averager = self.averager_class(
-            averaged_tensors=[torch.zeros(numel, dtype=torch.float32)],
+            averaged_tensors=[torch.zeros(numel, dtype=torch.float32)]
+            + ([torch.zeros(extra_numel, dtype=torch.float32)] if extra_numel else []),
             dht=dht,
             start=True,
             prefix=prefix,
@@ -121,7 +128,9 @@ class HivemindBackend:
             # requires sender < reducer timeout.
             sender_timeout=allreduce_timeout * SENDER_SHARE,
             reducer_timeout=allreduce_timeout * REDUCER_SHARE,
-            compression=averager_compression(wire, numel=numel, target_group_size=target_group_size),
+            compression=averager_compression(wire, numel=numel, target_group_size=target_group_size,
+                                             extra_numel=extra_numel,
+                                             part_size_bytes=part_bytes.get("part_size_bytes", HIVEMIND_PART_BYTES)),
             state_compression=NoCompression(),  # shared state must arrive exact
             client_mode=client_mode,
             allow_state_sharing=share_state and not client_mode,
@@ -129,7 +138,7 @@ class HivemindBackend:
             robust=robust,
             admission=admission,
             signed_claims=signer is not None,
-            **extra,
+            **part_bytes,
         )
         self._signer = signer
         self.peer_id = str(dht.peer_id)
@@ -196,7 +205,9 @@ class HivemindBackend:
             self._averager.allow_state_sharing = allowed
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
-                round: int | None = None) -> AverageOutcome:
+                round: int | None = None, extra: torch.Tensor | None = None) -> AverageOutcome:
+        if (extra is None) != (self.extra_numel == 0) or (extra is not None and extra.numel() != self.extra_numel):
+            raise ValueError(f"this backend averages an extra vector of {self.extra_numel} values with every round")
         with self._controls_lock:
             if round is None and self._controls:
                 round = max(self._controls)
@@ -213,8 +224,10 @@ class HivemindBackend:
         if control.done():
             return AverageOutcome(ok=False, error=f"matchmaking ended early: {_reason(control)}")
         # 1. Fill the buffer while the averager cannot be using it (the step waits for our trigger).
-        with self._averager.get_tensors() as (buffer,):
-            buffer.copy_(vector)
+        with self._averager.get_tensors() as buffers:
+            buffers[0].copy_(vector)
+            if extra is not None:
+                buffers[1].copy_(extra)
         control.weight = float(weight)
         started, started_wall = time.perf_counter(), swarm_time.now()
         control.allow_allreduce()
@@ -242,8 +255,10 @@ class HivemindBackend:
                                   error=f"{PARTIAL_ERROR}: {missing:.1%} of the average never arrived (a "
                                         "reducer failed, named in the log); this round's work is kept for the next")
         # 3. Read the result only after the step finished (the averager released the lock).
-        with self._averager.get_tensors() as (buffer,):
-            vector.copy_(buffer)
+        with self._averager.get_tensors() as buffers:
+            vector.copy_(buffers[0])
+            if extra is not None:
+                extra.copy_(buffers[1])
         self._note_allreduce(allreduce_s)
         return AverageOutcome(ok=True, group=group, gathered=gathered_by_peer, sync_s=sync_s, allreduce_s=allreduce_s)
 

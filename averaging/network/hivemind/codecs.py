@@ -16,7 +16,8 @@ through ``averaging.network.hivemind.pins``):
 
 Registration (``register``, run at import; the averager is a forked process and inherits it, so
 import this module before creating the averager): each (send, return) pair of codes gets a new
-enum value ``7000 + 100 * send_bits + return_bits`` (e.g. 7416 = int4 out, fp16 back), the enum
+enum value ``7000 + 100 * send_bits + return_bits`` (e.g. 7416 = int4 out, fp16 back; an extra
+tensor's code, ``ExtraCodec``, gets ``7900 +`` its header id, bf16 7917), the enum
 wrapper's ``Name`` learns these numbers (an instance attribute that falls back to the original
 for every other value), and the registry maps each name to a ``ReturnCodec``: its ``extract``
 decodes any shoal code (the header says which, hostile-input safe, at most ``MAX_PART_NUMEL``
@@ -47,10 +48,11 @@ Sends are error-fed and drift-free (``averaging.math.wire``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
-from hivemind.compression import CompressionBase, CompressionInfo, serialization
+from hivemind.compression import CompressionBase, CompressionInfo, PerTensorCompression, serialization
 from hivemind.proto import runtime_pb2
 
 from averaging.math import codecs
@@ -61,14 +63,20 @@ from protocols.messages import MessageError
 
 SEND_CODES = QUANTIZED_CODES
 DEFAULT_RETURN_CODE = "fp16"
+# The codes of an extra averaged tensor (``PayloadCompression``), each sent and returned in itself.
+EXTRA_CODES = ("bf16",)
 MAX_PART_NUMEL = 1 << 24  # what a receiver decodes at most per part: 64 MiB of fp32
 WIRE_TYPE_BASE = 7000
+EXTRA_WIRE_TYPE_BASE = 7900  # + the code's header id (bf16: 7917), clear of the pairs above (<= 7808)
 
 
 def wire_type(send: str, ret: str = DEFAULT_RETURN_CODE) -> int:
     """The ``CompressionType`` value for sends in ``send`` and returns in ``ret``."""
+    if send in EXTRA_CODES and ret == send:
+        return EXTRA_WIRE_TYPE_BASE + codecs.get_code(send).wire_id
     if send not in SEND_CODES or ret not in RETURN_CODES:
-        raise ValueError(f"unsupported codec pair {send}/{ret}: send one of {SEND_CODES}, return one of {RETURN_CODES}")
+        raise ValueError(f"unsupported codec pair {send}/{ret}: send one of {SEND_CODES}, return one of {RETURN_CODES}"
+                         f" (or one of {EXTRA_CODES} both ways)")
     return WIRE_TYPE_BASE + 100 * codecs.get_code(send).bits + codecs.get_code(ret).bits
 
 
@@ -77,7 +85,10 @@ def wire_name(send: str, ret: str = DEFAULT_RETURN_CODE) -> str:
     return f"SHOAL_{send.upper()}_RET_{ret.upper()}"
 
 
-WIRE_TYPES: dict[int, tuple[str, str]] = {wire_type(s, r): (s, r) for s in SEND_CODES for r in RETURN_CODES}
+WIRE_TYPES: dict[int, tuple[str, str]] = {
+    **{wire_type(s, r): (s, r) for s in SEND_CODES for r in RETURN_CODES},
+    **{wire_type(c, c): (c, c) for c in EXTRA_CODES},
+}
 WIRE_NAMES: dict[int, str] = {number: wire_name(*pair) for number, pair in WIRE_TYPES.items()}
 
 
@@ -155,12 +166,76 @@ class ShoalCodec(CompressionBase):
         return f"ShoalCodec({self.code}, return_code={self.return_code}, part_values={self.part_values})"
 
 
+class ExtraCodec(CompressionBase):
+    """The codec of an extra averaged tensor (``PayloadCompression``'s second): sends and returns in
+    ``code`` (bf16: fp32's range, so an Adam second moment keeps its small entries), in parts of
+    ``part_values`` values (hivemind's part size, as ``ShoalCodec`` sets it). No error feedback:
+    what it carries is replaced each round, not accumulated."""
+
+    def __init__(self, code: str = "bf16", *, part_values: int, part_size_bytes: int = DEFAULT_PART_SIZE_BYTES):
+        register()
+        self.compression_type = wire_type(code, code)
+        self.code = self.return_code = code
+        if not 0 < part_values <= MAX_PART_NUMEL:
+            raise ValueError(f"part_values {part_values} must be in 1..{MAX_PART_NUMEL}")
+        self.part_values, self.part_size_bytes = part_values, part_size_bytes
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        return message(codecs.encode(tensor, self.code), tensor, self.compression_type)
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return extract(serialized_tensor)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.part_size_bytes / (info.descriptor.dtype.itemsize * (self.part_values + 0.5))
+
+    def __repr__(self) -> str:
+        return f"ExtraCodec({self.code}, part_values={self.part_values})"
+
+
+class PayloadCompression(PerTensorCompression):
+    """The averager's ``compression`` when it averages two tensors: the pseudo-gradient (tensor 0)
+    in its own codec, an extra tensor (tensor 1, e.g. the inner optimizer's moments) in an
+    ``ExtraCodec``. hivemind cuts each tensor into parts on its own and compresses every part with
+    ``CompressionInfo(key=tensor index)``, which picks the codec here."""
+
+    def __init__(self, main: CompressionBase, extra: ExtraCodec):
+        super().__init__([main, extra])
+        self.main, self.extra = main, extra
+
+    @property
+    def compression_type(self) -> int:
+        return self.main.compression_type
+
+    def __repr__(self) -> str:
+        return f"PayloadCompression({self.main!r}, {self.extra!r})"
+
+
 def average_return_code(compression: CompressionBase) -> str | None:
     """The return code if reducers return the quantized average itself (int8/int4), else None
-    (fp16/fp32 and hivemind's codecs: deltas)."""
+    (fp16/fp32 and hivemind's codecs: deltas). With a ``PayloadCompression``, the main tensor's;
+    its extra tensor then returns its average in its own code."""
+    if isinstance(compression, PayloadCompression):
+        compression = compression.main
     if isinstance(compression, ShoalCodec) and compression.return_code in AVERAGE_RETURN_CODES:
         return compression.return_code
     return None
+
+
+def extra_code(compression: CompressionBase) -> str | None:
+    """The extra tensor's code (``PayloadCompression``), or None for a payload of one tensor."""
+    return compression.extra.code if isinstance(compression, PayloadCompression) else None
+
+
+def part_codes(compression: CompressionBase, parts_by_tensor: Sequence[int]) -> list[tuple[int, str | None]]:
+    """For every part of the whole payload (tensor 0's parts, then tensor 1's), the message type a
+    reducer's answer carries and the code it returns the average in (None: deltas, hivemind's way)."""
+    codes = [(compression.main, average_return_code(compression.main)), (compression.extra, compression.extra.code)] \
+        if isinstance(compression, PayloadCompression) else [(compression, average_return_code(compression))]
+    out: list[tuple[int, str | None]] = []
+    for (codec, code), count in zip(codes, parts_by_tensor):
+        out += [(getattr(codec, "compression_type", 0), code)] * count
+    return out
 
 
 def encode_average(average: torch.Tensor, return_code: str) -> tuple[bytes, torch.Tensor]:

@@ -24,10 +24,12 @@ from collections.abc import Callable, Iterable
 
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
+from averaging.math.codecs import bytes_per_value
 from averaging.math.wire import WireFormat
-from averaging.network.hivemind.codecs import ShoalCodec
+from averaging.network.hivemind.codecs import ExtraCodec, PayloadCompression, ShoalCodec
 
 HIVEMIND_PART_BYTES = 2**19  # hivemind's default part size (512 KiB after compression)
+EXTRA_CODE = "bf16"  # an extra averaged tensor's code (``averager_compression``)
 # Parts are balanced for this many members when the group size is open: a multiple of 12 near-equal
 # parts splits evenly over groups of 2, 3, 4, 6 and 12.
 OPEN_GROUP_PARTS = 12
@@ -70,15 +72,25 @@ def part_values(wire: WireFormat, numel: int, target_group_size: int | None) -> 
                               bytes_per_value=wire.send_bytes_per_value())
 
 
-def averager_compression(wire: WireFormat, *, numel: int, target_group_size: int | None) -> CompressionBase:
+def averager_compression(wire: WireFormat, *, numel: int, target_group_size: int | None, extra_numel: int = 0,
+                         extra_code: str = EXTRA_CODE, part_size_bytes: int = HIVEMIND_PART_BYTES) -> CompressionBase:
     """The averager's ``compression``: hivemind's own for fp16/fp32, else shoal's codec with parts
-    from ``part_values``, so the reducers' re-encoding of an error-fed send is lossless. Importing
+    from ``part_values``, so the reducers' re-encoding of an error-fed send is lossless. With
+    ``extra_numel`` a second tensor of that many values rides the same all-reduce in
+    ``extra_code``, in parts balanced for the target group like the first's (``part_size_bytes``:
+    the averager's, which the codecs' ratios are relative to). Importing
     ``averaging.network.hivemind.codecs`` registered the codecs in this process; the averager forks
     after, and inherits them."""
     if not wire.quantized:
-        return FLOAT_COMPRESSIONS[wire.code]()
-    return ShoalCodec(wire.code, return_code=wire.return_code, block_size=wire.block_size,
-                      part_values=part_values(wire, numel, target_group_size))
+        main: CompressionBase = FLOAT_COMPRESSIONS[wire.code]()
+    else:
+        main = ShoalCodec(wire.code, return_code=wire.return_code, block_size=wire.block_size,
+                          part_values=part_values(wire, numel, target_group_size))
+    if not extra_numel:
+        return main
+    values = balanced_part_size(extra_numel, target_group_size or OPEN_GROUP_PARTS, 1,
+                                bytes_per_value=bytes_per_value(extra_code), max_part_bytes=part_size_bytes)
+    return PayloadCompression(main, ExtraCodec(extra_code, part_values=values, part_size_bytes=part_size_bytes))
 
 
 def float_part_bytes(wire: WireFormat, numel: int) -> int:

@@ -1,0 +1,87 @@
+"""A second vector rides the pseudo-gradient's all-reduce (``HivemindBackend(extra_numel=...)``):
+three real ``HivemindBackend``s on loopback, as nodes run them, average an int4 pseudo-gradient
+(int4 returns: shoal's runner) or an fp16 one (hivemind's delta returns) together with an extra
+vector shaped like an Adam second moment (positive, spanning 40 binades). The pseudo-gradient ends
+as the one-tensor path leaves it (the same average on every member); the extra vector ends at the
+weighted mean within bf16's precision, its small entries kept, on every member."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import hivemind
+import pytest
+import torch
+
+from averaging.math import codecs
+from averaging.math.robust import RobustConfig
+from averaging.math.wire import WireFormat
+from averaging.network.hivemind.backend import HivemindBackend
+from tests.integration.averagers import loopback_averagers
+
+pytestmark = pytest.mark.integration
+
+NUMEL, EXTRA = 24_000, 40_000
+WEIGHTS = (1.0, 2.0, 0.5)
+
+
+def payloads(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(NUMEL, generator=generator) * (1 + i) for i in range(len(WEIGHTS))]
+    binades = torch.linspace(-50, -10, EXTRA).exp2()  # 2**-50 .. 2**-10: gradients of 2**-25 .. 2**-5, squared
+    extras = [binades * (1 + torch.rand(EXTRA, generator=generator)) for _ in WEIGHTS]
+    return grads, extras
+
+
+def one_round(backends: list[HivemindBackend], vectors: list[torch.Tensor], extras: list[torch.Tensor], round: int):
+    scheduled = time.time() + 3.0
+    for backend in backends:
+        backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round}, timeout=20.0)
+    with ThreadPoolExecutor(len(backends)) as pool:
+        return list(pool.map(lambda i: backends[i].average(vectors[i], weight=WEIGHTS[i], timeout=40.0, round=round,
+                                                            extra=extras[i]), range(len(backends))))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("code", ["int4", "fp16"])
+def test_an_extra_vector_is_averaged_in_bf16_beside_the_pseudo_gradient(code):
+    wire = WireFormat.of(code)
+    prefix = f"extra-{code}-{uuid.uuid4().hex[:6]}"
+
+    def make(_: int, dht: hivemind.DHT) -> HivemindBackend:
+        return HivemindBackend(dht, numel=NUMEL, prefix=prefix, state_provider=lambda: ({}, []), wire=wire,
+                               target_group_size=len(WEIGHTS), min_group_size=len(WEIGHTS), extra_numel=EXTRA,
+                               min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0,
+                               robust=RobustConfig(ban_rounds=0))
+
+    grads, extras = payloads(seed=5)
+    sent = [wire.to_send(g) for g in grads]
+    with loopback_averagers(len(WEIGHTS), make) as backends:
+        for round in (1, 2, 3):  # a round whose matchmaking or a reducer failed is replayed (docs/hivemind.md)
+            vectors, outs = [s.clone() for s in sent], [e.clone() for e in extras]
+            outcomes = one_round(backends, vectors, outs, round)
+            if all(outcome.ok and len(outcome.group) == len(WEIGHTS) for outcome in outcomes):
+                break
+        assert all(outcome.ok and len(outcome.group) == len(WEIGHTS) for outcome in outcomes), outcomes
+        with pytest.raises(ValueError, match="extra vector of 40000 values"):
+            backends[0].average(sent[0].clone(), weight=1.0, timeout=1.0, round=9)  # the extra is not optional
+
+    total = sum(WEIGHTS)
+    exact = sum(w * s.double() for w, s in zip(WEIGHTS, sent)) / total
+    for vector in vectors:  # the pseudo-gradient: its return code's bound, as without an extra
+        # int4: half a level of the block's average; fp16: each send's and each delta's fp16 rounding
+        bound = (0.5 + 2**-11) / 7 * exact.abs().max() if wire.return_code == "int4" else \
+            2**-9 * max(float(s.abs().max()) for s in sent)
+        assert float((vector.double() - exact).abs().max()) <= float(bound)
+    if wire.return_code == "int4":  # shoal's runner: every member holds the same average
+        assert all(float((v - vectors[0]).abs().max()) <= 2**-22 * float(exact.abs().max()) for v in vectors)
+
+    mean = sum(w * e.double() for w, e in zip(WEIGHTS, extras)) / total
+    for out in outs:
+        relative = ((out.double() - mean).abs() / mean).max()
+        # bf16 sends (2**-9 each), a bf16 average (int4 run) or bf16 deltas (fp16 run): a few 2**-9
+        assert float(relative) < 3 * 2**-8, float(relative)
+        assert bool((out > 0).all())  # no small entry flushed to zero (fp16 would flush these)
+    assert bool(codecs.quantize(mean.float(), "fp16").eq(0).any())  # ...as fp16 would, even scaled
