@@ -14,12 +14,20 @@
     swarm.save_checkpoint("checkpoints/")
     swarm.close()
 
+To average the inner optimizer's moments with every round (``averaging.average_inner_state``):
+plan them before the optimizer exists, bind it once it does (the averager needs their size first)::
+
+    inner = InnerStateSync(model)                    # AdamW's moments; muon=[...] for Muon's params
+    swarm = DiLoCoSwarm(model, ..., averaging=AveragingConfig(average_inner_state=True), inner_state=inner)
+    model.cuda(); opt = torch.optim.AdamW(model.parameters(), lr=3e-4); inner.bind([opt])
+
 Everything here is the public surface: ``shoal run`` itself uses nothing else of ``node.library``.
 """
 
 from __future__ import annotations
 
 from averaging.engine.config import SyncMode
+from averaging.engine.inner_sync import InnerStateSync
 from averaging.engine.policy import round_advice
 from averaging.engine.stats import RoundStats
 from averaging.math.outer_step import OuterConfig
@@ -38,6 +46,7 @@ __all__ = [
     "AveragingConfig",
     "CheckpointError",
     "ConfigError",
+    "InnerStateSync",
     "DiLoCoSwarm",
     "Heartbeat",
     "LiveRound",

@@ -37,6 +37,7 @@ import torch
 
 from averaging.engine.clock import SYSTEM_CLOCK, Clock
 from averaging.engine.config import LoopConfig, SyncMode
+from averaging.engine.inner_sync import InnerStateSync
 from averaging.engine.policy import MAX_OUTSTANDING, JoinPolicy, Outstanding
 from averaging.engine.recover import download_horizon, newest_round
 from averaging.engine.round import RoundRunner, SyncResult
@@ -61,6 +62,7 @@ class _Job:
     future: Future[SyncResult]
     slot: int  # which snapshot/correction buffers it uses
     then: list[RoundStats] = field(default_factory=list)  # rounds we stayed out of, reported after this one
+    steps_at_snapshot: int = 0  # our inner steps so far when its snapshot was taken (the moments' landing)
 
 
 class RoundEngine:
@@ -68,7 +70,10 @@ class RoundEngine:
                  params: Callable[[], dict[str, torch.Tensor]], schedule: Callable[[], RoundSchedule],
                  config: LoopConfig, peer_id: str, alone: Callable[[], bool], device: torch.device,
                  clock: Clock = SYSTEM_CLOCK, wire: WireFormat | None = None, client_mode: bool = False,
-                 swarm_lateness: Callable[[], Sequence[float]] | None = None):
+                 swarm_lateness: Callable[[], Sequence[float]] | None = None,
+                 inner_state: InnerStateSync | None = None):
+        """``inner_state``: average the inner optimizer's moments with every round (its backend was
+        built with ``extra_numel = inner_state.numel``; ``averaging.engine.inner_sync``)."""
         self.state, self.worker, self.layout = state, worker, layout
         self._params, self._schedule, self.config = params, schedule, config
         self.peer_id, self.device = peer_id, device
@@ -76,7 +81,12 @@ class RoundEngine:
         self.policy = JoinPolicy(config, schedule, swarm_lateness)
         self.runner = RoundRunner(state=state, worker=worker, layout=layout, config=config, schedule=schedule,
                                   clock=clock, wire=wire or WireFormat(), client_mode=client_mode,
-                                  peer_id=peer_id, alone=alone)
+                                  peer_id=peer_id, alone=alone,
+                                  extra_numel=inner_state.numel if inner_state is not None else 0)
+        self.inner_state = inner_state
+        # Per buffer slot: the moments at the round's end and the group's mean of them.
+        self._host_moments: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+        self._steps = 0  # inner steps taken (the landing's k: steps since a round's snapshot)
         cuda = device.type == "cuda"
         # Host staging for the parameter snapshots and the merge corrections: pinned so that
         # device<->host copies are async. Two of each (slot 1 allocated when first needed): a sync
@@ -167,6 +177,7 @@ class RoundEngine:
         """Call after every inner step; returns the rounds that finished (usually none)."""
         window = self.window
         window.steps += 1
+        self._steps += 1
         window.tokens += tokens
         window.compute_s += seconds
         if loss is not None:
@@ -232,12 +243,13 @@ class RoundEngine:
             self._host_params[slot] = self.layout.new_buffer(pin_memory=self._pinned)
             self._host_correction[slot] = self.layout.new_buffer(pin_memory=self._pinned)
         event = self._snapshot_params(self._host_params[slot])
+        moments = self._snapshot_moments(slot)
         # A sync still in flight has a correction this snapshot does not contain yet.
         pending = self._host_correction[self._jobs[-1].slot] if self._jobs else None
         tokens, self._folded_tokens = window.tokens + self._folded_tokens, 0
         future = self.worker.submit(self.runner.run, window.round, tokens, event, self._host_params[slot],
-                                    self._host_correction[slot], pending, prepared)
-        self._jobs.append(_Job(window, future, slot))
+                                    self._host_correction[slot], pending, prepared, moments)
+        self._jobs.append(_Job(window, future, slot, steps_at_snapshot=self._steps))
         jumped = self._report_jumped(window, next_round)
         if blocking:
             finished += self.try_merge(wait=True)
@@ -283,6 +295,11 @@ class RoundEngine:
         result = self.clock.wait(job.future)
         stall_s = 0.0 if already_done else self.clock.monotonic() - waited_from
         self._merge(result.correction)
+        if result.inner_state is not None and self.inner_state is not None:
+            problem = self.inner_state.land(result.inner_state, self._host_moments[job.slot][0],
+                                            steps=self._steps - job.steps_at_snapshot)
+            if problem is not None:
+                logger.warning(f"round {job.window.round}: {problem}; our own moments were kept")
         self.policy.note_lateness(result.lateness_s)
         # In blocking mode the round's own wait is part of the round; in overlap mode a wait (only
         # ``finish`` waits) is charged to the window that had to wait.
@@ -299,6 +316,17 @@ class RoundEngine:
             bytes_sent=result.bytes_sent, bytes_received=result.bytes_received, caught_up=conclusion.caught_up,
             robust=result.robust, lineage_merged=result.lineage_merged, lineage_reunion=result.reunion,
         ), *(replace(stayed_out, rounds_done=result.rounds_done) for stayed_out in job.then)]
+
+    def _snapshot_moments(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The inner optimizer's moments at the round's end, into ``slot``'s host buffers (made
+        when first needed), with the buffer their group mean will be written to; None if they do
+        not ride the all-reduce. A blocking copy: the moments change with the next step."""
+        if self.inner_state is None:
+            return None
+        if self._host_moments[slot] is None:
+            self._host_moments[slot] = (torch.zeros(self.inner_state.numel), torch.zeros(self.inner_state.numel))
+        self.inner_state.snapshot(self._host_moments[slot][0])
+        return self._host_moments[slot]
 
     @torch.no_grad()
     def _snapshot_params(self, buffer: torch.Tensor) -> torch.cuda.Event | None:

@@ -31,11 +31,12 @@ from averaging.engine.config import LoopConfig
 from averaging.engine.lineage import LineageWatch, lineage_fold
 from averaging.engine.recover import Recovery
 from averaging.engine.worker import SyncWorker
+from averaging.math.codecs import bytes_per_value
 from averaging.math.fingerprints import DivergenceWatch
 from averaging.math.flat import FlatLayout
 from averaging.math.merge import merge_correction
 from averaging.math.outer_step import anchor_before_step, pseudo_gradient
-from averaging.math.wire import WireFormat, accounted_for, round_payload
+from averaging.math.wire import EXTRA_CODE, WireFormat, accounted_for, round_payload
 from averaging.network.interface import AverageOutcome
 from averaging.state.accept import check_average, rms
 from averaging.state.shared_state import SharedState
@@ -43,6 +44,7 @@ from averaging.state.verdict import Applied, Resync, Verdict, judge
 from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
+EXTRA_BYTES_PER_VALUE = bytes_per_value(EXTRA_CODE)  # the inner state on the wire (both ways)
 
 
 @dataclass(slots=True)
@@ -78,6 +80,9 @@ class SyncResult:
     robust: dict[str, int] = field(default_factory=dict)
     lineage_merged: int = 0  # a reunion where we re-synced: our side's outer steps apart, merged through the next contribution
     reunion: bool = False  # the round met the other side of a split that stepped apart (either side: lineage.py's rules)
+    # The group's mean of the inner optimizer's moments (``averaging.engine.inner_sync``), when they
+    # rode the all-reduce and the round's average was applied; None: keep our own.
+    inner_state: torch.Tensor | None = None
 
 
 def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: torch.Tensor, *, round: int,
@@ -117,8 +122,10 @@ class RoundRunner:
 
     def __init__(self, *, state: SharedState, worker: SyncWorker, layout: FlatLayout, config: LoopConfig,
                  schedule: Callable[[], RoundSchedule], clock: Clock, wire: WireFormat, client_mode: bool,
-                 peer_id: str, alone: Callable[[], bool]):
+                 peer_id: str, alone: Callable[[], bool], extra_numel: int = 0):
+        """``extra_numel``: the inner optimizer's moments ride each all-reduce (``run``'s ``inner_state``)."""
         self.state, self.worker, self.layout, self.config = state, worker, layout, config
+        self.extra_numel = extra_numel
         self._schedule, self.clock = schedule, clock
         # The payload's codec (error feedback: the residual lives in the live parameters, see
         # averaging.math.wire) and, for the byte counts, whether we reduce nothing (client mode).
@@ -152,9 +159,10 @@ class RoundRunner:
     # -- the round's sync (the sync lane) ------------------------------------------------------------
     def run(self, round: int, tokens: int, event: torch.cuda.Event | None, snapshot: torch.Tensor,
             correction_out: torch.Tensor, pending_correction: torch.Tensor | None,
-            prepared: Future | None) -> SyncResult:
+            prepared: Future | None, inner_state: tuple[torch.Tensor, torch.Tensor] | None = None) -> SyncResult:
         """``snapshot``: the parameters at the round's end (``event``: its copy on CUDA);
-        ``pending_correction``: a previous sync's correction the snapshot does not contain yet."""
+        ``pending_correction``: a previous sync's correction the snapshot does not contain yet;
+        ``inner_state``: (the moments at the round's end, a buffer for the group's mean of them)."""
         if prepared is not None:
             prepared.result()  # the prepare lane's job: it raised only if the backend is broken
         if event is not None:
@@ -163,7 +171,11 @@ class RoundRunner:
             snapshot.add_(pending_correction)  # taken before that merge: as if it had been applied
         pseudo_grad = pseudo_gradient(self.state.anchor, snapshot, out=self._pseudo_grad)
         weight = float(tokens) + self._folded_weight
-        sent, averaged, outcome, sync_s = self._exchange(round, pseudo_grad, weight)
+        extra = None
+        if inner_state is not None:
+            extra = inner_state[1]
+            extra.copy_(inner_state[0])  # averaged in place: the snapshot stays for the landing
+        sent, averaged, outcome, sync_s = self._exchange(round, pseudo_grad, weight, extra)
         robust = self._robust_since_last()
         # Only a group's all-reduce tells how long the next one will take: a failed matchmaking
         # (alone, or no group) ends on its own timeout, and peers with another history would then
@@ -176,24 +188,33 @@ class RoundRunner:
                                    correction_out)
         merged, reunion = self._merge_lineages(round, outcome, conclusion, resynced, old_anchor, rounds_before,
                                                weight, averaged, correction)
+        group_size = len(outcome.group) if allreduced else 0
         sent_bytes, received_bytes = round_payload(
-            self.layout.numel, len(outcome.group) if allreduced else 0, client_mode=self.client_mode,
+            self.layout.numel, group_size, client_mode=self.client_mode,
             send_bytes_per_value=self.wire.send_bytes_per_value(),
             return_bytes_per_value=self.wire.return_bytes_per_value())
+        if extra is not None:
+            extra_sent, extra_received = round_payload(
+                self.extra_numel, group_size, client_mode=self.client_mode,
+                send_bytes_per_value=EXTRA_BYTES_PER_VALUE, return_bytes_per_value=EXTRA_BYTES_PER_VALUE)
+            sent_bytes, received_bytes = sent_bytes + extra_sent, received_bytes + extra_received
+        landed = extra if extra is not None and outcome.ok and conclusion.applied == Applied.AVERAGED else None
         return SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
                           sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.state.rounds_done,
-                          robust=robust, lineage_merged=merged, reunion=reunion)
+                          robust=robust, lineage_merged=merged, reunion=reunion, inner_state=landed)
 
-    def _exchange(self, round: int, pseudo_grad: torch.Tensor,
-                  weight: float) -> tuple[torch.Tensor, torch.Tensor, AverageOutcome, float]:
+    def _exchange(self, round: int, pseudo_grad: torch.Tensor, weight: float,
+                  extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, AverageOutcome, float]:
         """The all-reduce at the round's deadline of what the codec can carry exactly (our own full
-        pseudo-gradient stays as the fallback of a local round): (sent, averaged, outcome, sync_s)."""
+        pseudo-gradient stays as the fallback of a local round): (sent, averaged, outcome, sync_s).
+        ``extra`` (the inner optimizer's moments) is averaged in place in the same all-reduce."""
         started = self.clock.monotonic()
         sent = self.wire.to_send(pseudo_grad)
         averaged = sent.clone()
         timeout = max(0.0, self._schedule().round_end(round) - self.clock.now()) + self.worker.matchmaking_grace
+        more = {} if extra is None else {"extra": extra}  # (a backend without extras takes no such argument)
         outcome = self.worker.backend.average(averaged, weight=weight, timeout=timeout + self.worker.allreduce_timeout,
-                                              round=round)
+                                              round=round, **more)
         return sent, averaged, outcome, self.clock.monotonic() - started
 
     def _judge_and_recover(self, round: int, outcome: AverageOutcome, pseudo_grad: torch.Tensor,

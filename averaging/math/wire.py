@@ -59,6 +59,9 @@ AUTO_RETURN = {"int8": "int8", "int4": "int4", "int2": "int4"}
 # ``averaging.compression`` values; "none" is the older spelling of fp32.
 COMPRESSIONS = (*FLOAT_CODES, "none", *QUANTIZED_CODES)
 STATE_BYTES_PER_VALUE = 4  # the shared state is stored and downloaded as fp32
+# An extra vector averaged beside the pseudo-gradient (the inner optimizer's moments) goes both ways
+# in bf16: fp32's range (an Adam second moment spans tens of binades, which fp16 flushes to zero).
+EXTRA_CODE = "bf16"
 
 
 def canonical(compression: str) -> str:

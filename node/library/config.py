@@ -68,6 +68,12 @@ class AveragingConfig:
     # about 48 peers, then about one per 16 peers, which spreads the reads over more DHT nodes
     # (measured: docs/scale.md). Shared: every peer of a run must read and write the same keys.
     progress_shards: int = 1
+    # Average the inner optimizer's moments (AdamW's two, Muon's one) with every round, beside the
+    # pseudo-gradient, in bf16: each peer's next steps start from the group's moments. Simulated, it
+    # lifts 4 equal peers from 1.81x to 1.98x a lone peer in blocking mode (1.65x -> 1.70x in
+    # overlap, where the mean lands a few steps late), for about 5-8x a round's bytes (AdamW: two
+    # bf16 vectors of the model's size beside an int4 one): docs/benchmarks.md. Shared.
+    average_inner_state: bool = False
 
     def __post_init__(self):
         if self.compression not in COMPRESSIONS:
@@ -127,6 +133,8 @@ def sync_shared_fields(*, outer: OuterConfig, rounds: RoundConfig, averaging: Av
                        "averaging.target_group_size": averaging.target_group_size})
     if averaging.progress_shards != 1:  # only then: an unsharded run's manifest (and hash) stays what it was
         shared["averaging.progress_shards"] = averaging.progress_shards
+    if averaging.average_inner_state:  # likewise; every member's all-reduce then carries the moments
+        shared["averaging.average_inner_state"] = True
     return shared
 
 

@@ -120,7 +120,7 @@ class LocalNetwork:
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
                 client_mode: bool, update_provider: UpdateProvider | None = None,
-                share_state: bool = True) -> AveragingBackend:
+                share_state: bool = True, extra_numel: int = 0) -> AveragingBackend:
         wire = averaging.wire
         if wire.quantized:  # reducers return deltas in the return code: each member ends slightly apart
             self.hub.averaging.return_code = wire.return_code

@@ -34,8 +34,9 @@ class Network(Protocol):
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
                 client_mode: bool, update_provider: UpdateProvider | None = None,
-                share_state: bool = True) -> AveragingBackend:
-        """The averaging backend (created once, before our own threads start)."""
+                share_state: bool = True, extra_numel: int = 0) -> AveragingBackend:
+        """The averaging backend (created once, before our own threads start); ``extra_numel``: a
+        second vector averaged with every round (the inner optimizer's moments)."""
 
     def pids(self) -> list[int | None]:
         """Processes this network started (and whose descendants must not outlive us)."""
@@ -69,7 +70,7 @@ class HivemindNetwork:
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
                 client_mode: bool, update_provider: UpdateProvider | None = None,
-                share_state: bool = True) -> AveragingBackend:
+                share_state: bool = True, extra_numel: int = 0) -> AveragingBackend:
         avg = averaging
         self._backend = HivemindBackend(
             self.dht, numel=numel, prefix=averager_prefix(run_id), state_provider=state_provider,
@@ -78,7 +79,7 @@ class HivemindNetwork:
             min_group_size=avg.min_group_size, min_matchmaking_time=avg.matchmaking_seconds,
             request_timeout=avg.request_timeout, allreduce_timeout=avg.allreduce_timeout, client_mode=client_mode,
             robust=avg.robust, admission=admission_key(self.swarm_key) if self.swarm_key is not None else None,
-            signer=self.dht.shoal_key, share_state=share_state,
+            signer=self.dht.shoal_key, share_state=share_state, extra_numel=extra_numel,
         )
         return self._backend
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from averaging.engine.config import LoopConfig
+from averaging.engine.inner_sync import InnerStateSync
 from averaging.engine.loop import RoundEngine
 from averaging.engine.stats import RoundStats, Traffic
 from averaging.engine.worker import SyncWorker
@@ -50,7 +51,7 @@ from node.library.resume import (
 from node.library.run_record import MANIFEST_TTL, RunTrust, join_run
 from protocols import swarm_time
 from protocols.addresses import parse_peer_multiaddr, peer_id_of
-from protocols.errors import AddressError, CheckpointError
+from protocols.errors import AddressError, CheckpointError, ConfigError
 from protocols.manifest import RunManifest, progress_shards
 from protocols.messages import MessageError
 from protocols.progress import ProgressRecord, before_first_step
@@ -137,12 +138,15 @@ class DiLoCoSwarm:
         run_key: bytes | None = None,
         swarm_key: bytes | None = None,
         trust_dir: str | Path | None = None,
+        inner_state: InnerStateSync | None = None,
     ):
         """``network``: how this peer reaches the others; default hivemind's DHT and all-reduce,
         started from ``initial_peers``/``listen``/``announce``/``identity`` (those are ignored when a
         network is given, e.g. ``node.library.local_network.LocalNetwork`` in tests). ``run_key``: the
         organiser key to follow (``--run-key``); ``swarm_key``: a private swarm's key (``--swarm-key``);
-        ``trust_dir``: where the run key trusted on first use and our own organiser key are kept."""
+        ``trust_dir``: where the run key trusted on first use and our own organiser key are kept.
+        ``inner_state``: the inner optimizer's moments (``InnerStateSync.of(model, [optimizer])``),
+        needed when ``averaging.average_inner_state`` is on: they ride every all-reduce."""
         self.model, self.run_id = model, run_id
         self.outer_config = outer or OuterConfig()
         self.averaging = averaging or AveragingConfig()
@@ -163,6 +167,10 @@ class DiLoCoSwarm:
         self.trust = RunTrust(pinned=run_key, explicit=run_key is not None,
                               pin_file=folder / f"{run_id}.run-key" if folder else None,
                               organiser_file=folder / f"{run_id}.organiser.key" if folder else None)
+        if self.averaging.average_inner_state and inner_state is None:
+            raise ConfigError("averaging.average_inner_state needs the inner optimizers: pass "
+                              "inner_state=InnerStateSync.of(model, [optimizer]) to DiLoCoSwarm")
+        self._inner_state = inner_state if self.averaging.average_inner_state else None
         try:
             self._build_state(shared or {})
             self._network = network or HivemindNetwork.start(
@@ -191,6 +199,8 @@ class DiLoCoSwarm:
             "parameters": hashlib.sha256(json.dumps(
                 [[n, list(p.shape), str(p.dtype)] for n, p in named]).encode()).hexdigest()[:16],
         }
+        if self._inner_state is not None:  # which moments ride the all-reduce (AdamW's or Muon's): peers cut alike
+            self.shared["averaging.inner_state_layout"] = self._inner_state.describe()
 
     def _join(self) -> None:
         """Adopt the run's schedule, or refuse an incompatible run (``ConfigError``) before averaging."""
@@ -213,7 +223,8 @@ class DiLoCoSwarm:
                                         state_provider=self._serve_state, averaging=avg,
                                         client_mode=self.reachability.client_mode,
                                         update_provider=self._shared.update_after,
-                                        share_state=not self.initial_peers)
+                                        share_state=not self.initial_peers,
+                                        extra_numel=self._inner_state.numel if self._inner_state else 0)
         self._backend = backend
         self._worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
                                   matchmaking_grace=avg.matchmaking_seconds)
@@ -236,7 +247,7 @@ class DiLoCoSwarm:
                               prepare_lead=avg.matchmaking_seconds + avg.request_timeout),
             peer_id=self.peer_id, alone=self._alone,
             device=self.device, wire=avg.wire, client_mode=self.reachability.client_mode,
-            swarm_lateness=self._others_lateness,
+            swarm_lateness=self._others_lateness, inner_state=self._inner_state,
         )
 
     def _peers_changed(self, joined: set[str], left: set[str]) -> None:

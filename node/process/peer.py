@@ -17,7 +17,16 @@ from pathlib import Path
 
 import torch
 
-from node.api import Applied, DiLoCoSwarm, Heartbeat, Network, RoundStats, choose_shard, round_advice
+from node.api import (
+    Applied,
+    DiLoCoSwarm,
+    Heartbeat,
+    InnerStateSync,
+    Network,
+    RoundStats,
+    choose_shard,
+    round_advice,
+)
 from node.library.checkpoint import list_checkpoints
 from node.library.rediscovery import ReunionWatch
 from node.observe.download_log import DownloadLog
@@ -32,7 +41,7 @@ from node.training.data import seed_for_peer
 from node.training.export import RUN_CONFIG_KEY, TOKENIZER_COPY, run_config_meta
 from node.training.model import build_model, count_parameters, model_fingerprint
 from node.training.sources import open_source
-from node.training.trainer import Trainer, device_label, inner_lr, resolve_device
+from node.training.trainer import Trainer, device_label, inner_lr, muon_params, resolve_device
 from protocols import swarm_time
 from protocols.addresses import format_join_command
 from protocols.errors import CheckpointError, ConfigError, ProcessDied, ShoalError
@@ -135,6 +144,9 @@ class Peer:
     def _join(self, model: torch.nn.Module, network: Network | None) -> None:
         """The swarm: DHT, run record, averager (forked processes), peer monitor, round engine."""
         config, options = self.config, self.options
+        # The moments that ride the all-reduce, planned before the optimizers exist (bound in _build_training).
+        self.inner_sync = InnerStateSync(model, muon=muon_params(model) if config.inner.optimizer == "muon" else []) \
+            if config.averaging.average_inner_state else None
         self.swarm = DiLoCoSwarm(
             model, run_id=config.run_id, outer=config.outer, averaging=config.averaging, rounds=config.round,
             initial_peers=options.initial_peers, listen=options.listen, announce=options.announce,
@@ -142,6 +154,7 @@ class Peer:
             use_relay=options.use_relay, shared=self.shared, device=self.device,
             heartbeat=self._heartbeat, on_peers_changed=self._peers_changed, network=network,
             run_key=options.run_key, swarm_key=options.swarm_key, trust_dir=options.checkpoint_dir,
+            inner_state=self.inner_sync,
         )
         self.peer_id = self.swarm.peer_id
 
@@ -149,6 +162,8 @@ class Peer:
         """The model on its device with its inner optimizer, and this peer's shard of the data."""
         config = self.config
         self.trainer = Trainer(model, config.inner, config.train, self.device)
+        if self.inner_sync is not None:
+            self.inner_sync.bind(self.trainer.optimizers)
         self.shard = choose_shard(config.data.num_shards, self.peer_id, {}, None)  # revised once we see the swarm
         self.sampler = self.source.sampler(self.shard, config.model.seq_len, config.data.batch_size,
                                            seed=seed_for_peer(self.peer_id))

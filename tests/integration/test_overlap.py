@@ -1,14 +1,17 @@
 """Blocking mode with real peers: fixed inner steps, then the loop waits for the all-reduce. (Overlap
 mode, where a slow peer does not hold the fast ones back, is checked in test_swarm's 3-peer run.)
 The run spreads its progress records over two DHT keys (``averaging.progress_shards``): the peers
-find each other through them as through the one key (test_entry_peers checks the keys themselves)."""
+find each other through them as through the one key (test_entry_peers checks the keys themselves).
+It averages the inner AdamW moments with every round (``averaging.average_inner_state``): in
+blocking mode they land before the next step, so both peers save the same moments (within bf16's
+precision) where their own would differ."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from node.library.checkpoint import load_latest_valid
+from node.library.checkpoint import load_checkpoint, load_latest_valid, round_dir_name
 from tests.integration.swarm import TINY, anchor_at, every_round_checkpoints, rounds_of, train_then_interrupt
 
 pytestmark = pytest.mark.integration
@@ -26,7 +29,8 @@ def test_blocking_mode_waits_for_the_all_reduce(swarm):
     text = TINY.read_text().replace("inner_steps = 100", f"inner_steps = {INNER_STEPS}")
     assert "[averaging]\n" in text
     config = every_round_checkpoints(swarm.root / "tiny.toml",
-                                     text=text.replace("[averaging]\n", "[averaging]\nprogress_shards = 2\n", 1))
+                                     text=text.replace("[averaging]\n", "[averaging]\nprogress_shards = 2\n"
+                                                       "average_inner_state = true\n", 1))
     args = ("--sync-mode", "blocking", *ROUND)
     first = swarm.start("a", *args, config=config)
     second = swarm.start("b", *args, initial=first.wait_for_address()[:1], config=config)
@@ -41,6 +45,15 @@ def test_blocking_mode_waits_for_the_all_reduce(swarm):
             # The loop idles until the deadline, then waits for the all-reduce: no overlap.
             assert record["wait_s"] > 0.2 * record["wall_s"] and record["wait_s"] >= record["sync_s"] * 0.9, record
     assert torch.allclose(anchor_at(first, shared[-1]), anchor_at(second, shared[-1]), atol=1e-3)
+    # (the first shared round: the last one's directory may hold the final save, made after more steps)
+    moments = [load_checkpoint(p.checkpoint_dir / round_dir_name(shared[0])).local_state for p in (first, second)]
+    squares = [k for k in moments[0] if k.endswith(".exp_avg_sq")]
+    assert squares and all(k in moments[1] for k in squares), sorted(moments[0])[:4]
+    # Within bf16's precision of each other (this run's fp16 sends take hivemind's path: each member
+    # gets its own bf16 delta, avg - own, rounded); peers training alone differ by tens of percent.
+    for key in squares + [k.replace("exp_avg_sq", "exp_avg") for k in squares]:
+        a, b = moments[0][key], moments[1][key]
+        assert float((a - b).abs().max()) <= 2**-6 * float(a.abs().max()), (key, float((a - b).abs().max()))
     for peer in (first, second):  # each saved the shared model when it left
         checkpoint = load_latest_valid(peer.checkpoint_dir)
         assert checkpoint is not None and checkpoint.round >= shared[-1], (peer.name, checkpoint)

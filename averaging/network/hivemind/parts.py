@@ -25,11 +25,10 @@ from collections.abc import Callable, Iterable
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
 from averaging.math.codecs import bytes_per_value
-from averaging.math.wire import WireFormat
+from averaging.math.wire import EXTRA_CODE, WireFormat
 from averaging.network.hivemind.codecs import ExtraCodec, PayloadCompression, ShoalCodec
 
 HIVEMIND_PART_BYTES = 2**19  # hivemind's default part size (512 KiB after compression)
-EXTRA_CODE = "bf16"  # an extra averaged tensor's code (``averager_compression``)
 # Parts are balanced for this many members when the group size is open: a multiple of 12 near-equal
 # parts splits evenly over groups of 2, 3, 4, 6 and 12.
 OPEN_GROUP_PARTS = 12
