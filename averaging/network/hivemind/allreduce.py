@@ -244,19 +244,18 @@ class RobustAllReduceRunner(AllReduceRunner):
         local_index = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
         container = self.tensor_part_container
         self.return_code = hivemind_codecs.average_return_code(container.compression)
-        # Every part of the payload, in order (each tensor's parts, tensor by tensor): the type its
-        # answer carries, and its return code. Our reducer's parts are a contiguous run of them.
-        self.part_codes = hivemind_codecs.part_codes(container.compression, container.num_parts_by_tensor)
-        own_index = self.ordered_peer_ids.index(self.peer_id)
-        first = sum(container.num_parts_by_peer[:own_index])
-        own_codes = self.part_codes[first:first + len(self.parts_for_local_averaging)]
-        main_parts = container.num_parts_by_tensor[0]
+        # The payload's parts run tensor by tensor (the pseudo-gradient's, then an extra tensor's);
+        # our reducer's parts are a contiguous run of them: which are the extra's, and the message
+        # type each answer carries.
+        first = sum(container.num_parts_by_peer[:self.ordered_peer_ids.index(self.peer_id)])
+        own = range(first, first + len(self.parts_for_local_averaging))
+        self._answer_types = hivemind_codecs.part_types(container.compression, container.num_parts_by_tensor)[
+            own.start:own.stop]
         self.tensor_part_reducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
             config=robust_config, local_sender_index=local_index, refuse=self._refuse_sender,
-            return_code=self.return_code, extra_parts=[first + i >= main_parts for i in range(len(own_codes))],
+            return_code=self.return_code, extra_parts=[i >= container.num_parts_by_tensor[0] for i in own],
             extra_code=hivemind_codecs.extra_code(container.compression))
-        self._answer_types = [kind for kind, _ in own_codes]
         container.__class__ = CheckedPartContainer
         container.max_norm_ratio, container.on_bad_return, container.distrusted = (
             robust_config.max_norm_ratio, self._refuse_reducer, set())

@@ -227,15 +227,12 @@ def extra_code(compression: CompressionBase) -> str | None:
     return compression.extra.code if isinstance(compression, PayloadCompression) else None
 
 
-def part_codes(compression: CompressionBase, parts_by_tensor: Sequence[int]) -> list[tuple[int, str | None]]:
+def part_types(compression: CompressionBase, parts_by_tensor: Sequence[int]) -> list[int]:
     """For every part of the whole payload (tensor 0's parts, then tensor 1's), the message type a
-    reducer's answer carries and the code it returns the average in (None: deltas, hivemind's way)."""
-    codes = [(compression.main, average_return_code(compression.main)), (compression.extra, compression.extra.code)] \
-        if isinstance(compression, PayloadCompression) else [(compression, average_return_code(compression))]
-    out: list[tuple[int, str | None]] = []
-    for (codec, code), count in zip(codes, parts_by_tensor):
-        out += [(getattr(codec, "compression_type", 0), code)] * count
-    return out
+    reducer's answer to it carries (its tensor's codec's)."""
+    codecs_ = [compression.main, compression.extra] if isinstance(compression, PayloadCompression) else [compression]
+    return [getattr(codec, "compression_type", 0) for codec, count in zip(codecs_, parts_by_tensor)
+            for _ in range(count)]
 
 
 def encode_average(average: torch.Tensor, return_code: str) -> tuple[bytes, torch.Tensor]:
