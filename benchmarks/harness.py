@@ -125,10 +125,12 @@ def _machine_busy() -> tuple[float, float]:
 
 
 def setting(text: str) -> tuple[str, object]:
-    """``section.field=value``; the value as TOML would read it (a number or a string)."""
+    """``section.field=value``; the value as TOML would read it (a boolean, a number or a string)."""
     key, sep, value = text.partition("=")
     if not sep or "." not in key:
         raise argparse.ArgumentTypeError(f"{text!r}: expected section.field=value")
+    if value in ("true", "false"):
+        return key, value == "true"
     for kind in (int, float):
         try:
             return key, kind(value)

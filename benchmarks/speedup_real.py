@@ -2,7 +2,8 @@
 their fastest member training alone, at equal wall-clock and at twice it.
 
     .venv/bin/python benchmarks/speedup_real.py [--rounds 15] [--round-seconds 10] [--seeds 2] \\
-        [--throttle 2.5] [--spread 1:1.5:2:3] [--mbit 10] [--outer 0.7:0.9,1.0:0.5] [--set inner.optimizer=muon]
+        [--throttle 2.5] [--spread 1:1.5:2:3] [--mbit 10] [--outer 0.7:0.9,1.0:0.5] [--set inner.optimizer=muon] \
+        [--variant "round.sync_mode=blocking;averaging.average_inner_state=true"]
 
 (as root for the capped links; without root the peers run on loopback with no cap, and the report
 says so). The simulated half of the question is ``speedup.py``.
@@ -22,7 +23,9 @@ Per seed, each run alone on the machine:
   twice it, each with its schedule spanning its own length; the two run side by side.
 
 ``--set section.field=value`` (repeatable) changes the config of every run, swarm and alone alike
-(e.g. ``inner.optimizer=muon``: the lone peer then trains with Muon too).
+(e.g. ``inner.optimizer=muon``: the lone peer then trains with Muon too). ``--variant`` (repeatable,
+``;`` between settings) adds a swarm run per outer setting with those changes to the swarm alone,
+against the same lone runs and beside the unchanged swarm: an A/B of a swarm setting in one run.
 
 Wall-clock is the user's: the swarm's rounds are counted from the first peer's schedule start,
 so the rounds lost while the others start are lost to the swarm (the report lists each peer's
@@ -40,6 +43,7 @@ benchmark keeps what completed; ``--report-only`` redraws the table).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import signal
@@ -78,17 +82,29 @@ def outer_settings(text: str) -> list[tuple[float, float]]:
     return [(float(lr), float(mu)) for lr, mu in (item.split(":") for item in text.split(",") if item)]
 
 
-def run_swarm(seed: int, outer: tuple[float, float], args, hosts, root: Path, evaluator: Evaluator) -> dict:
+def variant_settings(text: str) -> dict[str, object]:
+    """``a.b=v;c.d=w``: the settings of one ``--variant``."""
+    return dict(setting(item) for item in text.split(";") if item)
+
+
+def variant_label(variant: dict[str, object]) -> str:
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in variant.items())
+
+
+def run_swarm(seed: int, outer: tuple[float, float], args, hosts, root: Path, evaluator: Evaluator,
+              variant: dict[str, object] | None = None) -> dict:
     """4 peers, ``args.rounds`` rounds; the final shared model and what each peer did per round."""
     lr, mu = outer
-    name = f"swarm-{lr:g}-{mu:g}-s{seed}".replace(".", "p")
+    variant = variant or {}
+    tag = hashlib.sha256(variant_label(variant).encode()).hexdigest()[:6] if variant else "base"
+    name = f"swarm-{lr:g}-{mu:g}-{tag}-s{seed}".replace(".", "p")
     overrides = {"inner.total_rounds": float(args.rounds), "inner.warmup_rounds": 0.1 * args.rounds,
                  "round.seconds": args.round_seconds, "round.sync_mode": "overlap", "train.seed": seed,
                  "outer.lr": lr, "outer.momentum": mu,
                  # what a user gets: the node's defaults, not learning.toml's fp16 and LAN timings
                  "averaging.compression": DEFAULTS.compression,
                  "averaging.matchmaking_seconds": DEFAULTS.matchmaking_seconds,
-                 "averaging.request_timeout": DEFAULTS.request_timeout, **dict(args.set)}
+                 "averaging.request_timeout": DEFAULTS.request_timeout, **dict(args.set), **variant}
     evaluating = write_config(args.config, root / f"{name}.toml", overrides)
     silent = write_config(args.config, root / f"{name}-quiet.toml", {**overrides, "train.eval_every_rounds": 10**6})
     throttles = [args.throttle * s for s in args.spread]
@@ -117,7 +133,8 @@ def run_swarm(seed: int, outer: tuple[float, float], args, hosts, root: Path, ev
                     "applied": dict(Counter(r["applied"] for r in per.values()))}
                 for (n, per), t in zip(rounds.items(), throttles, strict=True)}
     curve = [(k, r["eval_loss"]) for k, r in sorted(rounds["peer-0"].items()) if r.get("eval_loss") is not None]
-    return {"kind": "swarm", "outer": [lr, mu], "seed": seed, "exit_codes": codes, "peers": per_peer,
+    return {"kind": "swarm", "outer": [lr, mu], "variant": variant_label(variant), "seed": seed,
+            "exit_codes": codes, "peers": per_peer,
             "final_eval": evaluator.evaluate(checkpoint.params) if checkpoint is not None else None,
             "last_round": checkpoint.round if checkpoint is not None else None, "curve": curve,
             "group_sizes": {k: [rounds[n].get(k, {}).get("group_size") for n in sorted(rounds)] for k in sorted(rounds["peer-0"])},
@@ -172,13 +189,15 @@ def report(results: dict) -> str:
         f"Model: {meta['parameters']:,} parameters ({meta['config']}); {link}; throttles "
         f"{', '.join(f'{t:g}' for t in meta['throttles'])} (speeds 1 : {' : '.join(f'{s:g}' for s in meta['spread'][1:])} slower), "
         f"one torch thread each; {meta['rounds']} rounds of {meta['round_seconds']:g} s (R); overlap mode, "
-        f"int4, the node's default averaging; seeds {meta['seeds']}"
+        f"int4, the node's default averaging{' (unless a row names a variant)' if meta.get('variants') else ''}; "
+        f"seeds {meta['seeds']}"
         + (f"; every run with {', '.join(f'{k} = {v}' for k, v in meta['set'].items())}" if meta.get("set") else "")
         + ". Real processes, real DHT and all-reduce: not simulated.",
         "", "| run | eval loss (mean ± half-range) | per seed | like x times the fastest alone |", "|---|---|---|---|"]
     by_seed: dict[int, dict[str, float | None]] = {}
     for run in runs.values():
-        key = run["kind"] if run["kind"] != "swarm" else f"swarm outer {run['outer'][0]:g}/{run['outer'][1]:g}"
+        key = run["kind"] if run["kind"] != "swarm" else f"swarm outer {run['outer'][0]:g}/{run['outer'][1]:g}" \
+            + (f" {run['variant']}" if run.get("variant") else "")
         by_seed.setdefault(run["seed"], {})[key] = run.get("final_eval")
     keys = ["alone R", "alone 2R", *sorted({k for per in by_seed.values() for k in per if k.startswith("swarm")})]
     for key in keys:
@@ -220,6 +239,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speedup_real")
     parser.add_argument("--set", type=setting, action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="a config change for every run (repeatable)")
+    parser.add_argument("--variant", type=variant_settings, action="append", default=[],
+                        metavar="SECTION.FIELD=VALUE[;...]",
+                        help="a swarm run per outer setting with these changes (repeatable), beside the unchanged one")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     if args.report_only:
@@ -240,23 +262,25 @@ def main() -> int:
         "round_seconds": args.round_seconds, "seeds": seeds, "throttles": [args.throttle * s for s in args.spread],
         "spread": args.spread, "mbit": args.mbit, "capped": capped, "config": args.config.name,
         "parameters": count_parameters(evaluator.trainer.model), "outer": args.outer,
-        "set": dict(args.set)}, "runs": {}, "failed": {}}
+        "set": dict(args.set), "variants": [variant_label(v) for v in args.variant]}, "runs": {}, "failed": {}}
     root = Path(tempfile.mkdtemp(prefix="shoal-speedup-"))
     print(f"work in {root}", file=sys.stderr, flush=True)
     try:
         with netns.Network(len(args.spread), mbit=args.mbit) if capped else nullcontext() as net:
             hosts = net.hosts if net else None
             for seed in seeds:
-                plan = [("alone", None)] + [("swarm", outer) for outer in args.outer]
-                for kind, outer in plan:
-                    key = f"{kind}-s{seed}" if outer is None else f"swarm {outer[0]:g}/{outer[1]:g} s{seed}"
+                plan = [("alone", None, {})] + [("swarm", outer, variant) for outer in args.outer
+                                                 for variant in [{}, *args.variant]]
+                for kind, outer, variant in plan:
+                    key = f"{kind}-s{seed}" if outer is None else \
+                        f"swarm {outer[0]:g}/{outer[1]:g}{' ' + variant_label(variant) if variant else ''} s{seed}"
                     print(f"== {key} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
                     try:
                         if kind == "alone":
                             for name, run in run_alone(seed, args, root).items():
                                 results["runs"][f"{name} s{seed}"] = run
                         else:
-                            results["runs"][key] = run_swarm(seed, outer, args, hosts, root, evaluator)
+                            results["runs"][key] = run_swarm(seed, outer, args, hosts, root, evaluator, variant)
                     except KeyboardInterrupt:
                         raise
                     except Exception as exc:  # noqa: BLE001 - one failed run is reported, the rest go on
