@@ -295,7 +295,9 @@ def test_a_sender_that_stops_short_is_named_by_its_reducer_with_the_reason(how, 
     runner = RobustAllReduceRunner.__new__(RobustAllReduceRunner)
     runner.sender_peer_ids, runner.excluded_peers, runner.group_id = list(PEERS), [], bytes.fromhex("b783fae9") * 2
     runner.sender_timeout, runner.tensor_part_reducer = 4.0, types.SimpleNamespace(num_parts=3)
+    runner.counters = RobustCounters()
     parts = 3 if how == "whole" else 2
+    streaming = []  # the answer gauge while an answer is out: a leaving peer waits for it (HivemindBackend.shutdown)
 
     async def stream():
         for i in range(parts):
@@ -318,6 +320,7 @@ def test_a_sender_that_stops_short_is_named_by_its_reducer_with_the_reason(how, 
         try:
             async for answer in runner._accumulate_parts_streaming(stream(), 1):
                 out.append(answer)
+                streaming.append(runner.counters.answering)
         except (TimeoutError, asyncio.CancelledError):
             pass
         return out
@@ -325,6 +328,7 @@ def test_a_sender_that_stops_short_is_named_by_its_reducer_with_the_reason(how, 
     with caplog.at_level("WARNING", logger="averaging.network.hivemind.allreduce"):
         got = asyncio.run(answers())
     assert len(got) == parts
+    assert streaming == [1] * parts and runner.counters.answering == 0  # back to 0 however it ended
     if why is None:
         assert caplog.text == ""
     else:

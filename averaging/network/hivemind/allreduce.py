@@ -72,6 +72,9 @@ class RobustCounters:
         self._refused_returns = mp.Value("q", 0)  # reducers whose returned averages were refused
         self._clipped = mp.Value("q", 0)  # parts clipped or trimmed by the aggregator
         self._bans = mp.Value("q", 0)  # peers put on the ban list
+        # Senders whose answers this averager is still streaming as a reducer (not a count of
+        # refusals: a gauge). A peer about to leave waits for it to reach 0 (``HivemindBackend.shutdown``).
+        self._answering = mp.Value("q", 0)
 
     @staticmethod
     def _add(value, amount: int = 1) -> None:
@@ -81,6 +84,11 @@ class RobustCounters:
     def snapshot(self) -> dict[str, int]:
         return {"refused_parts": self._refused_parts.value, "refused_returns": self._refused_returns.value,
                 "clipped_parts": self._clipped.value, "bans": self._bans.value}
+
+    @property
+    def answering(self) -> int:
+        """Answer streams in flight (reducer -> sender), now."""
+        return self._answering.value
 
 
 def ban(ban_list: BanList, peer: str, reason: str, counters: RobustCounters | None = None) -> None:
@@ -335,6 +343,8 @@ class RobustAllReduceRunner(AllReduceRunner):
         in a hundred ended so with no warning on either side (docs/limitations.md)."""
         answered, why, hung_up = 0, "", False
         started = asyncio.get_running_loop().time()
+        if self.counters is not None:
+            RobustCounters._add(self.counters._answering)
 
         async def watched():
             nonlocal hung_up
@@ -363,6 +373,8 @@ class RobustAllReduceRunner(AllReduceRunner):
             why = f"{e!r}"
             raise
         finally:
+            if self.counters is not None:
+                RobustCounters._add(self.counters._answering, -1)
             sender = self.sender_peer_ids[sender_index]
             if why and answered != self.tensor_part_reducer.num_parts and sender not in self.excluded_peers:
                 logger.warning(f"group {self.group_id.hex()[:8]}: as a reducer, got {answered} of "

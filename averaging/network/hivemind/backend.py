@@ -63,6 +63,8 @@ RECENT_ALLREDUCES = 3  # the part timeouts follow the longest of the last few al
 # process killed (an out-of-memory kill) the prepare lane hung for good, and the node, which had
 # noticed the dead process and was leaving, hung in its shutdown waiting for that lane.
 GROUP_BITS_WAIT_S = 5.0
+# How long a leaving peer waits at most for the answers its reducer still owes the others.
+LEAVE_GRACE_S = 10.0
 
 
 class HivemindBackend:
@@ -341,7 +343,24 @@ class HivemindBackend:
             if not control.done():
                 control.cancel()
         if self._averager.is_alive():
+            self._let_answers_out()
             self._averager.shutdown()
+
+    def _let_answers_out(self) -> None:
+        """Before leaving, let our reducer finish the answers it owes. Our own all-reduce ends when
+        *our* results are in; the averages we reduce for the others may still be streaming to them
+        (a slow link: all of one sender's answers queue on our uplink), and shutting down cuts them:
+        each such member's round then comes back partial and folds. Seen on the real capped swarm
+        (benchmarks/results/speedup_real_state.md): the slowest peer finished the run's last round
+        first, left 20 ms later, and the fastest peer's stream from it ended a part short. Wait
+        while answers are streaming, then as long as an all-reduce takes for the last bytes to
+        leave the daemon's buffers; bounded by ``LEAVE_GRACE_S``."""
+        counters = self._averager.robust_counters
+        deadline = time.monotonic() + LEAVE_GRACE_S
+        while counters.answering > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        linger = max(self._recent_allreduce_s, default=0.0)
+        time.sleep(max(0.0, min(linger, deadline - time.monotonic())))
 
 
 def round_bits(round: int) -> str:
