@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from averaging.engine.config import LoopConfig  # noqa: E402
+from averaging.engine.inner_sync import InnerStateSync  # noqa: E402
 from averaging.engine.loop import RoundEngine  # noqa: E402
 from averaging.engine.worker import SyncWorker  # noqa: E402
 from averaging.math.flat import FlatLayout  # noqa: E402
@@ -258,6 +259,49 @@ def bit_identity(device: torch.device, numel: int) -> dict:
             "ok": snapshot_equal and merge_equal}
 
 
+# -- 3b. the inner optimizer's moments (averaging.average_inner_state) on the device -----------------
+@torch.no_grad()
+def _adam_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grads: list[list[torch.Tensor]]) -> None:
+    for step in grads:
+        for p, g in zip(model.parameters(), step):
+            p.grad = g.to(p.device)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def inner_state_landing(device: torch.device, width: int) -> dict:
+    """Moments read off the device, a group mean landed two steps later, through ``InnerStateSync``
+    on ``device`` (fused AdamW on CUDA, as ``Trainer`` builds it) and on the CPU: equal within the
+    fused kernel's rounding. What ``averaging.average_inner_state`` does on a GPU peer every round."""
+    generator = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(width, width, generator=generator) * 1e-3, torch.randn(width, generator=generator)]
+             for _ in range(5)]
+    mean = None
+    moments = {}
+    for where in (torch.device("cpu"), device):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(width, width).to(where)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=where.type == "cuda")
+        sync = InnerStateSync.of(model, [optimizer])
+        _adam_steps(model, optimizer, grads[:3])
+        snapshot = torch.zeros(sync.numel)
+        sync.snapshot(snapshot)
+        if mean is None:  # a stand-in for the group's mean: ours, moved
+            mean = snapshot * torch.rand(sync.numel, generator=generator).add_(0.5)
+        _adam_steps(model, optimizer, grads[3:])
+        problem = sync.land(mean, snapshot, steps=2)
+        landed = torch.zeros(sync.numel)
+        sync.snapshot(landed)
+        moments[where.type] = (landed, problem)
+        layout = sync.layout
+    (cpu, cpu_problem), (dev, dev_problem) = moments["cpu"], moments[device.type]
+    # per moment tensor, relative to its largest value (exp_avg crosses zero; exp_avg_sq is ~1e-6 of it)
+    error = max(float((d - c).abs().max() / c.abs().max().clamp_min(1e-30))
+                for d, c in zip(layout.views(dev).values(), layout.views(cpu).values()))
+    return {"numel": int(cpu.numel()), "max_relative_error": error,
+            "ok": cpu_problem is None and dev_problem is None and error <= 1e-4}
+
+
 # -- 4. transfer times and codec speed ----------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -357,6 +401,9 @@ def markdown(report: dict) -> str:
     lines += ["", "## 3. Engine on the device vs the CPU reference", "",
               f"{bits['numel']:,} values: snapshot bit-identical {bits['snapshot_bit_identical']}, "
               f"merge bit-identical {bits['merge_bit_identical']}.", "",
+              f"Inner optimizer's moments ({report['inner_state']['numel']:,} values) read off the device and a mean "
+              f"landed two steps later, against the CPU: max relative difference "
+              f"{report['inner_state']['max_relative_error']:.2e} (fused AdamW's rounding on CUDA; bound 1e-4).", "",
               "## 4. Per-round transfers and codecs", "", "| values | snapshot (s) | merge (s) | snapshot GB/s |",
               "|---|---|---|---|"]
     for t in report["transfers"]:
@@ -400,10 +447,12 @@ def main() -> int:
                                                 peers=n, rounds=5 if cuda else 2, round_s=20.0 if cuda else 3.0, root=Path(root),
                                                 averaging=None if cuda else FAST_MATCHMAKING) for n in sizes]
     report["bit_identity"] = bit_identity(device, numel=128_566_272 if cuda else 100_000)
+    report["inner_state"] = inner_state_landing(device, width=1024 if cuda else 64)
     report["transfers"] = [transfers(device, n, repeats=5 if cuda else 2)
                            for n in ((128_566_272, 1_000_000_000) if cuda else (1_000_000, 10_000_000))]
     report["codecs"] = codec_speeds(device, 2**24 if cuda else 2**20)
     checks = {"swarm": all(run["ok"] for run in report["swarms"]), "bit_identity": report["bit_identity"]["ok"],
+              "inner_state": report["inner_state"]["ok"],
               "shoal_rounds": report["overhead"]["rounds_during_shoal"] >= 1}
     report["failed"] = [name for name, ok in checks.items() if not ok]
     report["ok"] = not report["failed"]

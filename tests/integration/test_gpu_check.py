@@ -31,6 +31,8 @@ def test_the_reduced_gpu_check_runs_and_passes_on_cpu(tmp_path):
     assert pair["rms_diff"] <= swarm["relative_bound"] * pair["rms_moved"]
     # 3. the engine's snapshot and merge equal the CPU arithmetic bit for bit
     assert report["bit_identity"]["snapshot_bit_identical"] and report["bit_identity"]["merge_bit_identical"]
+    # 3b. the inner optimizer's moments landed through InnerStateSync (on the CPU: the same arithmetic)
+    assert report["inner_state"]["ok"] and report["inner_state"]["max_relative_error"] == 0.0
     # 4. transfer timings and the codecs were measured
     assert [t["numel"] for t in report["transfers"]] == [1_000_000, 10_000_000]
     assert report["codecs"]["int4"]["encode"] > 0
