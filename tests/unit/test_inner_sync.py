@@ -114,8 +114,8 @@ def test_a_mean_no_honest_group_returns_is_refused_and_changes_nothing():
     sync = InnerStateSync.of(net, opts)
     own = torch.zeros(sync.numel)
     sync.snapshot(own)
-    for bad, why in ((own * float("nan"), "NaN/inf"), (own * 1000, "1e\\+03x larger")):
-        assert why.replace("\\", "") in sync.land(bad, own, steps=0) or why in sync.land(bad, own, steps=0)
+    for bad, why in ((own * float("nan"), "NaN/inf"), (own * 1000, "1e+03x larger than ours")):
+        assert why in sync.land(bad, own, steps=0)
         after = torch.zeros(sync.numel)
         sync.snapshot(after)
         assert torch.equal(after, own)
