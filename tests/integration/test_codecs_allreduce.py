@@ -140,7 +140,9 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
         # 3. One round per codec, all three peers at once.
         for name, (code, ret) in CASES.items():
             for _attempt in range(3):
-                controls = [averager.step(weight=weight, wait=False, timeout=40)
+                # 15 s: a round takes ~2.5 s; a matchmaking race that finds no group ends at the step's
+                # timeout: this bounds what its replay costs the suite (with 40 s this test once took 33 s).
+                controls = [averager.step(weight=weight, wait=False, timeout=15)
                             for averager, weight in zip(averagers[name], WEIGHTS)]
                 groups = [_group_or_none(control) for control in controls]
                 if all(groups) and not any(PARTIAL_KEY in group for group in groups):
