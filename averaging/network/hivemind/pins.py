@@ -102,6 +102,14 @@ RELIED_ON: tuple[tuple[str, object, str, str], ...] = (
      "part_size_values = int(part_size_bytes / bytes_per_value)"),
     ("senders compress parts with the averager's compression", partition.TensorPartContainer,
      "iterate_input_parts_for", "self.compression.compress(*x_and_info)"),
+    # A payload of several tensors (``PayloadCompression``): the runner finds which tensor each of its
+    # parts is from by counting parts tensor by tensor, then peer by peer (``RobustAllReduceRunner``).
+    ("each tensor is cut on its own, in order, its parts counted", partition.TensorPartContainer, "__init__",
+     "self.num_parts_by_tensor.append(len(tensor_parts))"),
+    ("parts go to peers in order, a contiguous run each", partition.TensorPartContainer, "__init__",
+     "self._input_parts_by_peer[current_peer_index].append((part, part_info))"),
+    ("each part is compressed with its tensor's info (its key)", partition.TensorPartContainer, "__init__",
+     "part_info = info.get_part(part_index, part_size_values)"),
     # How long ShoalAverager.rpc_aggregate_part waits for an unknown group id (``registration_wait``):
     # a group is registered only after matchmaking returned it and its trigger fired, so an honest
     # part for a group we do not know arrives only while we are still looking for a group.
