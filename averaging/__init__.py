@@ -36,6 +36,7 @@ recover: catch up, apply the step, re-sync            engine/round.py ``conclude
 account: error feedback, merge correction, bytes      engine/round.py ``_account``;
                                                       math/wire.py, math/merge.py
 merge at a later step boundary (``try_merge``)        engine/loop.py; math/merge.py
+  (``average_inner_state``: the moments, too)         engine/inner_sync.py, math/inner_state.py
 the round's record                                    engine/stats.py ``RoundStats``
 ====================================================  =========================================
 
