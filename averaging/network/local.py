@@ -24,7 +24,6 @@ from averaging.state.served import AppliedUpdate, CheckSlice, DownloadedState
 from protocols.messages import MAX_ROUND
 
 logger = logging.getLogger(__name__)
-EXTRA_KEY = "__extra_mean__"  # where the hub's results carry the extra vectors' mean (not a peer id)
 
 
 class LocalHub:
@@ -41,7 +40,8 @@ class LocalHub:
         self._arrived: dict[int, dict[str, tuple[torch.Tensor, float, Any]]] = {}
         self._own: dict[tuple[int, str], torch.Tensor] = {}  # what each member sent, for its return error
         self._extras: dict[int, dict[str, torch.Tensor]] = {}  # round -> each member's extra vector
-        self._results: dict[int, tuple[torch.Tensor, dict[str, Any]] | None] = {}
+        # round -> (mean, gathered, the extra vectors' mean or None), or None for a failed round
+        self._results: dict[int, tuple[torch.Tensor, dict[str, Any], torch.Tensor | None] | None] = {}
         self.state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]] = {}
         self.update_providers: dict[str, Callable[[int], AppliedUpdate | None]] = {}
 
@@ -51,8 +51,8 @@ class LocalHub:
 
     def average(self, peer: str, round: int, vector: torch.Tensor, weight: float, gather: Any, timeout: float,
                 extra: torch.Tensor | None = None):
-        """(mean, gathered) or None; with ``extra`` the extra vectors' weighted mean is
-        ``gathered[EXTRA_KEY]`` (exact: the return code applies to the main vector only)."""
+        """(mean, gathered, extra mean) or None. The extra vectors' weighted mean is exact (the
+        return code applies to the main vector only); None unless every member sent one."""
         deadline = time.monotonic() + timeout
         with self._cond:
             if round in self._results:
@@ -68,11 +68,10 @@ class LocalHub:
             if set(arrived) >= self._prepared.get(round, set()) and len(arrived) >= self.min_group_size:
                 total = sum(w for _, w, _ in arrived.values())
                 mean = sum(v * (w / total) for v, w, _ in arrived.values())
-                gathered = {p: g for p, (_, _, g) in arrived.items()}
                 extras = self._extras.pop(round, {})
-                if extras and set(extras) >= set(arrived):
-                    gathered[EXTRA_KEY] = sum(extras[p] * (w / total) for p, (_, w, _) in arrived.items())
-                self._results[round] = (mean, gathered)
+                extra_mean = sum(extras[p] * (w / total) for p, (_, w, _) in arrived.items()) \
+                    if extras and set(extras) >= set(arrived) else None
+                self._results[round] = (mean, {p: g for p, (_, _, g) in arrived.items()}, extra_mean)
                 self._cond.notify_all()
             if self.matchmaking_s is not None:
                 deadline = min(deadline, time.monotonic() + self.matchmaking_s) if len(
@@ -87,7 +86,7 @@ class LocalHub:
             result = self._results[round]
             own = self._own.pop((round, peer), None)
             if result is not None and own is not None:
-                return returned(result[0], own, self.return_code), result[1]
+                return returned(result[0], own, self.return_code), *result[1:]
             return result
 
 
@@ -120,9 +119,7 @@ class LocalBackend:
         result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout, extra=extra)
         if result is None:
             return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error="timed out")
-        mean, gathered = result
-        gathered = dict(gathered)
-        extra_mean = gathered.pop(EXTRA_KEY, None)
+        mean, gathered, extra_mean = result
         if extra is not None and (extra_mean is None or extra_mean.shape != extra.shape):
             return AverageOutcome(ok=False, sync_s=time.perf_counter() - started,
                                   error="the group's members did not all send an extra vector")
