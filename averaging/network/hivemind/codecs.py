@@ -128,7 +128,30 @@ class ReturnCodec(CompressionBase):
         return codecs.bytes_per_value(self.return_code) / info.descriptor.dtype.itemsize
 
 
-class ShoalCodec(CompressionBase):
+class _PartCodec(CompressionBase):
+    """A shoal code inside hivemind, in parts of ``part_values`` values: ``estimate_compression_ratio``
+    is how hivemind's part size is set. A subclass sets ``code``, ``block_size``, ``compression_type``,
+    ``part_values`` and ``part_size_bytes`` (the averager's)."""
+
+    code: str
+    block_size: int | None
+    compression_type: int
+    part_values: int
+    part_size_bytes: int
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        return message(codecs.encode(tensor, self.code, block_size=self.block_size), tensor, self.compression_type)
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return extract(serialized_tensor)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        # hivemind cuts int(part_size_bytes / (itemsize * ratio)) values: + 0.5 so float rounding
+        # can never floor it to part_values - 1.
+        return self.part_size_bytes / (info.descriptor.dtype.itemsize * (self.part_values + 0.5))
+
+
+class ShoalCodec(_PartCodec):
     """The averager's ``compression``: sends parts in ``code``, asks reducers to return ``return_code``.
 
     ``part_values`` (a multiple of the block size, e.g. ``parts.balanced_part_size``) sets
@@ -151,43 +174,23 @@ class ShoalCodec(CompressionBase):
                              f"{self.block_size}, at most {MAX_PART_NUMEL}")
         self.part_values, self.part_size_bytes = part_values, part_size_bytes
 
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        return message(codecs.encode(tensor, self.code, block_size=self.block_size), tensor, self.compression_type)
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        return extract(serialized_tensor)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        # hivemind cuts int(part_size_bytes / (itemsize * ratio)) values: + 0.5 so float rounding
-        # can never floor it to part_values - 1.
-        return self.part_size_bytes / (info.descriptor.dtype.itemsize * (self.part_values + 0.5))
-
     def __repr__(self) -> str:
         return f"ShoalCodec({self.code}, return_code={self.return_code}, part_values={self.part_values})"
 
 
-class ExtraCodec(CompressionBase):
+class ExtraCodec(_PartCodec):
     """The codec of an extra averaged tensor (``PayloadCompression``'s second): sends and returns in
     ``code`` (bf16: fp32's range, so an Adam second moment keeps its small entries), in parts of
-    ``part_values`` values (hivemind's part size, as ``ShoalCodec`` sets it). No error feedback:
-    what it carries is replaced each round, not accumulated."""
+    ``part_values`` values. No error feedback: what it carries is replaced each round, not accumulated."""
 
     def __init__(self, code: str = "bf16", *, part_values: int, part_size_bytes: int = DEFAULT_PART_SIZE_BYTES):
         register()
         self.compression_type = wire_type(code, code)
         self.code = self.return_code = code
+        self.block_size = None  # a float code: no blocks
         if not 0 < part_values <= MAX_PART_NUMEL:
             raise ValueError(f"part_values {part_values} must be in 1..{MAX_PART_NUMEL}")
         self.part_values, self.part_size_bytes = part_values, part_size_bytes
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        return message(codecs.encode(tensor, self.code), tensor, self.compression_type)
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        return extract(serialized_tensor)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return self.part_size_bytes / (info.descriptor.dtype.itemsize * (self.part_values + 0.5))
 
     def __repr__(self) -> str:
         return f"ExtraCodec({self.code}, part_values={self.part_values})"
@@ -202,10 +205,6 @@ class PayloadCompression(PerTensorCompression):
     def __init__(self, main: CompressionBase, extra: ExtraCodec):
         super().__init__([main, extra])
         self.main, self.extra = main, extra
-
-    @property
-    def compression_type(self) -> int:
-        return self.main.compression_type
 
     def __repr__(self) -> str:
         return f"PayloadCompression({self.main!r}, {self.extra!r})"
