@@ -71,8 +71,9 @@ class AveragingConfig:
     # Average the inner optimizer's moments (AdamW's two, Muon's one) with every round, beside the
     # pseudo-gradient, in bf16: each peer's next steps start from the group's moments. Simulated, it
     # lifts 4 equal peers from 1.81x to 1.98x a lone peer in blocking mode (1.65x -> 1.70x in
-    # overlap, where the mean lands a few steps late), for about 5-8x a round's bytes (AdamW: two
-    # bf16 vectors of the model's size beside an int4 one): docs/benchmarks.md. Shared.
+    # overlap, where the mean lands a few steps late); on the real swarm, at 46-192 inner steps a
+    # round, it did not pay. It costs about 8.5x a round's bytes (AdamW: two bf16 vectors of the
+    # model's size beside an int4 one): docs/benchmarks.md. Shared.
     average_inner_state: bool = False
 
     def __post_init__(self):
