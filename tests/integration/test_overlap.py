@@ -41,7 +41,9 @@ def test_blocking_mode_waits_for_the_all_reduce(swarm):
         for rounds in (a, b):
             record = rounds[r]
             assert record["inner_steps"] == INNER_STEPS, record
-            assert record["group_size"] == 2 and record["applied"] == "averaged" and record["peers"] == 2, record
+            # (the error first: pytest cuts a long record short, and a fold says why only there)
+            assert record["group_size"] == 2 and record["applied"] == "averaged" and record["peers"] == 2, \
+                (record["error"], record)
             # The loop idles until the deadline, then waits for the all-reduce: no overlap.
             assert record["wait_s"] > 0.2 * record["wall_s"] and record["wait_s"] >= record["sync_s"] * 0.9, record
     assert torch.allclose(anchor_at(first, shared[-1]), anchor_at(second, shared[-1]), atol=1e-3)
