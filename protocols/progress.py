@@ -38,6 +38,7 @@ MAX_LATENESS = 86400.0  # seconds a sync may end after its deadline (a round is 
 MAX_CLOCK_OFFSET = 3600.0  # protocols.swarm_time.MAX_OFFSET_S: no peer corrects its clock further
 MAX_ADDRS = 8  # addresses a record may list (a peer announces a few: one per interface and transport)
 MAX_ADDR_CHARS = 256
+MAX_GROUPS = 1024  # averaging sub-groups a round may have (averaging.math.groups: a power of two)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,9 @@ class ProgressRecord:
     # that others can find it again after an outage (``node.library.rediscovery``); None: not
     # dialable (client mode) or an older peer.
     addrs: tuple[str, ...] | None = None
+    # How many averaging sub-groups this peer split its last round into (``averaging.math.groups``:
+    # the next round's count follows what most peers used); None: one group of everybody, or an older peer.
+    group_count: int | None = None
 
 
 def encode(record: ProgressRecord) -> dict[str, Any]:
@@ -103,6 +107,7 @@ def encode(record: ProgressRecord) -> dict[str, Any]:
         **({"rounds_done": record.rounds_done} if record.rounds_done is not None else {}),
         **({"clock_offset_s": record.clock_offset_s} if record.clock_offset_s is not None else {}),
         **({"addrs": list(record.addrs)} if record.addrs is not None else {}),
+        **({"group_count": record.group_count} if record.group_count is not None else {}),
     }
 
 
@@ -126,6 +131,17 @@ def _addrs(obj: dict, peer_id: str) -> tuple[str, ...] | None:
             raise MessageError("addrs: an address of another peer")
         out.append(normalized)
     return tuple(out)
+
+
+def _group_count(obj: dict) -> int | None:
+    """The record's sub-group count: a power of two up to ``MAX_GROUPS`` (what every peer derives
+    its group from), or None."""
+    if obj.get("group_count") is None:
+        return None
+    count = bounded_int(obj, "group_count", 1, MAX_GROUPS)
+    if count & (count - 1):
+        raise MessageError(f"group_count: expected a power of two, got {count}")
+    return count
 
 
 def _number(obj: dict, key: str, low: float, high: float, *, optional: bool = False) -> float | None:
@@ -182,6 +198,7 @@ def decode(peer_id: str, value: Any) -> ProgressRecord:
         rounds_done=bounded_int(value, "rounds_done", 0, MAX_ROUND) if value.get("rounds_done") is not None else None,
         clock_offset_s=_number(value, "clock_offset_s", -MAX_CLOCK_OFFSET, MAX_CLOCK_OFFSET, optional=True),
         addrs=_addrs(value, peer_id),
+        group_count=_group_count(value),
     )
 
 

@@ -38,6 +38,7 @@ import torch
 from averaging.engine.clock import SYSTEM_CLOCK, Clock
 from averaging.engine.config import LoopConfig, SyncMode
 from averaging.engine.inner_sync import InnerStateSync
+from averaging.engine.mixing import Mixing
 from averaging.engine.policy import MAX_OUTSTANDING, JoinPolicy, Outstanding
 from averaging.engine.recover import download_horizon, newest_round
 from averaging.engine.round import RoundRunner, SyncResult
@@ -71,9 +72,11 @@ class RoundEngine:
                  config: LoopConfig, peer_id: str, alone: Callable[[], bool], device: torch.device,
                  clock: Clock = SYSTEM_CLOCK, wire: WireFormat | None = None, client_mode: bool = False,
                  swarm_lateness: Callable[[], Sequence[float]] | None = None,
-                 inner_state: InnerStateSync | None = None):
+                 inner_state: InnerStateSync | None = None, mixing: Mixing | None = None):
         """``inner_state``: average the inner optimizer's moments with every round (its backend was
-        built with ``extra_numel = inner_state.numel``; ``averaging.engine.inner_sync``)."""
+        built with ``extra_numel = inner_state.numel``; ``averaging.engine.inner_sync``). ``mixing``:
+        sub-group rounds (``averaging.engine.mixing``; the backend's extra vector then starts with
+        the anchor and momentum: ``mixing.state_numel``)."""
         self.state, self.worker, self.layout = state, worker, layout
         self._params, self._schedule, self.config = params, schedule, config
         self.peer_id, self.device = peer_id, device
@@ -82,7 +85,7 @@ class RoundEngine:
         self.runner = RoundRunner(state=state, worker=worker, layout=layout, config=config, schedule=schedule,
                                   clock=clock, wire=wire or WireFormat(), client_mode=client_mode,
                                   peer_id=peer_id, alone=alone,
-                                  extra_numel=inner_state.numel if inner_state is not None else 0)
+                                  extra_numel=inner_state.numel if inner_state is not None else 0, mixing=mixing)
         self.inner_state = inner_state
         # Per buffer slot: the moments at the round's end and the group's mean of them.
         self._host_moments: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]

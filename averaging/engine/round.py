@@ -29,6 +29,14 @@ import torch
 from averaging.engine.clock import Clock
 from averaging.engine.config import LoopConfig
 from averaging.engine.lineage import LineageWatch, lineage_fold
+from averaging.engine.mixing import (
+    Mixing,
+    group_rounds_done,
+    pack_state,
+    state_numel,
+    state_problem,
+    unpack_state,
+)
 from averaging.engine.recover import Recovery
 from averaging.engine.worker import SyncWorker
 from averaging.math.codecs import bytes_per_value
@@ -36,7 +44,7 @@ from averaging.math.fingerprints import DivergenceWatch
 from averaging.math.flat import FlatLayout
 from averaging.math.merge import merge_correction
 from averaging.math.outer_step import anchor_before_step, pseudo_gradient
-from averaging.math.wire import EXTRA_CODE, WireFormat, accounted_for, round_payload
+from averaging.math.wire import EXTRA_CODE, MIX_CODE, WireFormat, accounted_for, round_payload
 from averaging.network.interface import AverageOutcome
 from averaging.state.accept import check_average, rms
 from averaging.state.shared_state import SharedState
@@ -45,6 +53,7 @@ from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
 EXTRA_BYTES_PER_VALUE = bytes_per_value(EXTRA_CODE)  # the inner state on the wire (both ways)
+MIX_BYTES_PER_VALUE = bytes_per_value(MIX_CODE)  # with sub-groups, the whole extra vector (both ways)
 
 
 @dataclass(slots=True)
@@ -117,15 +126,49 @@ def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: tor
     return conclusion
 
 
+def conclude_mixed(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: torch.Tensor, *, round: int,
+                   averaged: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
+                   alone: bool = False) -> RoundConclusion:
+    """``conclude`` for a sub-group round (``averaging.engine.mixing``): no verdict, no catch-up, no
+    re-sync (anchors of different groups differ by design); if the round succeeded and both the
+    average and the group's mean state (``mixed``: the extra vector's head) are usable, take the
+    group's state and apply its step, so every member ends with the same anchor. Otherwise as
+    ``conclude``: our own step if alone, else the work folds (our stale anchor and the folded work
+    offset each other in our next group's mean)."""
+    conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=max(1, len(outcome.group)), error=outcome.error)
+    if outcome.ok and averaged is not None and mixed is not None:
+        conclusion.group_size = len(outcome.group)
+        anchor, momentum = unpack_state(mixed, state.layout.numel)
+        problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or \
+            state_problem(anchor, momentum)
+        if problem is None:
+            state.mix(anchor, momentum, averaged, round=round,
+                      rounds_done=group_rounds_done(state, outcome.gathered, round=round))
+            conclusion.applied = Applied.AVERAGED
+        else:
+            conclusion.error = problem
+    if conclusion.applied != Applied.AVERAGED and alone:
+        state.apply(local_pseudo_grad, round=round)
+        conclusion.applied = Applied.LOCAL
+    return conclusion
+
+
 class RoundRunner:
     """The worker thread's side of every round; holds what carries from one round to the next."""
 
     def __init__(self, *, state: SharedState, worker: SyncWorker, layout: FlatLayout, config: LoopConfig,
                  schedule: Callable[[], RoundSchedule], clock: Clock, wire: WireFormat, client_mode: bool,
-                 peer_id: str, alone: Callable[[], bool], extra_numel: int = 0):
-        """``extra_numel``: the inner optimizer's moments ride each all-reduce (``run``'s ``inner_state``)."""
+                 peer_id: str, alone: Callable[[], bool], extra_numel: int = 0, mixing: Mixing | None = None):
+        """``extra_numel``: the inner optimizer's moments ride each all-reduce (``run``'s ``inner_state``).
+        ``mixing``: sub-group rounds (``averaging.engine.mixing``): the anchor and momentum ride too,
+        ahead of the moments in the extra vector, and ``conclude_mixed`` replaces the verdict."""
         self.state, self.worker, self.layout, self.config = state, worker, layout, config
+        self.mixing = mixing
+        self.mixed_numel = state_numel(layout.numel) if mixing is not None else 0
         self.extra_numel = extra_numel
+        # The extra vector sent and averaged (sub-groups only: without them the moments' own buffer is sent).
+        self._extra = torch.zeros(self.mixed_numel + extra_numel) if mixing is not None else None
+        self.group_count: int | None = None  # the count of the last round we prepared (published in our progress record)
         self._schedule, self.clock = schedule, clock
         # The payload's codec (error feedback: the residual lives in the live parameters, see
         # averaging.math.wire) and, for the byte counts, whether we reduce nothing (client mode).
@@ -152,9 +195,14 @@ class RoundRunner:
             # Our claim describes our anchor: let a sync about to land update it first, as long as
             # matchmaking can still start in time (a stale claim is handled, but costs a check).
             wait([previous], timeout=max(0.0, deadline - self.config.matchmaking_seconds - self.clock.now()))
+        key = {}
+        if self.mixing is not None:
+            bits, _, self.group_count = self.mixing.key_bits(round)
+            key = {"key_bits": bits}  # (a backend without sub-groups takes no such argument)
         self.worker.backend.prepare(round=round, scheduled_time=deadline,
                                     gather=self.state.claim_message(round=round).encode(),
-                                    timeout=max(0.0, deadline - self.clock.now()) + self.worker.matchmaking_grace)
+                                    timeout=max(0.0, deadline - self.clock.now()) + self.worker.matchmaking_grace,
+                                    **key)
 
     # -- the round's sync (the sync lane) ------------------------------------------------------------
     def run(self, round: int, tokens: int, event: torch.cuda.Event | None, snapshot: torch.Tensor,
@@ -172,7 +220,12 @@ class RoundRunner:
         pseudo_grad = pseudo_gradient(self.state.anchor, snapshot, out=self._pseudo_grad)
         weight = float(tokens) + self._folded_weight
         extra = None
-        if inner_state is not None:
+        if self._extra is not None:
+            extra = self._extra
+            pack_state(self.state, extra)
+            if inner_state is not None:
+                extra[self.mixed_numel:].copy_(inner_state[0])
+        elif inner_state is not None:
             extra = inner_state[1]
             extra.copy_(inner_state[0])  # averaged in place: the snapshot stays for the landing
         sent, averaged, outcome, sync_s = self._exchange(round, pseudo_grad, weight, extra)
@@ -194,11 +247,16 @@ class RoundRunner:
             send_bytes_per_value=self.wire.send_bytes_per_value(),
             return_bytes_per_value=self.wire.return_bytes_per_value())
         if extra is not None:
+            per_value = MIX_BYTES_PER_VALUE if self.mixing is not None else EXTRA_BYTES_PER_VALUE
             extra_sent, extra_received = round_payload(
-                self.extra_numel, group_size, client_mode=self.client_mode,
-                send_bytes_per_value=EXTRA_BYTES_PER_VALUE, return_bytes_per_value=EXTRA_BYTES_PER_VALUE)
+                extra.numel(), group_size, client_mode=self.client_mode,
+                send_bytes_per_value=per_value, return_bytes_per_value=per_value)
             sent_bytes, received_bytes = sent_bytes + extra_sent, received_bytes + extra_received
-        landed = extra if extra is not None and outcome.ok and conclusion.applied == Applied.AVERAGED else None
+        landed = None
+        if inner_state is not None and outcome.ok and conclusion.applied == Applied.AVERAGED:
+            landed = inner_state[1]
+            if extra is not landed:
+                landed.copy_(extra[self.mixed_numel:])
         return SyncResult(conclusion, correction, sync_s, outcome.allreduce_s, outcome.group, resynced,
                           sent_bytes, received_bytes, lateness_s=lateness_s, rounds_done=self.state.rounds_done,
                           robust=robust, lineage_merged=merged, reunion=reunion, inner_state=landed)
@@ -222,6 +280,9 @@ class RoundRunner:
         """Judge, catch up, step, then re-sync if the verdict said so and no catch-up reached the
         group's anchor; (conclusion, whether a re-sync replaced the anchor)."""
         usable = averaged if outcome.ok else None
+        if self.mixing is not None:
+            return conclude_mixed(self.state, outcome, pseudo_grad, round=round, averaged=usable,
+                                  mixed=self._extra if outcome.ok else None, alone=self._alone()), False
         conclusion = conclude(self.state, outcome, pseudo_grad, round=round, averaged=usable, self_id=self.peer_id,
                               alone=self._alone(), recovery=self.recovery)
         self._report_divergence(round, conclusion.verdict)
@@ -238,14 +299,16 @@ class RoundRunner:
         applied, but our contribution is in the step the others applied, which we replay next
         round: it leaves the parameters as if averaged, held until that is confirmed. Work that
         reached no anchor weighs in the next contribution. Returns the merge correction."""
-        accounted = accounted_for(pseudo_grad, sent, averaged=conclusion.applied == Applied.AVERAGED or outcome.partial > 0,
+        # (with sub-groups a partial round folds: we keep our stale anchor and nobody replays steps)
+        partial = outcome.partial > 0 and self.mixing is None
+        accounted = accounted_for(pseudo_grad, sent, averaged=conclusion.applied == Applied.AVERAGED or partial,
                                   local=conclusion.applied == Applied.LOCAL, error_feedback=self.wire.error_feedback)
         correction = merge_correction(self.state.anchor, old_anchor, accounted, out=correction_out,
                                       contributed=accounted is not None)
         self._folded_weight = 0.0 if accounted is not None else weight
         if outcome.ok:
             self._folded_weight += self._settle_partial(round, conclusion, resynced, correction)
-        elif outcome.partial:
+        elif partial:
             self._unconfirmed.append((accounted.clone(), weight))
         return correction
 
@@ -256,7 +319,10 @@ class RoundRunner:
         kept in part through the correction; either side weighs its next contribution with its
         tokens since the split. Then the round is recorded. Returns the outer steps our side took
         apart that a re-sync merged instead of dropping (0: none, or we were the kept side), and
-        whether the round was a reunion at all."""
+        whether the round was a reunion at all. Sub-group rounds have no sides: every round meets
+        peers of other groups, and their anchors are mixed, not replaced."""
+        if self.mixing is not None:
+            return 0, False
         merged = 0
         verdict = conclusion.verdict
         # The other side: the peers we re-sync from, or (kept) those who diverged from us.

@@ -62,6 +62,11 @@ STATE_BYTES_PER_VALUE = 4  # the shared state is stored and downloaded as fp32
 # An extra vector averaged beside the pseudo-gradient (the inner optimizer's moments) goes both ways
 # in bf16: fp32's range (an Adam second moment spans tens of binades, which fp16 flushes to zero).
 EXTRA_CODE = "bf16"
+# With sub-groups (``averaging.engine.mixing``) the anchors and outer momenta ride the all-reduce too,
+# and the extra vector goes in fp32: bf16 would snap every anchor to a grid of 2**-8 of its own
+# size, coarser than an outer step's change to most of it. 8 bytes a parameter each way: the
+# lattice code of docs/scale.md (1 byte) is the planned replacement.
+MIX_CODE = "fp32"
 
 
 def canonical(compression: str) -> str:

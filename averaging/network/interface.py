@@ -48,8 +48,11 @@ class AverageOutcome:
 class AveragingBackend(Protocol):
     peer_id: str
 
-    def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float) -> None:
-        """Start matchmaking for ``round`` now, so the group is ready when the round ends."""
+    def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float,
+                key_bits: str | None = None) -> None:
+        """Start matchmaking for ``round`` now, so the group is ready when the round ends.
+        ``key_bits``: the matchmaking key's bits (sub-groups: ``averaging.math.groups.group_key_bits``);
+        default the round's own, one group of everybody."""
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
                 round: int | None = None, extra: torch.Tensor | None = None) -> AverageOutcome:

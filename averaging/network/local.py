@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 class LocalHub:
-    """Where local peers meet: a round completes when every peer that prepared it has arrived."""
+    """Where local peers meet: a round completes when every peer that prepared it has arrived.
+    ``key`` (the matchmaking bits of a sub-group) splits a round into groups that meet apart."""
 
     def __init__(self, min_group_size: int = 1, matchmaking_s: float | None = None, return_code: str | None = None):
         self.return_code = return_code  # None: exact results, the same on every member
@@ -36,23 +37,25 @@ class LocalHub:
         # fast instead of waiting out the all-reduce timeout. None: wait for the whole timeout.
         self.matchmaking_s = matchmaking_s
         self._cond = threading.Condition()
-        self._prepared: dict[int, set[str]] = {}
-        self._arrived: dict[int, dict[str, tuple[torch.Tensor, float, Any]]] = {}
-        self._own: dict[tuple[int, str], torch.Tensor] = {}  # what each member sent, for its return error
-        self._extras: dict[int, dict[str, torch.Tensor]] = {}  # round -> each member's extra vector
-        # round -> (mean, gathered, the extra vectors' mean or None), or None for a failed round
-        self._results: dict[int, tuple[torch.Tensor, dict[str, Any], torch.Tensor | None] | None] = {}
+        # By (round, key): who prepared, who arrived with what, and the results.
+        self._prepared: dict[tuple[int, str], set[str]] = {}
+        self._arrived: dict[tuple[int, str], dict[str, tuple[torch.Tensor, float, Any]]] = {}
+        self._own: dict[tuple[tuple[int, str], str], torch.Tensor] = {}  # what each member sent, for its return error
+        self._extras: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # each member's extra vector
+        # (mean, gathered, the extra vectors' mean or None), or None for a failed round
+        self._results: dict[tuple[int, str], tuple[torch.Tensor, dict[str, Any], torch.Tensor | None] | None] = {}
         self.state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]] = {}
         self.update_providers: dict[str, Callable[[int], AppliedUpdate | None]] = {}
 
-    def prepare(self, peer: str, round: int) -> None:
+    def prepare(self, peer: str, round: int, key: str = "") -> None:
         with self._cond:
-            self._prepared.setdefault(round, set()).add(peer)
+            self._prepared.setdefault((round, key), set()).add(peer)
 
     def average(self, peer: str, round: int, vector: torch.Tensor, weight: float, gather: Any, timeout: float,
-                extra: torch.Tensor | None = None):
+                extra: torch.Tensor | None = None, key: str = ""):
         """(mean, gathered, extra mean) or None. The extra vectors' weighted mean is exact (the
         return code applies to the main vector only); None unless every member sent one."""
+        round = (round, key)  # (below, "round" is the group's slot: the round and its key)
         deadline = time.monotonic() + timeout
         with self._cond:
             if round in self._results:
@@ -98,25 +101,28 @@ class LocalBackend:
         hub.state_providers[peer_id] = state_provider
         if update_provider is not None:
             hub.update_providers[peer_id] = update_provider
-        self._prepared: dict[int, dict] = {}  # round -> gather; prepare runs on another thread
+        self._prepared: dict[int, tuple[dict, dict]] = {}  # round -> (gather, key); prepare runs on another thread
         self._lock = threading.Lock()
 
-    def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float) -> None:
-        self.hub.prepare(self.peer_id, round)
+    def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float,
+                key_bits: str | None = None) -> None:
+        key = {"key": key_bits} if key_bits else {}  # (one group: the hub's plain call, as tests' hubs override it)
+        self.hub.prepare(self.peer_id, round, **key)
         with self._lock:
             self._prepared = {r: g for r, g in self._prepared.items() if r >= round - 1}
-            self._prepared[round] = gather
+            self._prepared[round] = (gather, key)
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
                 round: int | None = None, extra: torch.Tensor | None = None) -> AverageOutcome:
         with self._lock:
             if round is None and self._prepared:
                 round = max(self._prepared)
-            gather = self._prepared.pop(round, None)
-        if gather is None:
+            prepared = self._prepared.pop(round, None)
+        if prepared is None:
             return AverageOutcome(ok=False, error="no averaging step was prepared")
+        gather, key = prepared
         started = time.perf_counter()
-        result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout, extra=extra)
+        result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout, extra=extra, **key)
         if result is None:
             return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error="timed out")
         mean, gathered, extra_mean = result

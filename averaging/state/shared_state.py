@@ -114,6 +114,21 @@ class SharedState:
         self._claim = AnchorClaim(fp, self.scale.clone(), self.rounds_done)
         self._history.append(AppliedUpdate(round, self.rounds_done, pseudo_grad.to(torch.float16)))
 
+    def mix(self, anchor: torch.Tensor, momentum: torch.Tensor, pseudo_grad: torch.Tensor, *, round: int,
+            rounds_done: int) -> None:
+        """A sub-group round (``averaging.engine.mixing``): take the group's mean anchor and outer
+        momentum at the group's step count (``rounds_done``: the most any member claimed), then
+        apply the group's step, in one change (a donor's reader never sees half of it). Every member
+        of the group ends with the same state. Such a step cannot be replayed by a peer that lacks
+        the mix, so none is served (``update_after``)."""
+        with self._lock:
+            self.anchor.copy_(anchor)
+            self.momentum.copy_(momentum)
+            self.rounds_done = max(self.rounds_done, rounds_done)
+            self._claim = None
+            self._apply(pseudo_grad, round)
+            self._history.clear()
+
     def update_after(self, rounds_done: int) -> AppliedUpdate | None:
         """The outer step that took a peer from ``rounds_done`` to ``rounds_done + 1`` steps, if we
         still hold it (served to peers that missed it)."""

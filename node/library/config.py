@@ -47,8 +47,11 @@ class AveragingConfig:
     # auto (int8 for int8 sends, int4 for int4 and int2)
     return_compression: str = "auto"
     error_feedback: bool = True  # int codes: what quantization drops re-enters the next round (per peer)
-    # 0 = everybody (groups of up to 64); else the largest group. A swarm larger than that splits into
-    # groups that apply different averages (sub-groups are not built: docs/scale.md, node.library.group_limit)
+    # 0 = one group of everybody each round (up to 64). Else sub-groups: each round the swarm splits
+    # into groups of about this size (8-16 for a large swarm) that change every round, and each
+    # group averages its members' anchors and outer momenta with the pseudo-gradient (in fp32:
+    # 8 bytes a parameter each way more), so anchors agree within a group and converge across groups
+    # (averaging.engine.mixing, docs/scale.md). Shared.
     target_group_size: int = 0
     min_group_size: int = 2
     matchmaking_seconds: float = 3.0  # hivemind min_matchmaking_time
@@ -134,6 +137,10 @@ def sync_shared_fields(*, outer: OuterConfig, rounds: RoundConfig, averaging: Av
                        "averaging.target_group_size": averaging.target_group_size})
     if averaging.progress_shards != 1:  # only then: an unsharded run's manifest (and hash) stays what it was
         shared["averaging.progress_shards"] = averaging.progress_shards
+    if averaging.target_group_size:
+        # Sub-groups change the all-reduce (anchors and momenta ride it) and the matchmaking keys:
+        # a peer of a version without them must not join such a run with the same settings.
+        shared.update({"averaging.target_group_size": averaging.target_group_size, "averaging.sub_groups": 1})
     if averaging.average_inner_state:  # likewise; every member's all-reduce then carries the moments
         shared["averaging.average_inner_state"] = True
     return shared

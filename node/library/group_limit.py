@@ -1,13 +1,13 @@
-"""Telling the operator when the swarm outgrows one averaging group.
+"""Telling the operator when a swarm of one group each round outgrows it.
 
-Every member refuses a group larger than its cap (``leader_group_cap``: ``averaging.target_group_size``
-when set, else ``averaging.robust.max_group_size``, 64), and hivemind's leaders stop gathering at
-it, so a swarm larger than the cap splits each round into several groups. Those apply different
-averages, and shoal's consistency check, which expects one anchor for the whole swarm, then sends
-members of the smaller groups to re-sync to the others' anchor (simulated at 256 peers: 46-60% of
-members a round; docs/scale.md). Rotating sub-groups, which would make that the design instead of a
-fault, are not built yet. Until they are, a run should stay within the cap, and a peer says so
-once, when it first sees the swarm cross it (and again if it crosses again after shrinking).
+With ``averaging.target_group_size = 0`` every round is one group of everybody, and every member
+refuses a group larger than ``averaging.robust.max_group_size`` (64, ``leader_group_cap``):
+hivemind's leaders stop gathering there, so a larger swarm splits each round into several groups.
+Those apply different averages, and shoal's consistency check, which expects one anchor for the
+whole swarm, then sends members of the smaller groups to re-sync to the others' anchor (simulated
+at 256 peers: 46-60% of members a round; docs/scale.md). Sub-groups (``averaging.target_group_size``
+of 8-16: ``averaging.engine.mixing``) are the design for such swarms; a peer says so once, when it
+first sees the swarm cross the cap (and again if it crosses again after shrinking).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ HARD_CAP = RobustConfig().max_group_size  # a larger group is refused as an atta
 
 
 def over_cap_message(live_peers: int, cap: int) -> str:
-    return (f"the swarm has {live_peers} live peers, more than one averaging group holds ({cap}: "
-            f"averaging.target_group_size, else {HARD_CAP}): each round splits into groups that apply different "
-            "averages, and members of the smaller ones re-sync to the others' anchor. Sub-groups for larger "
-            f"swarms are not built yet (docs/scale.md): keep the run to {cap} peers or fewer"
-            + (", or raise averaging.target_group_size" if cap < HARD_CAP else ""))
+    return (f"the swarm has {live_peers} live peers, more than one averaging group holds ({cap}): each "
+            "round splits into groups that apply different averages, and members of the smaller ones "
+            "re-sync to the others' anchor. Set averaging.target_group_size (8-16) so that the swarm "
+            "averages in sub-groups that change every round (docs/scale.md), or keep the run to "
+            f"{cap} peers or fewer")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Protocol
 import psutil
 from hivemind import DHT
 
+from averaging.math.wire import EXTRA_CODE
 from averaging.network.hivemind.backend import HivemindBackend
 from averaging.network.interface import AveragingBackend, StateProvider, UpdateProvider
 from node.library.config import AveragingConfig
@@ -34,9 +35,10 @@ class Network(Protocol):
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
                 client_mode: bool, update_provider: UpdateProvider | None = None,
-                share_state: bool = True, extra_numel: int = 0) -> AveragingBackend:
+                share_state: bool = True, extra_numel: int = 0, extra_code: str = EXTRA_CODE) -> AveragingBackend:
         """The averaging backend (created once, before our own threads start); ``extra_numel``: a
-        second vector averaged with every round (the inner optimizer's moments)."""
+        second vector averaged with every round, in ``extra_code`` (the inner optimizer's moments;
+        with sub-groups the anchor and momentum before them: ``averaging.engine.mixing``)."""
 
     def pids(self) -> list[int | None]:
         """Processes this network started (and whose descendants must not outlive us)."""
@@ -70,16 +72,18 @@ class HivemindNetwork:
 
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
                 client_mode: bool, update_provider: UpdateProvider | None = None,
-                share_state: bool = True, extra_numel: int = 0) -> AveragingBackend:
+                share_state: bool = True, extra_numel: int = 0, extra_code: str = EXTRA_CODE) -> AveragingBackend:
         avg = averaging
         self._backend = HivemindBackend(
             self.dht, numel=numel, prefix=averager_prefix(run_id), state_provider=state_provider,
             update_provider=update_provider,
-            wire=avg.wire, target_group_size=avg.target_group_size or None,
+            # No cap below the hard one: with sub-groups each group meets under its own key, and
+            # hashed groups vary in size around the target (averaging.math.groups).
+            wire=avg.wire, target_group_size=None,
             min_group_size=avg.min_group_size, min_matchmaking_time=avg.matchmaking_seconds,
             request_timeout=avg.request_timeout, allreduce_timeout=avg.allreduce_timeout, client_mode=client_mode,
             robust=avg.robust, admission=admission_key(self.swarm_key) if self.swarm_key is not None else None,
-            signer=self.dht.shoal_key, share_state=share_state, extra_numel=extra_numel,
+            signer=self.dht.shoal_key, share_state=share_state, extra_numel=extra_numel, extra_code=extra_code,
         )
         return self._backend
 

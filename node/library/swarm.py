@@ -24,11 +24,13 @@ import torch
 from averaging.engine.config import LoopConfig
 from averaging.engine.inner_sync import InnerStateSync
 from averaging.engine.loop import RoundEngine
+from averaging.engine.mixing import Mixing, one_group, state_numel
 from averaging.engine.stats import RoundStats, Traffic
 from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
+from averaging.math.groups import agreed_group_count, group_of
 from averaging.math.outer_step import OuterConfig
-from averaging.math.wire import STATE_BYTES_PER_VALUE, round_payload
+from averaging.math.wire import EXTRA_CODE, MIX_CODE, STATE_BYTES_PER_VALUE, round_payload
 from averaging.network.hivemind.averager import leader_group_cap
 from averaging.network.interface import Progress
 from averaging.state.served import DownloadedState
@@ -163,6 +165,7 @@ class DiLoCoSwarm:
         self.tokens_contributed = 0
         self.last_stats: RoundStats | None = None
         self._network: Network | None = None
+        self._mixing: Mixing | None = None  # sub-groups (set with the engine)
         folder = self._trust_dir = Path(trust_dir) if trust_dir is not None else None
         self.trust = RunTrust(pinned=run_key, explicit=run_key is not None,
                               pin_file=folder / f"{run_id}.run-key" if folder else None,
@@ -218,19 +221,25 @@ class DiLoCoSwarm:
         """The averager (hivemind forks it: before our own threads, and before CUDA if the caller
         allows), the sync worker, the peer monitor and the round engine."""
         avg = self.averaging
+        # Sub-groups (averaging.engine.mixing): the anchor and momentum ride every all-reduce, ahead
+        # of the inner optimizer's moments when those ride too.
+        mixing = self._mixing = Mixing(plan=self._group_plan) if avg.target_group_size else None
+        extra_numel = (state_numel(self._layout.numel) if mixing else 0) + (
+            self._inner_state.numel if self._inner_state else 0)
         # A peer that downloads the swarm's state first serves none until then (``share_state``).
         backend = self._network.backend(run_id=self.run_id, numel=self._layout.numel,
                                         state_provider=self._serve_state, averaging=avg,
                                         client_mode=self.reachability.client_mode,
                                         update_provider=self._shared.update_after,
                                         share_state=not self.initial_peers,
-                                        extra_numel=self._inner_state.numel if self._inner_state else 0)
+                                        extra_numel=extra_numel, extra_code=MIX_CODE if mixing else EXTRA_CODE)
         self._backend = backend
         self._worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
                                   matchmaking_grace=avg.matchmaking_seconds)
         self._closers.insert(0, self._worker.close)
         period = min(5.0, max(1.0, self.rounds.seconds / 3))
-        self._group_limit = GroupLimitWatch(leader_group_cap(avg.target_group_size or None, avg.robust))
+        # (sub-groups have no such limit: each group meets under its own key)
+        self._group_limit = GroupLimitWatch(None if mixing else leader_group_cap(None, avg.robust))
         self._on_peers_changed = on_peers_changed
         self._monitor = PeerMonitor(self._directory, self.manifest, peer_id=self.peer_id,
                                     period=period, status=self._status,
@@ -247,7 +256,7 @@ class DiLoCoSwarm:
                               prepare_lead=avg.matchmaking_seconds + avg.request_timeout),
             peer_id=self.peer_id, alone=self._alone,
             device=self.device, wire=avg.wire, client_mode=self.reachability.client_mode,
-            swarm_lateness=self._others_lateness, inner_state=self._inner_state,
+            swarm_lateness=self._others_lateness, inner_state=self._inner_state, mixing=mixing,
         )
 
     def _peers_changed(self, joined: set[str], left: set[str]) -> None:
@@ -264,6 +273,16 @@ class DiLoCoSwarm:
         path = self._trust_dir / f"{self.run_id}.peers.json" if self._trust_dir is not None else None
         return Rediscovery(initial_peers=self.initial_peers, cache=PeerCache.load(path), peer_id=self.peer_id,
                            period=period)
+
+    def _group_plan(self, round: int) -> tuple[int, int]:
+        """Our sub-group in ``round`` and the round's group count (the prepare lane's thread): the
+        count most of the peers that count published (``agreed_group_count``, from their records
+        and ours), kept while the live peers fit it; the group from a hash of (run, round, our id)
+        that every peer computes alike (``averaging.math.groups``)."""
+        records = self.present_peers
+        count = agreed_group_count((r.group_count for r in records if r.group_count is not None),
+                                   max(1, len(records)), self.averaging.target_group_size)
+        return group_of(self.peer_id, round, count, salt=self.run_id), count
 
     def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
         """Our shared state for a peer downloading it (hivemind's fetcher thread, in this process)."""
@@ -442,6 +461,14 @@ class DiLoCoSwarm:
         self._monitor.tick()
         donors = donor_order(self._monitor.peers, me=self.peer_id,
                              max_rounds_done=self._monitor.schedule.round_at(self._directory.now()))
+        if self._mixing is not None:
+            # Anchors of different sub-groups differ by more than a download's per-slice check
+            # allows: take the state from the members of one group of the last round.
+            records = self._monitor.peers
+            last = self._monitor.schedule.round_at(self._directory.now()) - 1
+            count = agreed_group_count((r.group_count for r in records.values() if r.group_count is not None),
+                                       max(1, len(records)), self.averaging.target_group_size)
+            donors = one_group(donors, round=last, groups=count, salt=self.run_id)
         if not donors:
             return None
         if before_first_step((self._monitor.peers[p] for p in donors),
@@ -531,6 +558,7 @@ class DiLoCoSwarm:
             round_bytes_received=self.last_stats.bytes_received if self.last_stats else None,
             time=self._directory.now(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
             shard=beat.shard, sync_late_s=self._loop.sync_lateness, rounds_done=self._shared.rounds_done,
+            group_count=self._loop.runner.group_count if self._mixing is not None else None,
             clock_offset_s=swarm_time.offset() if self._monitor.clock.peers_measured else None,
             addrs=self._dialable_addrs(),
         )

@@ -42,7 +42,7 @@ def test_a_dead_averager_fails_the_prepare_instead_of_hanging_it(monkeypatch):
     averager = SilentAverager(alive=False)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="averager process is gone: round 7"):
-        backend_with(averager)._set_group_bits(7)
+        backend_with(averager)._set_group_bits(7, round_bits(7))
     assert time.monotonic() - started < 2.0
     assert averager.bits == [round_bits(7)]
 
@@ -50,7 +50,7 @@ def test_a_dead_averager_fails_the_prepare_instead_of_hanging_it(monkeypatch):
 def test_a_slow_live_averager_gets_its_step_queued_behind_the_bits(monkeypatch):
     monkeypatch.setattr(backend_module, "GROUP_BITS_WAIT_S", 0.2)
     averager = SilentAverager(alive=True)
-    backend_with(averager)._set_group_bits(3)  # no error: the step goes down the same pipe after the bits
+    backend_with(averager)._set_group_bits(3, round_bits(3))  # no error: the step goes down the same pipe after the bits
     assert averager.bits == [round_bits(3)]
 
 
@@ -62,7 +62,7 @@ def test_a_confirmed_change_returns_at_once():
             return done
 
     started = time.monotonic()
-    backend_with(Answering(alive=True))._set_group_bits(1)
+    backend_with(Answering(alive=True))._set_group_bits(1, round_bits(1))
     assert time.monotonic() - started < 0.5
 
 

@@ -28,7 +28,7 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import NoCompression
 
 from averaging.math.robust import RobustConfig
-from averaging.math.wire import AVERAGE_RETURN_CODES, STATE_BYTES_PER_VALUE, WireFormat
+from averaging.math.wire import AVERAGE_RETURN_CODES, EXTRA_CODE, STATE_BYTES_PER_VALUE, WireFormat
 from averaging.network.hivemind.averager import DISTRUSTED_KEY, PARTIAL_KEY, ShoalAverager, leader_group_cap
 from averaging.network.hivemind.fetching import FETCH_GRACE_S, describe
 from averaging.network.hivemind.parts import (
@@ -93,6 +93,7 @@ class HivemindBackend:
         signer: PeerKey | None = None,
         share_state: bool = True,
         extra_numel: int = 0,
+        extra_code: str = EXTRA_CODE,
     ):
         """``admission``: a private swarm's admission key (``protocols.admission.admission_key``).
         ``signer``: this peer's libp2p identity (the DHT's): our claims are signed with it and every
@@ -101,7 +102,9 @@ class HivemindBackend:
         from the start (False for a peer that downloads the swarm's first: ``share_state``).
         ``extra_numel``: a second vector of that many values averaged in the same all-reduce
         (``average(extra=...)``), in bf16 and judged without work scaling: the inner optimizer's
-        moments. Every member of a run must agree on it (the parts are cut from both tensors)."""
+        moments. Every member of a run must agree on it (the parts are cut from both tensors).
+        ``extra_code``: that vector's codec both ways (``MIX_CODE``, fp32, when it carries anchors:
+        ``averaging.engine.mixing``)."""
         if signer is not None and signer.peer_id != str(dht.peer_id):
             raise ValueError("the signer must be the DHT's own identity")
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
@@ -131,7 +134,7 @@ class HivemindBackend:
             sender_timeout=allreduce_timeout * SENDER_SHARE,
             reducer_timeout=allreduce_timeout * REDUCER_SHARE,
             compression=averager_compression(wire, numel=numel, target_group_size=target_group_size,
-                                             extra_numel=extra_numel,
+                                             extra_numel=extra_numel, extra_code=extra_code,
                                              part_size_bytes=part_bytes.get("part_size_bytes", HIVEMIND_PART_BYTES)),
             state_compression=NoCompression(),  # shared state must arrive exact
             client_mode=client_mode,
@@ -153,14 +156,16 @@ class HivemindBackend:
         self._controls: dict[int, StepControl] = {}
         self._controls_lock = threading.Lock()
 
-    def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float) -> None:
+    def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float,
+                key_bits: str | None = None) -> None:
         # Older rounds' steps stay: their syncs may still be queued on the sync lane (a sync can
         # outlast a round, and the next one waits behind it); ``average`` cancels the ones it passed.
         self._settle_matchmaking(before=round)
         with self._averager._command_lock:
             # The round goes into the matchmaking key (hivemind's group bits), so a peer still
-            # finishing round r-1 can never pull a peer of round r into its group (or wait for it).
-            self._set_group_bits(round)
+            # finishing round r-1 can never pull a peer of round r into its group (or wait for it);
+            # with sub-groups, our group's bits follow it.
+            self._set_group_bits(round, key_bits if key_bits is not None else round_bits(round))
             proof = self._averager.proof()
             if self._signer is not None:
                 gather = sign_claim(gather, self._signer, prefix=self._averager.prefix, mode=self._averager.mode.value)
@@ -174,11 +179,11 @@ class HivemindBackend:
         with self._controls_lock:
             self._controls[round] = control
 
-    def _set_group_bits(self, round: int) -> None:
+    def _set_group_bits(self, round: int, bits: str) -> None:
         """The round's group bits, confirmed within ``GROUP_BITS_WAIT_S`` or refused if the averager
         process is gone. A live averager that is slow to answer is fine: the step sent next goes
         down the same pipe after the bits, so it is matched with them."""
-        confirmed = self._averager.set_group_bits(round_bits(round), wait=False)
+        confirmed = self._averager.set_group_bits(bits, wait=False)
         try:
             confirmed.result(timeout=GROUP_BITS_WAIT_S)
         except TimeoutError:

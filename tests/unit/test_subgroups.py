@@ -1,0 +1,203 @@
+"""Sub-group rounds in the round engine (``averaging.engine.mixing``): four peers on threads over one
+LocalHub, split each round into two groups of two that change every round. Each group averages its
+members' anchors and momenta with the pseudo-gradient: every member ends the round with the same
+state, the exact outer step of the group's means, and no verdict, catch-up or re-sync runs although
+the peers' anchors differ across groups. Plus the pure helpers (donors of one group, the group's
+step count)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from averaging.engine.config import LoopConfig
+from averaging.engine.loop import RoundEngine
+from averaging.engine.mixing import Mixing, group_rounds_done, one_group, state_numel
+from averaging.engine.worker import SyncWorker
+from averaging.math.flat import FlatLayout
+from averaging.math.groups import members
+from averaging.math.outer_step import OuterConfig, outer_step_
+from averaging.network.interface import AverageOutcome
+from averaging.network.local import LocalBackend, LocalHub
+from averaging.state.shared_state import SharedState
+from protocols.schedule import RoundSchedule
+from tests.unit.fake_clock import WALL_START, FakeClock
+
+pytestmark = pytest.mark.timeout(60)
+
+PEERS = ("a", "b", "c", "d")
+TOKENS = {"a": 100, "b": 300, "c": 200, "d": 50}
+OUTER = OuterConfig(lr=0.7, momentum=0.9, nesterov=True)
+WAIT = 20.0
+# Odd rounds pair a-b and c-d, even rounds a-c and b-d: after two rounds every anchor holds a share
+# of every other (a butterfly), as hashed groups do over log(N) rounds.
+GROUPS = {1: {"a": 0, "b": 0, "c": 1, "d": 1}, 0: {"a": 0, "c": 0, "b": 1, "d": 1}}
+
+
+class Recording(LocalBackend):
+    """Keeps what each round sent (pseudo-gradient, extra vector, weight) and the group it joined."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self.keys: dict[int, str] = {}
+
+    def prepare(self, *, round: int, key_bits: str | None = None, **kwargs) -> None:
+        self.keys[round] = key_bits
+        super().prepare(round=round, key_bits=key_bits, **kwargs)
+
+    def average(self, vector, *, weight, timeout, round=None, extra=None) -> AverageOutcome:
+        self.sent[round] = (vector.clone(), extra.clone(), weight)
+        return super().average(vector, weight=weight, timeout=timeout, round=round, extra=extra)
+
+
+def make_peers(workers: list[SyncWorker]) -> list[dict]:
+    hub = LocalHub()
+    schedule = RoundSchedule(start_time=WALL_START, round_seconds=1e3)
+    peers = []
+    for index, peer_id in enumerate(PEERS):
+        with torch.random.fork_rng():
+            torch.manual_seed(0 if peer_id != "d" else 1)  # d starts elsewhere: a stale joiner
+            model = torch.nn.Linear(8, 4)
+        layout = FlatLayout.of(model.named_parameters())
+        state = SharedState(layout, layout.pack(dict(model.named_parameters()), layout.new_buffer()), OUTER)
+        state.rounds_done = 1 if peer_id == "a" else 0  # a step ahead (a count within the schedule): its groups take it
+        clock = FakeClock(WALL_START)
+        backend = Recording(hub, peer_id, state.shared_state)
+        worker = SyncWorker(backend, allreduce_timeout=5.0, matchmaking_grace=1.0)
+        workers.append(worker)
+        plan = lambda round, peer_id=peer_id: (GROUPS[round % 2][peer_id], 2)  # noqa: E731
+        loop = RoundEngine(state=state, worker=worker, layout=layout,
+                           params=lambda model=model: dict(model.named_parameters()),
+                           schedule=lambda: schedule,
+                           config=LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=1e6),
+                           peer_id=peer_id, alone=lambda: False, device=torch.device("cpu"), clock=clock,
+                           mixing=Mixing(plan=plan))
+        peers.append(dict(id=peer_id, model=model, layout=layout, state=state, backend=backend, worker=worker,
+                          loop=loop, generator=torch.Generator().manual_seed(10 + index), stats=[], rounds={}))
+    return peers
+
+
+def params_of(peer: dict) -> torch.Tensor:
+    return peer["layout"].pack(dict(peer["model"].named_parameters()), peer["layout"].new_buffer())
+
+
+@torch.no_grad()
+def step(peer: dict) -> torch.Tensor:
+    delta = torch.randn(peer["layout"].numel, generator=peer["generator"]) * -0.01
+    params = dict(peer["model"].named_parameters())
+    for name, view in peer["layout"].views(delta).items():
+        params[name].add_(view)
+    peer["stats"] += peer["loop"].after_step(tokens=TOKENS[peer["id"]], seconds=0.0, loss=1.0)
+    return delta
+
+
+def run(peers: list[dict], rounds: int) -> None:
+    """Each round: 3 steps, every prepare done, begin_sync, 2 steps in flight, merge; records the
+    state before and after and the work done after the snapshot."""
+    barrier = threading.Barrier(len(peers), timeout=WAIT)
+
+    def train(peer: dict) -> None:
+        loop = peer["loop"]
+        loop.start()
+        for round in range(1, rounds + 1):
+            for _ in range(3):
+                step(peer)
+            peer["worker"].submit(lambda: None).result(timeout=WAIT)
+            peer["worker"].submit_prepare(lambda: None).result(timeout=WAIT)
+            barrier.wait()
+            before = (peer["state"].anchor.clone(), peer["state"].momentum.clone())
+            peer["stats"] += loop.begin_sync()
+            after_snapshot = step(peer) + step(peer)
+            peer["stats"] += loop.try_merge(wait=True)
+            assert not loop.syncing
+            peer["rounds"][round] = dict(before=before, anchor=peer["state"].anchor.clone(),
+                                         momentum=peer["state"].momentum.clone(), params=params_of(peer),
+                                         unsynced=after_snapshot, rounds_done=peer["state"].rounds_done)
+            barrier.wait()
+
+    with ThreadPoolExecutor(len(peers)) as pool:
+        for future in [pool.submit(train, peer) for peer in peers]:
+            future.result(timeout=3 * WAIT)
+
+
+@pytest.fixture
+def workers():
+    made: list[SyncWorker] = []
+    yield made
+    for worker in made:
+        worker.close()
+
+
+def test_each_group_averages_its_members_state_and_every_member_ends_with_the_same_anchor(workers):
+    peers = make_peers(workers)
+    by_id = {p["id"]: p for p in peers}
+    numel = peers[0]["layout"].numel
+    rounds = 4
+    run(peers, rounds)
+
+    for round in range(1, rounds + 1):
+        for group in (0, 1):
+            ids = sorted(p for p, g in GROUPS[round % 2].items() if g == group)
+            sent = [by_id[p]["backend"].sent[round] for p in ids]
+            total = sum(weight for *_, weight in sent)
+            mean = lambda tensors: sum(t.double() * (w / total) for t, (*_, w) in zip(tensors, sent)).float()  # noqa: E731
+            # What each member put in the extra vector: its anchor and momentum before the round.
+            for p, (_, extra, _) in zip(ids, sent):
+                assert extra.numel() == state_numel(numel)
+                assert torch.equal(extra[:numel], by_id[p]["rounds"][round]["before"][0])
+                assert torch.equal(extra[numel:], by_id[p]["rounds"][round]["before"][1])
+            anchor, momentum = mean([e[:numel] for _, e, _ in sent]), mean([e[numel:] for _, e, _ in sent])
+            outer_step_(anchor, mean([g for g, _, _ in sent]), momentum, lr=OUTER.lr, mu=OUTER.momentum,
+                        nesterov=OUTER.nesterov)
+            for p in ids:
+                after = by_id[p]["rounds"][round]
+                assert torch.allclose(after["anchor"], anchor, rtol=0, atol=1e-6), (round, p)
+                assert torch.allclose(after["momentum"], momentum, rtol=0, atol=1e-6), (round, p)
+                # the merge keeps the work done since the snapshot on top of the group's anchor
+                assert torch.allclose(after["params"] - after["anchor"], after["unsynced"], rtol=0, atol=1e-6)
+            first, *others = ids
+            for p in others:  # the same bytes for every member: exactly one state per group
+                assert torch.equal(by_id[p]["rounds"][round]["anchor"], by_id[first]["rounds"][round]["anchor"])
+                assert by_id[p]["rounds"][round]["rounds_done"] == by_id[first]["rounds"][round]["rounds_done"]
+        # the groups met apart, each under its own key (the round's bits, then the group's)
+        keys = {p["id"]: p["backend"].keys[round] for p in peers}
+        assert len(set(keys.values())) == 2 and all(len(k) == 5 for k in keys.values())
+    # round 1: a's group takes its count (2), the other group's starts from 0 (1); then all are even
+    assert [[by_id[p]["rounds"][r]["rounds_done"] for p in PEERS] for r in (1, 2, 3)] == [
+        [2, 2, 1, 1], [3, 3, 3, 3], [4, 4, 4, 4]]
+    for peer in peers:
+        assert [s.applied for s in peer["stats"]] == ["averaged"] * rounds
+        assert all(s.group_size == 2 and not s.resynced and not s.diverged for s in peer["stats"])
+        assert peer["loop"].runner.group_count == 2
+    # d started elsewhere; the groups' means pulled it in: the spread across the swarm shrinks round by round
+    spread = [max(float((by_id[p]["rounds"][r]["anchor"] - by_id["a"]["rounds"][r]["anchor"]).norm())
+                  for p in PEERS) for r in range(1, rounds + 1)]
+    initial = float((by_id["d"]["rounds"][1]["before"][0] - by_id["a"]["rounds"][1]["before"][0]).norm())
+    assert spread[0] < initial and spread[-1] < 0.2 * initial, (initial, spread)
+
+
+def test_a_joiner_downloads_from_the_members_of_one_group_of_the_last_round():
+    donors = [f"peer-{i}" for i in range(12)]
+    groups = members(donors, 7, 4, salt="run")
+    chosen = one_group(donors, round=7, groups=4, salt="run")
+    largest = max(len(g) for g in groups.values())
+    assert len(chosen) == largest and any(set(chosen) == set(g) for g in groups.values())
+    assert chosen == [d for d in donors if d in chosen]  # the caller's order (most steps first) is kept
+    assert one_group(donors, round=7, groups=1, salt="run") == donors
+
+
+def test_the_group_takes_the_most_steps_a_member_claims_within_the_schedule():
+    layout = FlatLayout.of(torch.nn.Linear(4, 2).named_parameters())
+    state = SharedState(layout, layout.new_buffer(), OUTER)
+    state.rounds_done = 3
+    ahead = SharedState(layout, layout.new_buffer(), OUTER)
+    ahead.rounds_done = 5
+    liar = SharedState(layout, layout.new_buffer(), OUTER)
+    liar.rounds_done = 50
+    gathered = {"ahead": ahead.claim_message(round=6).encode(), "liar": liar.claim_message(round=6).encode(),
+                "stale": ahead.claim_message(round=5).encode(), "junk": b"\x00"}
+    assert group_rounds_done(state, gathered, round=6) == 5  # the liar is past round 6: not counted
