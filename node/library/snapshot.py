@@ -67,7 +67,7 @@ class SwarmSnapshot:
                  "phase": r.phase, "version": r.version, "tokens": r.tokens, "bytes_sent": r.bytes_sent,
                  "bytes_received": r.bytes_received, "round_bytes_sent": r.round_bytes_sent,
                  "round_bytes_received": r.round_bytes_received, "shard": r.shard, "sync_late_s": r.sync_late_s,
-                 "rounds_done": r.rounds_done, "clock_offset_s": r.clock_offset_s,
+                 "rounds_done": r.rounds_done, "clock_offset_s": r.clock_offset_s, "group_count": r.group_count,
                  "last_seen_s": max(self.time - r.time, 0.0)}
                 for r in peers
             ],

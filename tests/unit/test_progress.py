@@ -300,6 +300,20 @@ def test_a_malformed_outer_step_count_is_refused(bad):
         decode(ED25519_ID, value)
 
 
+def test_the_sub_group_count_round_trips_and_older_records_lack_it():
+    newer = record(group_count=16)
+    assert decode(ED25519_ID, msgpack.unpackb(msgpack.packb(encode(newer)), raw=False)) == newer
+    assert "group_count" not in encode(record())
+
+
+@pytest.mark.parametrize("bad", [0, 3, 2048, -2, 1.0, "4", True])
+def test_a_group_count_that_is_not_a_power_of_two_up_to_1024_is_refused(bad):
+    value = encode(record(group_count=2))
+    value["group_count"] = bad
+    with pytest.raises(MessageError, match="group_count"):
+        decode(ED25519_ID, value)
+
+
 def test_a_swarm_is_before_its_first_step_only_in_its_first_round_and_if_every_record_says_so():
     fresh = [record(rounds_done=0), record(RSA_ID, rounds_done=0)]
     assert before_first_step(fresh, first_round_left_s=8.0)

@@ -53,7 +53,7 @@ def test_json_has_the_documented_keys():
     assert first == {"peer_id": A, "round": 7, "tokens_per_s": 3000.0, "loss": 2.0, "eval_loss": 2.5,
                      "device": "cuda:0", "utilization": 0.8, "mode": "full", "phase": "training", "version": "0.1.0",
                      "tokens": 100, "bytes_sent": 5, "bytes_received": 6, "shard": None, "round_bytes_sent": None,
-                     "round_bytes_received": None, "sync_late_s": None, "rounds_done": None, "clock_offset_s": None,
+                     "round_bytes_received": None, "sync_late_s": None, "rounds_done": None, "clock_offset_s": None, "group_count": None,
                      "last_seen_s": 2.0}
     assert second["round_bytes_sent"] == 3 and second["round_bytes_received"] == 4
     assert second["sync_late_s"] == 14.5 and second["rounds_done"] == 6
