@@ -124,6 +124,11 @@ def run(peers: list[dict], rounds: int) -> None:
             future.result(timeout=3 * WAIT)
 
 
+def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    total = sum(weights)
+    return sum(t.double() * (w / total) for t, w in zip(tensors, weights)).float()
+
+
 @pytest.fixture
 def workers():
     made: list[SyncWorker] = []
@@ -143,16 +148,16 @@ def test_each_group_averages_its_members_state_and_every_member_ends_with_the_sa
         for group in (0, 1):
             ids = sorted(p for p, g in GROUPS[round % 2].items() if g == group)
             sent = [by_id[p]["backend"].sent[round] for p in ids]
-            total = sum(weight for *_, weight in sent)
-            mean = lambda tensors: sum(t.double() * (w / total) for t, (*_, w) in zip(tensors, sent)).float()  # noqa: E731
+            weights = [weight for *_, weight in sent]
             # What each member put in the extra vector: its anchor and momentum before the round.
             for p, (_, extra, _) in zip(ids, sent):
                 assert extra.numel() == state_numel(numel)
                 assert torch.equal(extra[:numel], by_id[p]["rounds"][round]["before"][0])
                 assert torch.equal(extra[numel:], by_id[p]["rounds"][round]["before"][1])
-            anchor, momentum = mean([e[:numel] for _, e, _ in sent]), mean([e[numel:] for _, e, _ in sent])
-            outer_step_(anchor, mean([g for g, _, _ in sent]), momentum, lr=OUTER.lr, mu=OUTER.momentum,
-                        nesterov=OUTER.nesterov)
+            anchor = weighted_mean([e[:numel] for _, e, _ in sent], weights)
+            momentum = weighted_mean([e[numel:] for _, e, _ in sent], weights)
+            outer_step_(anchor, weighted_mean([g for g, _, _ in sent], weights), momentum, lr=OUTER.lr,
+                        mu=OUTER.momentum, nesterov=OUTER.nesterov)
             for p in ids:
                 after = by_id[p]["rounds"][round]
                 assert torch.allclose(after["anchor"], anchor, rtol=0, atol=1e-6), (round, p)
