@@ -271,6 +271,8 @@ class RoundRunner:
         averaged = sent.clone()
         timeout = max(0.0, self._schedule().round_end(round) - self.clock.now()) + self.worker.matchmaking_grace
         more = {} if extra is None else {"extra": extra}  # (a backend without extras takes no such argument)
+        if self.mixing is not None:
+            more["keep_partial"] = True  # sub-groups: our own values stand for a missing share
         outcome = self.worker.backend.average(averaged, weight=weight, timeout=timeout + self.worker.allreduce_timeout,
                                               round=round, **more)
         return sent, averaged, outcome, self.clock.monotonic() - started

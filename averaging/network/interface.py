@@ -41,7 +41,8 @@ class AverageOutcome:
     error: str | None = None
     # Fraction of the average that never arrived (a reducer failed). Such a result is not ok: our
     # own values on the missing share would put our anchor where no other member's is. Its
-    # ``error`` (the round record's) starts with PARTIAL_ERROR.
+    # ``error`` (the round record's) starts with PARTIAL_ERROR. With ``keep_partial`` (sub-groups,
+    # where members' anchors differ anyway) it is ok, and this says how much of it is our own.
     partial: float = 0.0
 
 
@@ -55,12 +56,15 @@ class AveragingBackend(Protocol):
         default the round's own, one group of everybody."""
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
-                round: int | None = None, extra: torch.Tensor | None = None) -> AverageOutcome:
+                round: int | None = None, extra: torch.Tensor | None = None,
+                keep_partial: bool = False) -> AverageOutcome:
         """Average ``vector`` (flat fp32 CPU) in place with the group prepared for ``round`` (default:
         the last one prepared), weighted by ``weight``. ``prepare`` may run concurrently (another
         thread: matchmaking for the next round starts while this one's all-reduce runs). ``extra``:
         a second vector averaged in place in the same all-reduce (a backend built for one; every
-        member sends one), with its own codec and robust rule: the inner optimizer's moments."""
+        member sends one), with its own codec and robust rule: the inner optimizer's moments.
+        ``keep_partial`` (sub-groups): a result with up to half of it missing is ok, our own values
+        standing for the missing share (``partial`` says how much); else such a result is not ok."""
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        same_state: Callable[[Any, Any], bool] | None = None,

@@ -113,7 +113,9 @@ class LocalBackend:
             self._prepared[round] = (gather, key)
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
-                round: int | None = None, extra: torch.Tensor | None = None) -> AverageOutcome:
+                round: int | None = None, extra: torch.Tensor | None = None,
+                keep_partial: bool = False) -> AverageOutcome:
+        # (in-process averaging is never partial)
         with self._lock:
             if round is None and self._prepared:
                 round = max(self._prepared)

@@ -276,10 +276,16 @@ class DiLoCoSwarm:
 
     def _group_plan(self, round: int) -> tuple[int, int]:
         """Our sub-group in ``round`` and the round's group count (the prepare lane's thread): the
-        count most of the peers that count published (``agreed_group_count``, from their records
-        and ours), kept while the live peers fit it; the group from a hash of (run, round, our id)
-        that every peer computes alike (``averaging.math.groups``)."""
-        records = self.present_peers
+        count most live peers published (``agreed_group_count``, from every live record, ours
+        included), kept while the live peers fit it; the group from a hash of (run, round, our id)
+        that every peer computes alike (``averaging.math.groups``).
+
+        Every live record, not only the peers that count as members (``present_peers``): members
+        are the peers met in a group lately, so with them 16 real peers split for good into 8 that
+        counted 8 live peers (one group, the bare round key) and 8 that counted 16 (two groups
+        under other keys), and the two halves never met again. Records that never average (a
+        stranger's) can push the count up, thinning the groups: docs/security.md."""
+        records = list(self._monitor.peers.values())
         count = agreed_group_count((r.group_count for r in records if r.group_count is not None),
                                    max(1, len(records)), self.averaging.target_group_size)
         return group_of(self.peer_id, round, count, salt=self.run_id), count

@@ -193,7 +193,8 @@ def test_a_reducer_that_ends_its_streams_early_is_struck_then_banned():
     without its share: a partial round, applied by nobody. Honest reducers fail now and then too, so
     one failure only strikes it (no ban after round 1); after ``strike_limit`` rounds in which only
     it failed, the honest members ban it, and their next group is themselves alone, whose round
-    applies with the honest mean."""
+    applies with the honest mean. A member that keeps partial results (sub-groups) gets the group's
+    average with its own values on the missing share."""
     limit = 2
     generator = torch.Generator().manual_seed(13)
     common = torch.randn(NUMEL, generator=generator)
@@ -218,14 +219,19 @@ def test_a_reducer_that_ends_its_streams_early_is_struck_then_banned():
                 backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round},
                                 timeout=5 if backend is backends[HONEST] and banned else 30)
             results = [vector.clone() for vector in vectors]
-            futures = [pool.submit(backend.average, result, weight=1.0, timeout=60)
-                       for backend, result in zip(backends, results)]
+            # Member 0 keeps a partial result, as sub-groups do (averaging.engine.mixing)
+            futures = [pool.submit(backend.average, result, weight=1.0, timeout=60, keep_partial=i == 0)
+                       for i, (backend, result) in enumerate(zip(backends, results))]
             outcomes = [future.result(timeout=90) for future in futures]
             honest = outcomes[:HONEST]
             if not banned:
                 for i, outcome in enumerate(honest):
-                    assert attacker in outcome.group and not outcome.ok, (round, i, outcome)
+                    assert attacker in outcome.group and outcome.ok == (i == 0), (round, i, outcome)
                     assert 0 < outcome.partial <= 1 / (HONEST + 1) + 1e-6, (round, i, outcome)  # (part of) its share
+                    if i == 0:  # kept: the missing share holds our own values, the rest the group's average
+                        unchanged = float(results[0].eq(vectors[0]).double().mean())
+                        assert abs(unchanged - outcome.partial) < 0.01, (round, unchanged, outcome.partial)
+                        continue
                     assert torch.equal(results[i], vectors[i]), f"round {round}: a partial result leaked"
                     assert outcome.sync_s < 0.8 * ALLREDUCE_TIMEOUT * 0.4, f"round {round}: stalled {outcome.sync_s:.1f}s"
                 bans = [b.robustness()["bans"] for b in backends[:HONEST]]

@@ -67,6 +67,10 @@ def test_a_swarm_over_one_group_warns_its_operator_and_one_in_sub_groups_does_no
         assert "more than one averaging group" not in caplog.text
         # three live peers in groups of about 2: two groups; each peer's group from the shared hash
         assert all(peer._group_plan(5) == (group_of(peer.peer_id, 5, 2, salt="capped"), 2) for peer in peers)
+        # ...counted from every live record, not only the peers met lately: a clique that counted only
+        # its own members planned one group of itself and never met the others again (16 real peers)
+        monkeypatch.setattr(peers[0]._acquaintances, "present", lambda others, round: [])
+        assert peers[0]._group_plan(5)[1] == 2
     finally:
         for peer in reversed(peers):
             peer.close()

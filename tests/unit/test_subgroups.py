@@ -49,9 +49,11 @@ class Recording(LocalBackend):
         self.keys[round] = key_bits
         super().prepare(round=round, key_bits=key_bits, **kwargs)
 
-    def average(self, vector, *, weight, timeout, round=None, extra=None) -> AverageOutcome:
+    def average(self, vector, *, weight, timeout, round=None, extra=None, keep_partial=False) -> AverageOutcome:
+        assert keep_partial  # sub-groups keep a partial result (HivemindBackend's; never partial here)
         self.sent[round] = (vector.clone(), extra.clone(), weight)
-        return super().average(vector, weight=weight, timeout=timeout, round=round, extra=extra)
+        return super().average(vector, weight=weight, timeout=timeout, round=round, extra=extra,
+                               keep_partial=keep_partial)
 
 
 def make_peers(workers: list[SyncWorker]) -> list[dict]:

@@ -63,6 +63,9 @@ RECENT_ALLREDUCES = 3  # the part timeouts follow the longest of the last few al
 # process killed (an out-of-memory kill) the prepare lane hung for good, and the node, which had
 # noticed the dead process and was leaving, hung in its shutdown waiting for that lane.
 GROUP_BITS_WAIT_S = 5.0
+# ``average(keep_partial=True)`` keeps a result with at most this share missing (sub-groups): beyond
+# it, more of the vector would be our own values than the group's average.
+KEEP_PARTIAL_MAX = 0.5
 # How long a leaving peer waits at most for the answers its reducer still owes the others.
 LEAVE_GRACE_S = 10.0
 
@@ -212,7 +215,8 @@ class HivemindBackend:
             self._averager.allow_state_sharing = allowed
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
-                round: int | None = None, extra: torch.Tensor | None = None) -> AverageOutcome:
+                round: int | None = None, extra: torch.Tensor | None = None,
+                keep_partial: bool = False) -> AverageOutcome:
         if (extra is None) != (self.extra_numel == 0) or (extra is not None and extra.numel() != self.extra_numel):
             raise ValueError(f"this backend averages an extra vector of {self.extra_numel} values with every round")
         with self._controls_lock:
@@ -255,7 +259,13 @@ class HivemindBackend:
         # A member our robust aggregation refused speaks no more in this round's consistency check:
         # a peer banned this round must not win a tie.
         gathered_by_peer = {peer: data for peer, data in gathered_by_peer.items() if peer not in distrusted}
-        if missing:
+        if missing and keep_partial and missing <= KEEP_PARTIAL_MAX:
+            # Sub-groups (averaging.engine.mixing): our own values stand for the share that never
+            # arrived (hivemind keeps them there), as if we had been alone for those coordinates;
+            # the next rounds' groups mix them like any other difference.
+            logger.info(f"round {round}: kept a partial all-reduce: {missing:.1%} of the average never arrived "
+                        "(a reducer failed, named in the log); our own values stand in for it")
+        elif missing:
             # Our vector stays as it was: the round folds, and the step the others applied is
             # replayed from their history next round (SharedState.catch_up), not re-downloaded.
             return AverageOutcome(ok=False, group=group, sync_s=sync_s, allreduce_s=allreduce_s, partial=missing,
@@ -266,8 +276,10 @@ class HivemindBackend:
             vector.copy_(buffers[0])
             if extra is not None:
                 extra.copy_(buffers[1])
-        self._note_allreduce(allreduce_s)
-        return AverageOutcome(ok=True, group=group, gathered=gathered_by_peer, sync_s=sync_s, allreduce_s=allreduce_s)
+        if not missing:
+            self._note_allreduce(allreduce_s)  # (a partial one lasted as long as the timeout that failed it)
+        return AverageOutcome(ok=True, group=group, gathered=gathered_by_peer, sync_s=sync_s, allreduce_s=allreduce_s,
+                              partial=missing)
 
     def _note_allreduce(self, seconds: float) -> None:
         """An all-reduce succeeded in ``seconds``: scale the part timeouts to it. Only whole ones
