@@ -31,6 +31,8 @@ OUT = RESULTS / "scale"
 # peers again after the deferred scipy.optimize import (node.library.deferred_imports).
 REAL_SOURCES = ("scale_real_fixed", "scale_real_heartbeat", "scale_real_boot")
 LATEST = REAL_SOURCES[-1]
+# Real runs with sub-groups (averaging.target_group_size, ``--group-size``) beside one group, side by side.
+SUBGROUP_SOURCE = "scale_real_subgroups"
 AFTER_HEARTBEAT_SOURCES = REAL_SOURCES[1:]
 # scale_real_fixed's 12-peer run was appended after the heartbeat's fix (739263e) had landed.
 AFTER_HEARTBEAT_FIX = {("scale_real_fixed", "n12-d0.4-cpuclock")}
@@ -46,7 +48,9 @@ def real_rows(real: dict, *, source: str) -> list[dict]:
     rows = []
     for key, run in real["runs"].items():
         s = scale_real.summary(run)
+        group_size = int(key.split("-g")[-1]) if "-g" in key else 0
         rows.append({"run": key, "source": source, "peers": run["peers_n"], "churn": run["churn"], "bootstraps": len(run.get("bootstraps") or [None]),
+                     "group_size": group_size,
                      "join_s": s["join_s"], "after_boot_s": s["after_boot_s"], "boot_s": s["boot_s"],
                      "share_min": s["share_min"], "share_median": s["share_median"],
                      "resyncs": s["resyncs_run"], "whole_rounds": s["whole_rounds"], "window_rounds": s["window_rounds"],
@@ -82,7 +86,8 @@ def sim_rows(sim: dict) -> list[dict]:
 def targets(real: list[dict], sim: list[dict], twin_rounds: dict) -> list[tuple[str, str, bool]]:
     """The issue's targets, from the newest real runs (``LATEST``) and the simulation."""
     out = []
-    base = [r for r in real if r["churn"] == 0 and r["bootstraps"] == 1 and r["source"] == LATEST]
+    base = [r for r in real if r["churn"] == 0 and r["bootstraps"] == 1 and r["source"] == LATEST
+            and not r["group_size"]]
     four = next((r for r in base if r["peers"] == 4), None)
     sixteen = next((r for r in base if r["peers"] == 16), None)
     if sixteen:
@@ -96,6 +101,12 @@ def targets(real: list[dict], sim: list[dict], twin_rounds: dict) -> list[tuple[
         out.append(("16 real peers: join time within 2x of a 4-peer swarm's",
                     f"{ratio:.2f}x from process start ({sixteen['join_s']:.0f} s vs {four['join_s']:.0f} s); "
                     f"{boot_ratio:.2f}x from the end of boot", ratio <= scale_real.TARGET_JOIN_RATIO))
+    for r in real:
+        if r["source"] == SUBGROUP_SOURCE and r["group_size"] and r["peers"] == 16:
+            out.append((f"16 real peers in sub-groups (`averaging.target_group_size = {r['group_size']}`): every peer "
+                        "averages in >= 90% of rounds after warm-up, no re-sync",
+                        f"lowest {r['share_min']:.0%}, {r['resyncs']} re-syncs",
+                        r["share_min"] >= scale_real.TARGET_SHARE and r["resyncs"] == 0))
     for row in sim:
         if row["peers"] == 256 and row["label"].startswith("sub-groups G=16"):
             out.append((f"SIMULATED 256 peers, {row['label']}, churn {row['churn']:g}/h per 100: >= 95% of live peers "
@@ -136,7 +147,8 @@ def report(summary: dict) -> str:
              "Written by `.venv/bin/python benchmarks/scale_report.py`.", "",
              "- Real peers: [scale_real_fixed.md](scale_real_fixed.md), and after the heartbeat's DHT fix "
              "[scale_real_heartbeat.md](scale_real_heartbeat.md), and again after the deferred import "
-             "[scale_real_boot.md](scale_real_boot.md) (`" + summary["commands"]["real"] + "`)",
+             "[scale_real_boot.md](scale_real_boot.md) (`" + summary["commands"]["real"] + "`); sub-groups beside one "
+             "group: [scale_real_subgroups.md](scale_real_subgroups.md) (`" + summary["commands"]["subgroups"] + "`)",
              "- The heartbeat's DHT cost and entry peers: [dht_load.md](dht_load.md) (`" + summary["commands"]["dht"] + "`)",
              "- **Simulated** 64-1,024 peers: [scale_sim.md](scale_sim.md) (`" + summary["commands"]["sim"] + "`)", "",
              "## Targets", "", "| target | figure | met |", "|---|---|---|"]
@@ -146,14 +158,15 @@ def report(summary: dict) -> str:
               "rounds in one group of all | all-reduce p50, s | DHT / p2pd I/O per peer, KiB/s | PSS per peer, MiB |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in real:
-        after = r["source"] in AFTER_HEARTBEAT_SOURCES or (r["source"], r["run"]) in AFTER_HEARTBEAT_FIX
+        after = r["source"] in AFTER_HEARTBEAT_SOURCES + (SUBGROUP_SOURCE,) or (r["source"], r["run"]) in AFTER_HEARTBEAT_FIX
         fix = ("after" if after else "before") + (", deferred import" if r["source"] == "scale_real_boot" else "")
         lines.append(f"| {r['run']} | {fix} | {r['peers']} | {r['join_s']:.1f} ({r['after_boot_s']:.1f}) | "
                      f"{r['share_min']:.0%} / {r['share_median']:.0%} | {r['resyncs']} | {r['whole_rounds']} of "
                      f"{r['window_rounds']} | {r['allreduce_p50']:.2f} | {r['dht_io_kib_s']:.0f} / {r['p2pd_io_kib_s']:.0f} | "
                      f"{r['pss_mib']:.0f} |")
     lines += ["", "*heartbeat*: before or after the heartbeat's DHT fix (below); *deferred import*: the rerun after every start "
-              "stopped importing scipy.optimize (scale_real_boot.md). The targets take the newest runs.", "",
+              "stopped importing scipy.optimize (scale_real_boot.md); *-gG*: sub-groups of about G "
+              "(scale_real_subgroups.md, the same session as its one-group runs). The targets take the newest runs.", "",
               "## The heartbeat's DHT cost per peer (real DHT nodes, no training)", "",
               "| peers | before, KiB/s (busiest) | after, KiB/s (busiest) | heartbeat after, s |", "|---|---|---|---|"]
     by = {(r["peers"], r["policy"]): r for r in dht if not r["bootstraps"]}
@@ -195,11 +208,13 @@ BREAKS = [
     "**Past 64 peers with one group**: a group larger than `averaging.robust.max_group_size` is refused; "
     "hivemind now gets that cap as its target size, so one key splits into groups of at most 64 that "
     "apply different averages and the one-anchor check fires (simulated 256 peers: 46-60% of members). "
-    "Rotating sub-groups (docs/scale.md) are the design; their pure parts are built "
-    "(`averaging.math.groups`), the engine's are not.",
-    "**The sub-group engine needs a second payload**: anchors (and outer momenta) averaged within each group, "
-    "beside the int4 pseudo-gradient; shoal's all-reduce carries one error-fed vector, and its robust "
-    "aggregation judges a part by its sender's work, which an anchor is not.",
+    "Rotating sub-groups (`averaging.target_group_size`, docs/scale.md) are the answer, now in the engine: "
+    "16 real peers in groups of about 8 averaged in every round with no re-sync (scale_real_subgroups.md).",
+    "**Sub-groups cost bytes and are not hardened yet**: the anchors and momenta ride the all-reduce in fp32 "
+    "(8 bytes a parameter each way: 4-5x the payload of an fp16 round here, about 16x an int4 one) until the "
+    "lattice code (1 byte) is built, and a lying reducer can move its share of a group's anchors "
+    "(docs/security.md): private swarms only. Hashed groups vary in size (groups of 4 among 16 peers: 1 to 7), "
+    "and a peer alone under its key folds the round.",
     "**Join time on this machine** grows with N because N peers boot at once on 2 cores (importing torch and "
     "hivemind, starting a DHT, an averager and a p2pd each): after the heartbeat fix, boot took 15 s for 4 peers "
     "and 62 s for 16, about 7.5 core-seconds a peer either way, so the boot is the cores' queue; from the end of "
@@ -212,17 +227,20 @@ BREAKS = [
     "records. `averaging.progress_shards` spreads the records over S keys (the busiest node's load 0.41x at 32 "
     "and 48 peers with 4 shards, the median unchanged at 48); the run's organiser sets S, nothing picks it "
     "as the swarm grows.",
-    "**One failure spoils a whole group's round**: a member that leaves mid-all-reduce leaves every member's "
-    "result partial, and nobody applies it (simulated: keeping the rest lifts completion from 80% to 95% "
-    "under heavy churn; not built, because members that miss different parts would then hold different anchors).",
+    "**One failure spoils a whole group's round** with one group of everybody: a member that leaves "
+    "mid-all-reduce leaves every member's result partial, and nobody applies it (one anchor for all). With "
+    "sub-groups a partial result is kept, each member's own values standing for the missing share "
+    "(simulated: completion 80% -> 95% under heavy churn).",
 ]
 
 
 def main() -> None:
-    reals = {name: _load(name) for name in REAL_SOURCES}
+    reals = {name: _load(name) for name in (*REAL_SOURCES, SUBGROUP_SOURCE)}
     dht, sim, shards = _load("dht_load"), _load("scale_sim"), _load("dht_shards")
     summary = {
-        "commands": {"real": "`; `".join(c["command"] for real in reals.values() for c in real["meta"]["commands"]),
+        "commands": {"real": "`; `".join(c["command"] for name, real in reals.items() if name != SUBGROUP_SOURCE
+                                         for c in real["meta"]["commands"]),
+                     "subgroups": "`; `".join(c["command"] for c in reals[SUBGROUP_SOURCE]["meta"]["commands"]),
                      "dht": dht["command"].split("`; `")[0], "sim": sim["command"], "shards": shards["command"]},
         "real": [row for name, real in reals.items() for row in real_rows(real, source=name)], "dht": dht_rows(dht),
         "shards": dht_rows(shards), "sim": sim_rows(sim), "breaks": BREAKS,
