@@ -46,6 +46,11 @@ and fetched by ``fetching.py``); one that cannot re-syncs (``Recovery.resync`` -
 ``network/slices.py``, each slice checked by ``state/accept.py``). A joiner's first download is
 ``RoundEngine.initial_sync``.
 
+Sub-groups (``averaging.target_group_size``): the prepare lane meets our group of the round under
+its own key (``engine/mixing.py`` ``Mixing.key_bits``, math/groups.py), the exchange carries the
+anchor and momentum in the extra vector, and ``engine/round.py`` ``conclude_mixed`` takes the
+group's state and step in place of judge and recover (``SharedState.mix``).
+
 Words, one per concept:
 
 - **anchor**: the parameters after the last outer step, the same on every peer; with the outer

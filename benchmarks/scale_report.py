@@ -210,11 +210,11 @@ BREAKS = [
     "apply different averages and the one-anchor check fires (simulated 256 peers: 46-60% of members). "
     "Rotating sub-groups (`averaging.target_group_size`, docs/scale.md) are the answer, now in the engine: "
     "16 real peers in groups of about 8 averaged in every round with no re-sync (scale_real_subgroups.md).",
-    "**Sub-groups cost bytes and are not hardened yet**: the anchors and momenta ride the all-reduce in fp32 "
-    "(8 bytes a parameter each way: 4-5x the payload of an fp16 round here, about 16x an int4 one) until the "
-    "lattice code (1 byte) is built, and a lying reducer can move its share of a group's anchors "
-    "(docs/security.md): private swarms only. Hashed groups vary in size (groups of 4 among 16 peers: 1 to 7), "
-    "and a peer alone under its key folds the round.",
+    "**Sub-groups cost bytes and are only partly hardened**: the anchors and momenta ride the all-reduce in "
+    "fp32 (8 bytes a parameter each way: 4-5x the payload of an fp16 round here, about 16x an int4 one) until "
+    "the lattice code (1 byte) is built; a lying reducer's share of the anchors is bounded by the members' "
+    "claims, of the momenta only by their size (docs/security.md). Hashed groups vary in size (groups of 4 "
+    "among 16 peers: 1 to 8), and a peer alone under its key folds the round.",
     "**Join time on this machine** grows with N because N peers boot at once on 2 cores (importing torch and "
     "hivemind, starting a DHT, an averager and a p2pd each): after the heartbeat fix, boot took 15 s for 4 peers "
     "and 62 s for 16, about 7.5 core-seconds a peer either way, so the boot is the cores' queue; from the end of "

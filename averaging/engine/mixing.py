@@ -20,12 +20,14 @@ The all-reduce's extra vector (``HivemindBackend(extra_numel=...)``) is laid out
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from averaging.math.fingerprints import chunk_rms, claim_of, rms_difference
 from averaging.math.groups import group_key_bits, members
 from averaging.state.shared_state import SharedState
 from protocols.messages import MessageError
@@ -80,12 +82,52 @@ def unpack_state(extra: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.T
     return extra[:numel], extra[numel:2 * numel]
 
 
-def state_problem(anchor: torch.Tensor, momentum: torch.Tensor) -> str | None:
-    """Why the group's mean state must not be taken, or None. The reducers judged every member's
-    part (CenteredClip around the median) and every returned part was checked against ours; what is
-    left to refuse is a mean that is not finite."""
+# The bound on the group's mean state, in units of what the members' claims allow (``state_problem``):
+# a fingerprint's 4 projections estimate a chunk's RMS difference within a factor of about 3.7 at
+# the 1% tail (chi-square, 4 degrees of freedom), so 4 keeps honest rounds in.
+ESTIMATE_SLACK = 4.0
+# ...plus this many of the chunk's step sizes (our own pseudo-gradient's, or the last applied
+# step's): a member whose last sync landed after it made its claim sends an anchor a step from it.
+STEP_SLACK = 4.0
+
+
+def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedState,
+                  gathered: Mapping[str, Any], *, round: int, members: int,
+                  local_pseudo_grad: torch.Tensor) -> str | None:
+    """Why the group's mean state must not be taken, or None.
+
+    A reducer returns its part of the mean itself, and our own part is all a member can check a
+    part against, which for an anchor bounds nothing (its norm is the weights' own). The members'
+    signed claims bound it instead: every rule the reducers apply (weights bounded, CenteredClip
+    from the coordinate median) leaves the result inside the bounding box of the members' anchors,
+    and any point of that box is within ``sqrt(n) x D`` of our anchor, ``D`` the farthest member's
+    distance (``||c - a||^2 <= sum_i ||x_i - a||^2 <= n D^2`` coordinate by coordinate). So per
+    fingerprint chunk: ``RMS(mean - ours) <= ESTIMATE_SLACK x sqrt(n) x D + STEP_SLACK x step``, with
+    ``D`` estimated from the claims, and the momentum likewise over ``1 - mu`` (it has no claim, and
+    momenta honestly lie up to ``1 / (1 - mu)`` steps apart: a loose bound at mu 0.9). A stale member
+    widens ``D`` for everyone (its anchor is far, and the mean honestly moves toward it); a reducer
+    that lies gains at most that bound on its share. Non-finite values are refused first."""
     if not bool(torch.isfinite(anchor).all()) or not bool(torch.isfinite(momentum).all()):
         return "the group's mean anchor or momentum has NaN/inf values; it was not taken"
+    ours = state.claim().fingerprint
+    farthest = torch.zeros(ours.num_chunks, dtype=torch.float64)
+    for raw in gathered.values():
+        try:
+            message = state.decode_message(raw)
+        except MessageError:
+            continue  # logged by group_rounds_done
+        if message.round == round:
+            farthest = torch.maximum(farthest, rms_difference(claim_of(message).fingerprint, ours))
+    step = torch.maximum(state.scale, chunk_rms(local_pseudo_grad, ours.chunk_len))
+    allowed = ESTIMATE_SLACK * math.sqrt(max(1, members)) * farthest + STEP_SLACK * step + state.abs_tol
+    mu = state.config.momentum
+    for name, mean, own, bound in (("anchor", anchor, state.anchor, allowed),
+                                   ("momentum", momentum, state.momentum, (allowed + step) / max(1.0 - mu, 0.05))):
+        off = chunk_rms(mean - own, ours.chunk_len)
+        worst = int(torch.argmax(off / bound))
+        if off[worst] > bound[worst]:
+            return (f"the group's mean {name} is {float(off[worst]):.3g} (RMS) from ours on chunk {worst}, more than "
+                    f"the members' claims allow ({float(bound[worst]):.3g}): a reducer's answer is wrong; not taken")
     return None
 
 

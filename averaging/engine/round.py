@@ -139,8 +139,9 @@ def conclude_mixed(state: SharedState, outcome: AverageOutcome, local_pseudo_gra
     if outcome.ok and averaged is not None and mixed is not None:
         conclusion.group_size = len(outcome.group)
         anchor, momentum = unpack_state(mixed, state.layout.numel)
-        problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or \
-            state_problem(anchor, momentum)
+        problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or state_problem(
+            anchor, momentum, state, outcome.gathered, round=round, members=len(outcome.group),
+            local_pseudo_grad=local_pseudo_grad)
         if problem is None:
             state.mix(anchor, momentum, averaged, round=round,
                       rounds_done=group_rounds_done(state, outcome.gathered, round=round))

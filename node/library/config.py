@@ -51,8 +51,8 @@ class AveragingConfig:
     # into groups of about this size (8-16 for a large swarm) that change every round, and each
     # group averages its members' anchors and outer momenta with the pseudo-gradient (in fp32:
     # 8 bytes a parameter each way more), so anchors agree within a group and converge across groups
-    # (averaging.engine.mixing, docs/scale.md). Shared. Not hardened against strangers yet
-    # (docs/security.md): use it in private swarms.
+    # (averaging.engine.mixing, docs/scale.md). Shared. Only partly hardened against strangers
+    # (docs/security.md): prefer private swarms.
     target_group_size: int = 0
     min_group_size: int = 2
     matchmaking_seconds: float = 3.0  # hivemind min_matchmaking_time

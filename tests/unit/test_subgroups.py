@@ -15,7 +15,7 @@ import torch
 
 from averaging.engine.config import LoopConfig
 from averaging.engine.loop import RoundEngine
-from averaging.engine.mixing import Mixing, group_rounds_done, one_group, state_numel
+from averaging.engine.mixing import Mixing, group_rounds_done, one_group, state_numel, state_problem
 from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
 from averaging.math.groups import members
@@ -208,3 +208,45 @@ def test_the_group_takes_the_most_steps_a_member_claims_within_the_schedule():
     gathered = {"ahead": ahead.claim_message(round=6).encode(), "liar": liar.claim_message(round=6).encode(),
                 "stale": ahead.claim_message(round=5).encode(), "junk": b"\x00"}
     assert group_rounds_done(state, gathered, round=6) == 5  # the liar is past round 6: not counted
+
+
+def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
+    """``mixing.state_problem``: an honest mean (any convex mix of the members' anchors, CenteredClip's
+    included) passes, also for a member whose own anchor is far behind (a stale member widens the
+    bound); a reducer's answer that moves one chunk of the anchor, or the momentum, further than
+    the members' claims allow is refused, naming the chunk."""
+    numel, round = 4093 * 8, 9
+    generator = torch.Generator().manual_seed(4)
+    base = torch.randn(numel, generator=generator) * 0.05
+    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
+    pg_rms = 1e-3
+    anchors = [base + torch.randn(numel, generator=generator) * pg_rms for _ in range(4)]
+    states = []
+    for anchor in anchors:
+        state = SharedState(layout, anchor, OUTER)
+        state.momentum.copy_(torch.randn(numel, generator=generator) * pg_rms)
+        states.append(state)
+    gathered = {f"m{i}": s.claim_message(round=round).encode() for i, s in enumerate(states)}
+    ours, pg = states[0], torch.randn(numel, generator=generator) * pg_rms
+
+    def problem(anchor, momentum, state=ours):
+        return state_problem(anchor, momentum, state, gathered, round=round, members=4, local_pseudo_grad=pg)
+
+    mean_momentum = torch.stack([s.momentum for s in states]).mean(0)
+    weights = torch.tensor([1.0, 3.0, 0.5, 2.0])
+    assert problem((torch.stack(anchors) * (weights / weights.sum())[:, None]).sum(0), mean_momentum) is None
+    median = torch.stack(anchors).median(dim=0).values  # (a corner of the members' box, as CenteredClip may start)
+    assert problem(median, mean_momentum) is None
+    lied = torch.stack(anchors).mean(0)
+    lied[4093 * 5: 4093 * 6] += 30 * pg_rms  # one reducer's share moved by 30 steps
+    assert "anchor is" in problem(lied, mean_momentum) and "chunk 5" in problem(lied, mean_momentum)
+    # the momentum has no claim: it is bounded by how far momenta can honestly lie apart (over 1 - mu,
+    # here 10 steps' worth per step: loose), so only a gross lie is refused
+    assert problem(torch.stack(anchors).mean(0), mean_momentum + 20 * pg_rms) is None
+    assert "momentum" in problem(torch.stack(anchors).mean(0), mean_momentum + 500 * pg_rms)
+    assert "NaN" in problem(torch.full((numel,), float("nan")), mean_momentum)
+    # a member far behind (ours: 40 steps off) takes the group's honest mean: its own distance widens the bound
+    stale = SharedState(layout, anchors[0] + 40 * pg_rms, OUTER)
+    stale_gathered = {**gathered, "m0": stale.claim_message(round=round).encode()}
+    assert state_problem(torch.stack([stale.anchor, *anchors[1:]]).mean(0), mean_momentum, stale, stale_gathered,
+                         round=round, members=4, local_pseudo_grad=pg) is None
