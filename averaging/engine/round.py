@@ -115,11 +115,22 @@ def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: tor
         else:
             conclusion.resync = verdict.resync
         problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms)
-        if problem is None:
-            state.apply(averaged, round=round)
-            conclusion.applied = Applied.AVERAGED
-        else:
-            conclusion.error = problem
+        _take(conclusion, problem, lambda: state.apply(averaged, round=round))
+    return _alone_or_fold(conclusion, state, local_pseudo_grad, round=round, alone=alone)
+
+
+def _take(conclusion: RoundConclusion, problem: str | None, step: Callable[[], None]) -> None:
+    """Apply the group's step (``step``) unless something is wrong with it (``problem``: kept as the error)."""
+    if problem is None:
+        step()
+        conclusion.applied = Applied.AVERAGED
+    else:
+        conclusion.error = problem
+
+
+def _alone_or_fold(conclusion: RoundConclusion, state: SharedState, local_pseudo_grad: torch.Tensor, *,
+                   round: int, alone: bool) -> RoundConclusion:
+    """A round that applied no group step: our own if we are alone in the swarm, else nothing (it folds)."""
     if conclusion.applied != Applied.AVERAGED and alone:
         state.apply(local_pseudo_grad, round=round)
         conclusion.applied = Applied.LOCAL
@@ -142,16 +153,9 @@ def conclude_mixed(state: SharedState, outcome: AverageOutcome, local_pseudo_gra
         problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or state_problem(
             anchor, momentum, state, outcome.gathered, round=round, members=len(outcome.group),
             local_pseudo_grad=local_pseudo_grad)
-        if problem is None:
-            state.mix(anchor, momentum, averaged, round=round,
-                      rounds_done=group_rounds_done(state, outcome.gathered, round=round))
-            conclusion.applied = Applied.AVERAGED
-        else:
-            conclusion.error = problem
-    if conclusion.applied != Applied.AVERAGED and alone:
-        state.apply(local_pseudo_grad, round=round)
-        conclusion.applied = Applied.LOCAL
-    return conclusion
+        _take(conclusion, problem, lambda: state.mix(
+            anchor, momentum, averaged, round=round, rounds_done=group_rounds_done(state, outcome.gathered, round=round)))
+    return _alone_or_fold(conclusion, state, local_pseudo_grad, round=round, alone=alone)
 
 
 class RoundRunner:
