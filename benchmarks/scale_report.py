@@ -212,8 +212,8 @@ BREAKS = [
     "16 real peers in groups of about 8 averaged in every round with no re-sync (scale_real_subgroups.md).",
     "**Sub-groups cost bytes and are only partly hardened**: the anchors and momenta ride the all-reduce in "
     "fp32 (8 bytes a parameter each way: 4-5x the payload of an fp16 round here, about 16x an int4 one) until "
-    "the lattice code (1 byte) is built; a lying reducer's share of the anchors is bounded by the members' "
-    "claims, of the momenta only by their size (docs/security.md). Hashed groups vary in size (groups of 4 "
+    "the lattice code (1 byte) is built; a lying reducer's share of the anchors and momenta is bounded by the "
+    "members' claims, which a member claiming a far state widens (docs/security.md). Hashed groups vary in size (groups of 4 "
     "among 16 peers: 1 to 8), and a peer alone under its key folds the round.",
     "**Join time on this machine** grows with N because N peers boot at once on 2 cores (importing torch and "
     "hivemind, starting a DHT, an averager and a p2pd each): after the heartbeat fix, boot took 15 s for 4 peers "

@@ -55,6 +55,9 @@ class ClaimMessage:
     num_projections: int
     projections: tuple[float, ...]  # row-major [num_chunks, num_projections]
     scale: tuple[float, ...]  # [num_chunks]
+    # Sub-groups only: the same fingerprint of the outer momentum, which rides their all-reduce and
+    # which the group's mean is checked against (``averaging.engine.mixing.state_problem``).
+    momentum: tuple[float, ...] | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -70,6 +73,8 @@ class ClaimMessage:
             "k": self.num_projections,
             "proj": struct.pack(f"<{len(self.projections)}d", *self.projections),
             "scale": struct.pack(f"<{len(self.scale)}d", *self.scale),
+            # an added key: peers that do not read it ignore it
+            **({"mproj": struct.pack(f"<{len(self.momentum)}d", *self.momentum)} if self.momentum is not None else {}),
         }
 
     @classmethod
@@ -92,4 +97,6 @@ class ClaimMessage:
             num_projections=num_projections,
             projections=floats(obj.get("proj"), num_chunks * num_projections, "proj"),
             scale=floats(obj.get("scale"), num_chunks, "scale"),
+            momentum=floats(obj["mproj"], num_chunks * num_projections, "mproj")
+            if obj.get("mproj") is not None else None,
         )

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from averaging.math.fingerprints import chunk_rms, claim_of, rms_difference
+from averaging.math.fingerprints import chunk_rms, claim_of, fingerprint, momentum_of, rms_difference
 from averaging.math.groups import group_key_bits, members
 from averaging.state.shared_state import SharedState
 from protocols.messages import MessageError
@@ -103,14 +103,18 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
     and any point of that box is within ``sqrt(n) x D`` of our anchor, ``D`` the farthest member's
     distance (``||c - a||^2 <= sum_i ||x_i - a||^2 <= n D^2`` coordinate by coordinate). So per
     fingerprint chunk: ``RMS(mean - ours) <= ESTIMATE_SLACK x sqrt(n) x D + STEP_SLACK x step``, with
-    ``D`` estimated from the claims, and the momentum likewise over ``1 - mu`` (it has no claim, and
-    momenta honestly lie up to ``1 / (1 - mu)`` steps apart: a loose bound at mu 0.9). A stale member
+    ``D`` estimated from the claims, and the momentum likewise from the momentum fingerprints the
+    members' claims carry (``SharedState.claim_message(with_momentum=True)``); when a member's claim
+    lacks one, only by how far momenta can honestly lie apart (``1 / (1 - mu)`` steps). A stale member
     widens ``D`` for everyone (its anchor is far, and the mean honestly moves toward it); a reducer
     that lies gains at most that bound on its share. Non-finite values are refused first."""
     if not bool(torch.isfinite(anchor).all()) or not bool(torch.isfinite(momentum).all()):
         return "the group's mean anchor or momentum has NaN/inf values; it was not taken"
     ours = state.claim().fingerprint
+    our_momentum = fingerprint(state.momentum)
     farthest = torch.zeros(ours.num_chunks, dtype=torch.float64)
+    farthest_momentum = torch.zeros(ours.num_chunks, dtype=torch.float64)
+    momenta_claimed = 0
     for raw in gathered.values():
         try:
             message = state.decode_message(raw)
@@ -118,11 +122,18 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
             continue  # logged by group_rounds_done
         if message.round == round:
             farthest = torch.maximum(farthest, rms_difference(claim_of(message).fingerprint, ours))
+            if (theirs := momentum_of(message)) is not None:
+                farthest_momentum = torch.maximum(farthest_momentum, rms_difference(theirs, our_momentum))
+                momenta_claimed += 1
     step = torch.maximum(state.scale, chunk_rms(local_pseudo_grad, ours.chunk_len))
-    allowed = ESTIMATE_SLACK * math.sqrt(max(1, members)) * farthest + STEP_SLACK * step + state.abs_tol
-    mu = state.config.momentum
+    spread = ESTIMATE_SLACK * math.sqrt(max(1, members))
+    allowed = spread * farthest + STEP_SLACK * step + state.abs_tol
+    if momenta_claimed >= members:  # every member claimed its momentum: bounded like the anchor
+        allowed_momentum = spread * farthest_momentum + STEP_SLACK * step + state.abs_tol
+    else:  # bounded by how far momenta can honestly differ: loose
+        allowed_momentum = (allowed + step) / max(1.0 - state.config.momentum, 0.05)
     for name, mean, own, bound in (("anchor", anchor, state.anchor, allowed),
-                                   ("momentum", momentum, state.momentum, (allowed + step) / max(1.0 - mu, 0.05))):
+                                   ("momentum", momentum, state.momentum, allowed_momentum)):
         off = chunk_rms(mean - own, ours.chunk_len)
         worst = int(torch.argmax(off / bound))
         if off[worst] > bound[worst]:

@@ -205,7 +205,8 @@ class RoundRunner:
             bits, _, self.group_count = self.mixing.key_bits(round)
             key = {"key_bits": bits}  # (a backend without sub-groups takes no such argument)
         self.worker.backend.prepare(round=round, scheduled_time=deadline,
-                                    gather=self.state.claim_message(round=round).encode(),
+                                    gather=self.state.claim_message(round=round,
+                                                                    with_momentum=self.mixing is not None).encode(),
                                     timeout=max(0.0, deadline - self.clock.now()) + self.worker.matchmaking_grace,
                                     **key)
 

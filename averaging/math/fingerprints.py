@@ -199,8 +199,9 @@ def consensus(claims: dict[str, AnchorClaim], *, rel_tol: float = DEFAULT_REL_TO
     return Consensus(reference, agreeing, diverged, contested)
 
 
-def encode_claim(claim: AnchorClaim, *, round: int) -> ClaimMessage:
-    """This peer's claim as the message it attaches to the all-reduce."""
+def encode_claim(claim: AnchorClaim, *, round: int, momentum: Fingerprint | None = None) -> ClaimMessage:
+    """This peer's claim as the message it attaches to the all-reduce (``momentum``: the outer
+    momentum's fingerprint too, with sub-groups)."""
     fp = claim.fingerprint
     return ClaimMessage(
         round=round,
@@ -210,7 +211,16 @@ def encode_claim(claim: AnchorClaim, *, round: int) -> ClaimMessage:
         num_projections=NUM_PROJECTIONS,
         projections=tuple(fp.projections.flatten().tolist()),
         scale=tuple(claim.scale.tolist()),
+        momentum=tuple(momentum.projections.flatten().tolist()) if momentum is not None else None,
     )
+
+
+def momentum_of(message: ClaimMessage) -> Fingerprint | None:
+    """The momentum's fingerprint a validated message carries, if any."""
+    if message.momentum is None:
+        return None
+    projections = torch.tensor(message.momentum, dtype=torch.float64).view(message.num_chunks, message.num_projections)
+    return Fingerprint(message.numel, message.chunk_len, projections)
 
 
 def claim_of(message: ClaimMessage) -> AnchorClaim:

@@ -80,9 +80,13 @@ class SharedState:
             self._claim = AnchorClaim(fingerprint(self.anchor), self.scale.clone(), self.rounds_done)
         return self._claim
 
-    def claim_message(self, *, round: int) -> ClaimMessage:
-        """Our claim as the message attached to ``round``'s all-reduce."""
-        return encode_claim(self.claim(), round=round)
+    def claim_message(self, *, round: int, with_momentum: bool = False) -> ClaimMessage:
+        """Our claim as the message attached to ``round``'s all-reduce; ``with_momentum`` (sub-groups,
+        whose all-reduce carries the momentum): its fingerprint too (one more pass over it)."""
+        with self._lock:
+            claim = self._current_claim()
+            momentum = fingerprint(self.momentum) if with_momentum else None
+        return encode_claim(claim, round=round, momentum=momentum)
 
     def decode_message(self, raw: Any) -> ClaimMessage:
         """A received claim message, validated against our layout (``MessageError``)."""

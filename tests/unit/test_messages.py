@@ -2,6 +2,7 @@
 
 import math
 import struct
+from dataclasses import replace
 
 import pytest
 
@@ -135,3 +136,14 @@ def test_rejects_a_missing_key(key):
 def test_message_error_is_a_value_error():
     # Callers that guard a peer's input with `except ValueError` must catch it too.
     assert issubclass(MessageError, ValueError)
+
+
+def test_a_momentum_fingerprint_round_trips_and_is_optional():
+    """Sub-groups add the momentum's fingerprint (``mproj``); claims without it decode to None."""
+    with_momentum = replace(valid_report(), momentum=tuple(0.5 * i for i in range(NUM_CHUNKS * K)))
+    assert decode(with_momentum.encode()) == with_momentum
+    assert "mproj" not in valid_report().encode() and decode(valid_report().encode()).momentum is None
+    with pytest.raises(MessageError, match="mproj"):
+        decode(encoded(mproj=pack(1.0, 2.0)))  # the wrong size
+    with pytest.raises(MessageError, match="mproj"):
+        decode(encoded(mproj=pack(*([math.nan] * (NUM_CHUNKS * K)))))

@@ -226,10 +226,10 @@ def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
         state = SharedState(layout, anchor, OUTER)
         state.momentum.copy_(torch.randn(numel, generator=generator) * pg_rms)
         states.append(state)
-    gathered = {f"m{i}": s.claim_message(round=round).encode() for i, s in enumerate(states)}
+    gathered = {f"m{i}": s.claim_message(round=round, with_momentum=True).encode() for i, s in enumerate(states)}
     ours, pg = states[0], torch.randn(numel, generator=generator) * pg_rms
 
-    def problem(anchor, momentum, state=ours):
+    def problem(anchor, momentum, state=ours, gathered=gathered):
         return state_problem(anchor, momentum, state, gathered, round=round, members=4, local_pseudo_grad=pg)
 
     mean_momentum = torch.stack([s.momentum for s in states]).mean(0)
@@ -240,10 +240,13 @@ def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
     lied = torch.stack(anchors).mean(0)
     lied[4093 * 5: 4093 * 6] += 30 * pg_rms  # one reducer's share moved by 30 steps
     assert "anchor is" in problem(lied, mean_momentum) and "chunk 5" in problem(lied, mean_momentum)
-    # the momentum has no claim: it is bounded by how far momenta can honestly lie apart (over 1 - mu,
-    # here 10 steps' worth per step: loose), so only a gross lie is refused
-    assert problem(torch.stack(anchors).mean(0), mean_momentum + 20 * pg_rms) is None
-    assert "momentum" in problem(torch.stack(anchors).mean(0), mean_momentum + 500 * pg_rms)
+    # the momenta's fingerprints ride the claims: a lie the size of the anchor's is refused; claims
+    # without them (an older peer) leave only how far momenta can honestly lie apart (over 1 - mu,
+    # 10x at mu 0.9): loose, only a gross lie is refused
+    assert "momentum" in problem(torch.stack(anchors).mean(0), mean_momentum + 30 * pg_rms)
+    bare = {f"m{i}": s.claim_message(round=round).encode() for i, s in enumerate(states)}
+    assert problem(torch.stack(anchors).mean(0), mean_momentum + 30 * pg_rms, gathered=bare) is None
+    assert "momentum" in problem(torch.stack(anchors).mean(0), mean_momentum + 500 * pg_rms, gathered=bare)
     assert "NaN" in problem(torch.full((numel,), float("nan")), mean_momentum)
     # a member far behind (ours: 40 steps off) takes the group's honest mean: its own distance widens the bound
     stale = SharedState(layout, anchors[0] + 40 * pg_rms, OUTER)
