@@ -3,6 +3,8 @@ table as the node's live view."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
@@ -17,6 +19,13 @@ from protocols.swarm_time import WARN_S
 MAX_ADVICE_ROWS = 3
 
 
+def sub_groups(records) -> int:
+    """How many sub-groups most peers split their last round into (``averaging.target_group_size``;
+    1 when none publishes a count: one group of everybody)."""
+    counts = Counter(r.group_count for r in records if r.group_count is not None)
+    return max(counts, key=lambda c: (counts[c], -c)) if counts else 1
+
+
 def render_snapshot(snapshot: SwarmSnapshot) -> Panel:
     """The panel ``shoal status`` prints (and redraws with ``--watch``)."""
     summary, schedule = snapshot.summary, snapshot.schedule
@@ -27,7 +36,9 @@ def render_snapshot(snapshot: SwarmSnapshot) -> Panel:
         grid.add_row("peers", Text(f"no peer of run '{snapshot.run_id}' is online (wrong --run-id?)", style="bold yellow"))
     else:
         spread = f"   (records under {snapshot.progress_shards} DHT keys)" if snapshot.progress_shards > 1 else ""
-        grid.add_row("peers", Text(f"{summary.peers} online{spread}", style="bold green"))
+        groups = sub_groups(snapshot.records.values())
+        split = f"   (averaging in {groups} sub-groups a round)" if groups > 1 else ""
+        grid.add_row("peers", Text(f"{summary.peers} online{spread}{split}", style="bold green"))
     if schedule is not None:
         left = schedule.round_end(snapshot.round) - snapshot.time if snapshot.round else schedule.start_time - snapshot.time
         grid.add_row("round", f"{snapshot.round}   ({schedule.round_seconds:g}s rounds, {max(left, 0.0):.0f}s left)")

@@ -81,6 +81,10 @@ def test_the_table_shows_the_figures():
     console = Console(file=io.StringIO(), width=100)
     console.print(render_snapshot(snapshot(progress_shards=4)))
     assert "2 online   (records under 4 DHT keys)" in console.file.getvalue()
+    assert "sub-groups" not in text  # no record publishes a count: one group of everybody
+    console = Console(file=io.StringIO(), width=120)
+    console.print(render_snapshot(snapshot(records={A: progress(A, group_count=4), B: progress(B, group_count=4)})))
+    assert "2 online   (averaging in 4 sub-groups a round)" in console.file.getvalue()
 
 
 def test_a_peer_whose_syncs_outlast_the_round_gets_the_round_length_to_use():
