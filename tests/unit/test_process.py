@@ -10,6 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from averaging.math.groups import group_of
 from node.cli import app
 from node.library.checkpoint import list_checkpoints
 from node.library.local_network import LocalNetwork, LocalSwarmHub
@@ -82,6 +83,48 @@ def test_two_peers_train_average_checkpoint_and_leave(tmp_path, config_for):
         records = read_metrics(tmp_path / f"{name}.jsonl")
         final[name] = [r["shard"] for r in records if r["event"] in ("start", "shard")][-1]
     assert sorted(final.values()) == [0, 1], final
+
+
+def test_four_peers_average_in_rotating_sub_groups(tmp_path, config_for):
+    """``averaging.target_group_size = 2``: four peers plan two groups a round from each other's
+    records, meet under their groups' keys, take their group's state (no re-sync ever), and
+    publish the count."""
+    hub = LocalSwarmHub()
+    config = config_for(**{"averaging.target_group_size": 2})
+    reasons: dict[str, str] = {}
+    names = ("a", "b", "c", "d")
+
+    def peer(name: str) -> None:
+        options = PeerOptions(max_rounds=8, ui=False, metrics_file=tmp_path / f"{name}.jsonl",
+                              checkpoint_dir=tmp_path / f"ckpt-{name}")
+        reasons[name] = run_peer(config, options, handle_signals=False, network=LocalNetwork(hub, name))
+
+    threads = [threading.Thread(target=peer, args=(name,)) for name in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert reasons == dict.fromkeys(names, "max_rounds")
+    split = 0
+    for name in names:
+        rounds = [r for r in read_metrics(tmp_path / f"{name}.jsonl") if r["event"] == "round"]
+        assert not any(r["resynced"] or r["caught_up"] for r in rounds), rounds
+        for r in rounds:
+            if r["applied"] == "averaged" and 1 < r["group_size"] < 4 and r["round"] >= 3:
+                # a sub-group (once the peers have read each other's records: before, each counts
+                # fewer live peers): its members are the peers the shared hash put with us that round
+                assert {group_of(p, r["round"], 2, salt="process-test") for p in r["group"]} == {
+                    group_of(r["peer"], r["round"], 2, salt="process-test")}, r
+                split += 1
+    assert split >= 4, f"{split} peer-rounds averaged in sub-groups"
+    assert all(record.group_count == 2 for record in hub_records(hub, "process-test")), hub_records(hub, "process-test")
+
+
+def hub_records(hub: LocalSwarmHub, run_id: str) -> list:
+    """The progress records the peers left in the in-process hub."""
+    from protocols.progress import decode
+
+    return [decode(peer, stored.value) for peer, stored in hub.read(run_id, "progress").items()]
 
 
 def test_a_data_mistake_is_a_config_error_before_any_network(tmp_path, config_for):
