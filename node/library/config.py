@@ -89,8 +89,10 @@ class AveragingConfig:
         if not 0 <= self.block_size <= 2**16:
             raise ConfigError(f"averaging.block_size ({self.block_size}) must be in [1, 65536], or 0 for the codec's "
                               "default (64 for int8/int4, 256 for int2)")
-        if self.target_group_size < 0 or self.min_group_size < 2:
-            raise ConfigError("averaging.target_group_size must be >= 0 and averaging.min_group_size >= 2")
+        if self.target_group_size < 0 or self.target_group_size == 1 or self.min_group_size < 2:
+            raise ConfigError("averaging.target_group_size must be 0 (one group of everybody) or at least 2 "
+                              "(sub-groups of about that many peers: 8-16 for a large swarm), and "
+                              "averaging.min_group_size >= 2")
         if not 0 < self.request_timeout < self.matchmaking_seconds:
             raise ConfigError(
                 f"averaging.request_timeout ({self.request_timeout}) must be below averaging.matchmaking_seconds "

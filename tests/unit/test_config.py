@@ -100,6 +100,7 @@ def test_a_wrong_type_is_named(tmp_path, toml, match):
         ({"averaging.compression": "int3"}, "averaging.compression"),
         ({"averaging.return_compression": "int2"}, "averaging.return_compression"),
         ({"averaging.block_size": -1}, "averaging.block_size"),
+        ({"averaging.target_group_size": 1}, "averaging.target_group_size"),  # groups of one: nobody averages
         ({"model.d_model": 66}, "model.d_model"),  # not divisible by n_head = 4
         ({"model.n_layer": 0}, "model.n_layer"),
         ({"train.device": "tpu"}, "train.device"),
