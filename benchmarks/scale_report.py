@@ -102,7 +102,7 @@ def targets(real: list[dict], sim: list[dict], twin_rounds: dict) -> list[tuple[
                     f"{ratio:.2f}x from process start ({sixteen['join_s']:.0f} s vs {four['join_s']:.0f} s); "
                     f"{boot_ratio:.2f}x from the end of boot", ratio <= scale_real.TARGET_JOIN_RATIO))
     for r in real:
-        if r["source"] == SUBGROUP_SOURCE and r["group_size"] and r["peers"] == 16:
+        if r["source"] == SUBGROUP_SOURCE and r["group_size"] and r["peers"] == 16 and not r["churn"]:
             out.append((f"16 real peers in sub-groups (`averaging.target_group_size = {r['group_size']}`): every peer "
                         "averages in >= 90% of rounds after warm-up, no re-sync",
                         f"lowest {r['share_min']:.0%}, {r['resyncs']} re-syncs",
