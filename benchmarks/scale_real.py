@@ -1,7 +1,7 @@
 """Real many-peer runs on this machine: N ``shoal run`` peers on loopback (issue 32).
 
     .venv/bin/python benchmarks/scale_real.py [--peers 4,8,12,16] [--rounds 12] [--round-seconds 10] \\
-        [--demand 0.8] [--throttle-clock wall|cpu] [--churn K] [--bootstraps K] [--group-size G] [--append]
+        [--demand 0.8] [--throttle-clock wall|cpu] [--churn K] [--bootstraps K] [--group-size G] [--compression CODE] [--append]
     .venv/bin/python benchmarks/scale_real.py --report-only [--findings FILE]
 
 The results file holds 4, 8, 12 and 16 peers at the defaults; the same at ``--demand 0.4
@@ -276,16 +276,22 @@ class Run:
                     + (f"-d{args.demand:g}" if args.demand != DEFAULT_DEMAND else "")
                     + ("-cpuclock" if args.throttle_clock == "cpu" else "")
                     + (f"-boot{args.bootstraps}" if args.bootstraps > 1 else "")
-                    + (f"-g{args.group_size}" if args.group_size else ""))
+                    + (f"-g{args.group_size}" if args.group_size else "")
+                    + (f"-{args.compression}" if args.compression else ""))
         run_id = f"scale-{self.key.replace('.', 'p')}-{uuid.uuid4().hex[:6]}"  # a run id has no dots
         self.swarm = LocalSwarm(root / self.key, run_id=run_id, cwd=REPO,
                                 env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         self.config = CONFIG
-        if args.group_size:  # sub-groups: tiny.toml with averaging.target_group_size set
+        if args.group_size or args.compression:  # tiny.toml with sub-groups and/or another codec
+            text = CONFIG.read_text()
+            if args.group_size:
+                text = text.replace("[averaging]\n", f"[averaging]\ntarget_group_size = {args.group_size}\n", 1)
+            if args.compression:
+                text, found = re.subn(r'(?m)^compression = "[a-z0-9]+"', f'compression = "{args.compression}"', text)
+                assert found == 1, "tiny.toml's averaging.compression line moved"
             self.config = root / f"{self.key}.toml"
             self.config.parent.mkdir(parents=True, exist_ok=True)
-            self.config.write_text(CONFIG.read_text().replace(
-                "[averaging]\n", f"[averaging]\ntarget_group_size = {args.group_size}\n", 1))
+            self.config.write_text(text)
         self.members: list[Member] = []
         self.sampler = Sampler()
         self.address: list[str] = []
@@ -875,6 +881,8 @@ def main() -> int:
                         help="entry peers, each given to every peer (their load is reported)")
     parser.add_argument("--group-size", type=int, default=0,
                         help="averaging.target_group_size: sub-groups of about this size (0: one group)")
+    parser.add_argument("--compression", default="",
+                        help="averaging.compression instead of tiny.toml's fp16 (int4: shoal's default)")
     parser.add_argument("--warmup-timeout", type=float, default=180.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--append", action="store_true", help="keep the runs already in the results json")

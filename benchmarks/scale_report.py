@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 
 import scale_real  # noqa: E402
@@ -48,7 +49,7 @@ def real_rows(real: dict, *, source: str) -> list[dict]:
     rows = []
     for key, run in real["runs"].items():
         s = scale_real.summary(run)
-        group_size = int(key.split("-g")[-1]) if "-g" in key else 0
+        group_size = int(match.group(1)) if (match := re.search(r"-g(\d+)", key)) else 0
         rows.append({"run": key, "source": source, "peers": run["peers_n"], "churn": run["churn"], "bootstraps": len(run.get("bootstraps") or [None]),
                      "group_size": group_size,
                      "join_s": s["join_s"], "after_boot_s": s["after_boot_s"], "boot_s": s["boot_s"],
