@@ -385,6 +385,11 @@ class DiLoCoSwarm:
         return self._monitor.schedule
 
     @property
+    def group_count(self) -> int | None:
+        """With sub-groups: how many groups our last prepared round split into; None without them."""
+        return self._loop.runner.group_count if self._mixing is not None else None
+
+    @property
     def peer_count(self) -> int:
         return self._monitor.peer_count
 
@@ -564,7 +569,7 @@ class DiLoCoSwarm:
             round_bytes_received=self.last_stats.bytes_received if self.last_stats else None,
             time=self._directory.now(), phase=beat.phase or ("averaging" if self._loop.syncing else "training"),
             shard=beat.shard, sync_late_s=self._loop.sync_lateness, rounds_done=self._shared.rounds_done,
-            group_count=self._loop.runner.group_count if self._mixing is not None else None,
+            group_count=self.group_count,
             clock_offset_s=swarm_time.offset() if self._monitor.clock.peers_measured else None,
             addrs=self._dialable_addrs(),
         )

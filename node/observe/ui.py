@@ -51,6 +51,7 @@ class NodeStatus:
     eval_loss: float | None = None
     tokens_per_s: float = 0.0
     group_size: int = 0
+    group_count: int | None = None  # sub-groups the last round split into (None: one group of everybody)
     sync_s: float = 0.0
     last_sync: str = "-"  # averaged | local (why) | ...
     rounds_done: int = 0
@@ -204,7 +205,8 @@ def _network_rows(grid: Table, s: NodeStatus) -> None:
     if s.round_bytes_sent is not None and s.round_bytes_received is not None:
         bandwidth += f"   round ↑ {human_bytes(s.round_bytes_sent)} ↓ {human_bytes(s.round_bytes_received)}"
     bandwidth += f"   total ↑ {human_bytes(s.bytes_sent)} ↓ {human_bytes(s.bytes_received)}"
-    grid.add_row("network", f"group {s.group_size}   sync {s.sync_s:.2f}s   last {s.last_sync}{bandwidth}")
+    groups = f" (one of {s.group_count} sub-groups)" if s.group_count and s.group_count > 1 else ""
+    grid.add_row("network", f"group {s.group_size}{groups}   sync {s.sync_s:.2f}s   last {s.last_sync}{bandwidth}")
     if s.sync_advice:
         grid.add_row("round length", Text(s.sync_advice, style="yellow"))
     if s.clock_advice:

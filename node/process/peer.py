@@ -389,13 +389,16 @@ class Peer:
     def _show_round(self, stats: RoundStats) -> None:
         status = self.status
         status.eval_loss, status.group_size, status.sync_s = self.last_eval, stats.group_size, stats.sync_s
+        status.group_count = self.swarm.group_count
         status.round_bytes_sent, status.round_bytes_received = stats.bytes_sent, stats.bytes_received
         status.sync_advice = round_advice(self.swarm.sync_lateness, self.swarm.schedule.round_seconds)
         status.clock_advice = self.swarm.clock_advice
         for kind, count in stats.robust.items():
             status.robust[kind] = status.robust.get(kind, 0) + count
         if stats.applied == Applied.AVERAGED and stats.allreduce_s > 0:
-            status.sync_bytes_per_s = self.swarm.allreduce_payload(stats.group_size) / stats.allreduce_s
+            # the round's own payload (the inner optimizer's moments and sub-groups' state included)
+            sent = stats.bytes_sent or self.swarm.allreduce_payload(stats.group_size)
+            status.sync_bytes_per_s = sent / stats.allreduce_s
         if stats.compute_s > 0:  # the finished round's rate (the live figure restarts with the next window)
             status.tokens_per_s = stats.tokens / stats.compute_s
         status.rounds_done, status.finished_round = stats.rounds_done, stats.round

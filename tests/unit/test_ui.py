@@ -51,7 +51,8 @@ def test_a_training_peer_in_a_swarm_shows_every_section():
     assert "12 / 100" in text and "sync: merged" in text and "to deadline" in text
     assert "3.2500" in text and "eval 3.5000" in text
     assert "1,000" in text and "utilization 93%" in text
-    assert "group 2" in text and "sync 1.25s" in text
+    assert "group 2" in text and "sync 1.25s" in text and "sub-groups" not in text
+    assert "group 2 (one of 4 sub-groups)" in draw_status(status(group_count=4))
     # the peer table: both peers, the fastest first, with how long ago each was seen
     assert text.index("…TJwmv6") < text.index("…Uy56Sd (you)")
     assert "3,000" in text and "7s ago" in text
