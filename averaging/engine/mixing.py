@@ -30,7 +30,7 @@ import torch
 from averaging.math.fingerprints import chunk_rms, claim_of, fingerprint, momentum_of, rms_difference
 from averaging.math.groups import group_key_bits, members
 from averaging.state.shared_state import SharedState
-from protocols.messages import MessageError
+from protocols.messages import ClaimMessage, MessageError
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,23 @@ ESTIMATE_SLACK = 4.0
 STEP_SLACK = 4.0
 
 
+def round_claims(state: SharedState, gathered: Mapping[str, Any], *, round: int) -> list[ClaimMessage]:
+    """The group's valid claims for ``round`` (ours included), each decoded once; an invalid one is
+    logged and left out."""
+    claims = []
+    for peer, raw in gathered.items():
+        try:
+            message = state.decode_message(raw)
+        except MessageError as e:
+            logger.warning(f"round {round}: ignoring the claim of {peer}: {e}")
+            continue
+        if message.round == round:
+            claims.append(message)
+    return claims
+
+
 def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedState,
-                  gathered: Mapping[str, Any], *, round: int, members: int,
-                  local_pseudo_grad: torch.Tensor) -> str | None:
+                  claims: list[ClaimMessage], *, members: int, local_pseudo_grad: torch.Tensor) -> str | None:
     """Why the group's mean state must not be taken, or None.
 
     A reducer returns its part of the mean itself, and our own part is all a member can check a
@@ -115,16 +129,11 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
     farthest = torch.zeros(ours.num_chunks, dtype=torch.float64)
     farthest_momentum = torch.zeros(ours.num_chunks, dtype=torch.float64)
     momenta_claimed = 0
-    for raw in gathered.values():
-        try:
-            message = state.decode_message(raw)
-        except MessageError:
-            continue  # logged by group_rounds_done
-        if message.round == round:
-            farthest = torch.maximum(farthest, rms_difference(claim_of(message).fingerprint, ours))
-            if (theirs := momentum_of(message)) is not None:
-                farthest_momentum = torch.maximum(farthest_momentum, rms_difference(theirs, our_momentum))
-                momenta_claimed += 1
+    for message in claims:
+        farthest = torch.maximum(farthest, rms_difference(claim_of(message).fingerprint, ours))
+        if (theirs := momentum_of(message)) is not None:
+            farthest_momentum = torch.maximum(farthest_momentum, rms_difference(theirs, our_momentum))
+            momenta_claimed += 1
     step = torch.maximum(state.scale, chunk_rms(local_pseudo_grad, ours.chunk_len))
     spread = ESTIMATE_SLACK * math.sqrt(max(1, members))
     allowed = spread * farthest + STEP_SLACK * step + state.abs_tol
@@ -142,18 +151,9 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
     return None
 
 
-def group_rounds_done(state: SharedState, gathered: Mapping[str, Any], *, round: int) -> int:
+def group_rounds_done(state: SharedState, claims: list[ClaimMessage], *, round: int) -> int:
     """The most outer steps a member of the group claims (its attached claim), counting ours, each
     capped by the schedule (one step a round): the count every member takes with the group's mean
     state, so that they serve one state to joiners (a download compares step counts). An inflated
     claim moves only this count, which no rule of the math reads."""
-    most = state.rounds_done
-    for peer, raw in gathered.items():
-        try:
-            message = state.decode_message(raw)
-        except MessageError as e:
-            logger.warning(f"round {round}: ignoring the claim of {peer}: {e}")
-            continue
-        if message.round == round and message.rounds_done <= round:
-            most = max(most, message.rounds_done)
-    return most
+    return max([state.rounds_done, *(m.rounds_done for m in claims if m.rounds_done <= round)])

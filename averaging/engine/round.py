@@ -33,6 +33,7 @@ from averaging.engine.mixing import (
     Mixing,
     group_rounds_done,
     pack_state,
+    round_claims,
     state_numel,
     state_problem,
     unpack_state,
@@ -150,11 +151,11 @@ def conclude_mixed(state: SharedState, outcome: AverageOutcome, local_pseudo_gra
     if outcome.ok and averaged is not None and mixed is not None:
         conclusion.group_size = len(outcome.group)
         anchor, momentum = unpack_state(mixed, state.layout.numel)
+        claims = round_claims(state, outcome.gathered, round=round)
         problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or state_problem(
-            anchor, momentum, state, outcome.gathered, round=round, members=len(outcome.group),
-            local_pseudo_grad=local_pseudo_grad)
+            anchor, momentum, state, claims, members=len(outcome.group), local_pseudo_grad=local_pseudo_grad)
         _take(conclusion, problem, lambda: state.mix(
-            anchor, momentum, averaged, round=round, rounds_done=group_rounds_done(state, outcome.gathered, round=round)))
+            anchor, momentum, averaged, round=round, rounds_done=group_rounds_done(state, claims, round=round)))
     return _alone_or_fold(conclusion, state, local_pseudo_grad, round=round, alone=alone)
 
 
@@ -170,7 +171,6 @@ class RoundRunner:
         self.state, self.worker, self.layout, self.config = state, worker, layout, config
         self.mixing = mixing
         self.mixed_numel = state_numel(layout.numel) if mixing is not None else 0
-        self.extra_numel = extra_numel
         # The extra vector sent and averaged (sub-groups only: without them the moments' own buffer is sent).
         self._extra = torch.zeros(self.mixed_numel + extra_numel) if mixing is not None else None
         self.group_count: int | None = None  # the count of the last round we prepared (published in our progress record)

@@ -215,19 +215,20 @@ def encode_claim(claim: AnchorClaim, *, round: int, momentum: Fingerprint | None
     )
 
 
+def _fingerprint_of(message: ClaimMessage, projections: tuple[float, ...]) -> Fingerprint:
+    rows = torch.tensor(projections, dtype=torch.float64).view(message.num_chunks, message.num_projections)
+    return Fingerprint(message.numel, message.chunk_len, rows)
+
+
 def momentum_of(message: ClaimMessage) -> Fingerprint | None:
     """The momentum's fingerprint a validated message carries, if any."""
-    if message.momentum is None:
-        return None
-    projections = torch.tensor(message.momentum, dtype=torch.float64).view(message.num_chunks, message.num_projections)
-    return Fingerprint(message.numel, message.chunk_len, projections)
+    return _fingerprint_of(message, message.momentum) if message.momentum is not None else None
 
 
 def claim_of(message: ClaimMessage) -> AnchorClaim:
     """The inverse of ``encode_claim`` for a message that ``ClaimMessage.decode`` validated."""
-    projections = torch.tensor(message.projections, dtype=torch.float64).view(message.num_chunks, message.num_projections)
     return AnchorClaim(
-        fingerprint=Fingerprint(message.numel, message.chunk_len, projections),
+        fingerprint=_fingerprint_of(message, message.projections),
         scale=torch.tensor(message.scale, dtype=torch.float64),
         rounds_done=message.rounds_done,
     )

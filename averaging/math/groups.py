@@ -60,7 +60,7 @@ def settled_group_count(live_peers: int, target_group_size: int, current: int | 
     return current if low <= mean <= target_group_size * (1 + slack) else fresh
 
 
-def agreed_group_count(published: Iterable[int], live_peers: int, target_group_size: int, *,
+def agreed_group_count(published: Iterable[int | None], live_peers: int, target_group_size: int, *,
                        slack: float = 0.25) -> int:
     """The count to use this round from the counts the live peers published last round (progress
     records) and our live count: the most common published count (ties to the smaller count, larger
@@ -70,12 +70,20 @@ def agreed_group_count(published: Iterable[int], live_peers: int, target_group_s
     good: a peer whose estimate crossed the band's edge a round before the others keeps its count while
     theirs stays inside the band. Starting from what most peers used, every peer that sees about the
     same records makes the same choice, and a minority that switched early is pulled back next round."""
+    current = most_published(published)
+    if current is None:
+        return group_count(live_peers, target_group_size)
+    return settled_group_count(live_peers, target_group_size, current, slack=slack)
+
+
+def most_published(published: Iterable[int | None]) -> int | None:
+    """The count most peers published (ties to the smaller count), of the valid ones (powers of
+    two); None if none is."""
     counts = Counter(count for count in published if isinstance(count, int) and _is_power_of_two(count))
     if not counts:
-        return group_count(live_peers, target_group_size)
+        return None
     most = max(counts.values())
-    current = min(count for count, seen in counts.items() if seen == most)
-    return settled_group_count(live_peers, target_group_size, current, slack=slack)
+    return min(count for count, seen in counts.items() if seen == most)
 
 
 def group_of(peer_id: str, round: int, groups: int, *, salt: str = "") -> int:

@@ -129,8 +129,7 @@ class SharedState:
             self.anchor.copy_(anchor)
             self.momentum.copy_(momentum)
             self.rounds_done = max(self.rounds_done, rounds_done)
-            self._claim = None
-            self._apply(pseudo_grad, round)
+            self._apply(pseudo_grad, round)  # (records the claim we held before as past, sets the new one)
             self._history.clear()
 
     def update_after(self, rounds_done: int) -> AppliedUpdate | None:

@@ -285,10 +285,14 @@ class DiLoCoSwarm:
         counted 8 live peers (one group, the bare round key) and 8 that counted 16 (two groups
         under other keys), and the two halves never met again. Records that never average (a
         stranger's) can push the count up, thinning the groups: docs/security.md."""
-        records = list(self._monitor.peers.values())
-        count = agreed_group_count((r.group_count for r in records if r.group_count is not None),
-                                   max(1, len(records)), self.averaging.target_group_size)
+        count = self._agreed_group_count()
         return group_of(self.peer_id, round, count, salt=self.run_id), count
+
+    def _agreed_group_count(self) -> int:
+        """The sub-group count from every live record (``_group_plan`` says why every one)."""
+        records = list(self._monitor.peers.values())
+        return agreed_group_count((r.group_count for r in records), max(1, len(records)),
+                                  self.averaging.target_group_size)
 
     def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
         """Our shared state for a peer downloading it (hivemind's fetcher thread, in this process)."""
@@ -475,11 +479,8 @@ class DiLoCoSwarm:
         if self._mixing is not None:
             # Anchors of different sub-groups differ by more than a download's per-slice check
             # allows: take the state from the members of one group of the last round.
-            records = self._monitor.peers
             last = self._monitor.schedule.round_at(self._directory.now()) - 1
-            count = agreed_group_count((r.group_count for r in records.values() if r.group_count is not None),
-                                       max(1, len(records)), self.averaging.target_group_size)
-            donors = one_group(donors, round=last, groups=count, salt=self.run_id)
+            donors = one_group(donors, round=last, groups=self._agreed_group_count(), salt=self.run_id)
         if not donors:
             return None
         if before_first_step((self._monitor.peers[p] for p in donors),

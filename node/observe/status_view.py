@@ -3,14 +3,13 @@ table as the node's live view."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from averaging.engine.policy import round_advice
+from averaging.math.groups import most_published
 from node.library.snapshot import SwarmSnapshot
 from node.observe.fmt import number, short_id
 from node.observe.ui import peer_table
@@ -22,8 +21,7 @@ MAX_ADVICE_ROWS = 3
 def sub_groups(records) -> int:
     """How many sub-groups most peers split their last round into (``averaging.target_group_size``;
     1 when none publishes a count: one group of everybody)."""
-    counts = Counter(r.group_count for r in records if r.group_count is not None)
-    return max(counts, key=lambda c: (counts[c], -c)) if counts else 1
+    return most_published(r.group_count for r in records) or 1
 
 
 def render_snapshot(snapshot: SwarmSnapshot) -> Panel:

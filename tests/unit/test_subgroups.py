@@ -15,7 +15,14 @@ import torch
 
 from averaging.engine.config import LoopConfig
 from averaging.engine.loop import RoundEngine
-from averaging.engine.mixing import Mixing, group_rounds_done, one_group, state_numel, state_problem
+from averaging.engine.mixing import (
+    Mixing,
+    group_rounds_done,
+    one_group,
+    round_claims,
+    state_numel,
+    state_problem,
+)
 from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
 from averaging.math.groups import members
@@ -207,7 +214,8 @@ def test_the_group_takes_the_most_steps_a_member_claims_within_the_schedule():
     liar.rounds_done = 50
     gathered = {"ahead": ahead.claim_message(round=6).encode(), "liar": liar.claim_message(round=6).encode(),
                 "stale": ahead.claim_message(round=5).encode(), "junk": b"\x00"}
-    assert group_rounds_done(state, gathered, round=6) == 5  # the liar is past round 6: not counted
+    claims = round_claims(state, gathered, round=6)  # the stale claim and the junk are left out
+    assert group_rounds_done(state, claims, round=6) == 5  # the liar is past round 6: not counted
 
 
 def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
@@ -230,7 +238,8 @@ def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
     ours, pg = states[0], torch.randn(numel, generator=generator) * pg_rms
 
     def problem(anchor, momentum, state=ours, gathered=gathered):
-        return state_problem(anchor, momentum, state, gathered, round=round, members=4, local_pseudo_grad=pg)
+        return state_problem(anchor, momentum, state, round_claims(state, gathered, round=round), members=4,
+                             local_pseudo_grad=pg)
 
     mean_momentum = torch.stack([s.momentum for s in states]).mean(0)
     weights = torch.tensor([1.0, 3.0, 0.5, 2.0])
@@ -251,5 +260,5 @@ def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
     # a member far behind (ours: 40 steps off) takes the group's honest mean: its own distance widens the bound
     stale = SharedState(layout, anchors[0] + 40 * pg_rms, OUTER)
     stale_gathered = {**gathered, "m0": stale.claim_message(round=round).encode()}
-    assert state_problem(torch.stack([stale.anchor, *anchors[1:]]).mean(0), mean_momentum, stale, stale_gathered,
-                         round=round, members=4, local_pseudo_grad=pg) is None
+    assert state_problem(torch.stack([stale.anchor, *anchors[1:]]).mean(0), mean_momentum, stale,
+                         round_claims(stale, stale_gathered, round=round), members=4, local_pseudo_grad=pg) is None
