@@ -16,6 +16,7 @@ import hivemind
 import psutil
 import pytest
 import torch
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import serialization
 
@@ -78,10 +79,12 @@ def p2pd_descendants() -> set[int]:
 
 
 def _group_or_none(control):
-    """A step's gathered group, or None if its matchmaking found none (the round never ran)."""
+    """A step's gathered group, or None if the round did not complete: its matchmaking found no group,
+    or its all-reduce failed (hivemind wraps that in MatchmakingException "Unable to run All-Reduce";
+    seen once in the suite: one sender's part never reached a reducer, which gave up at the timeout)."""
     try:
         return control.result(timeout=60)
-    except AllreduceException:
+    except (AllreduceException, MatchmakingException):
         return None
 
 
@@ -134,7 +137,7 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
                 averagers[name].append(ShoalAverager(
                     averaged_tensors=[vector.clone()], dht=dht, prefix=f"{prefix}-{name}", start=True,
                     target_group_size=PEERS, min_group_size=PEERS, min_matchmaking_time=2.0, request_timeout=1.0,
-                    allreduce_timeout=30.0, compression=counting_codec(code, ret, part_values, sends[name]),
+                    allreduce_timeout=10.0, compression=counting_codec(code, ret, part_values, sends[name]),
                     state_provider=lambda: ({}, []), robust=RobustConfig(aggregation="mean", ban_rounds=0)))
 
         # 3. One round per codec, all three peers at once.
