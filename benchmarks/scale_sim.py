@@ -16,10 +16,14 @@ anchors are vectors in R^d and every figure it writes is simulated. Per round (l
   ``record_ttl_s`` (shoal: 3 missed heartbeats, 15 s), each record is missed with ``record_miss``. From that
   count every peer derives its own group count (``averaging.math.groups``: ``group_count`` raw,
   ``settled_group_count`` with its own last count, or ``agreed_group_count`` from the counts the records
-  published) and its key (``group_key_bits(round, group_of(peer, round, count), count)``).
+  published) and its key: ``group_key_bits(round, group, count)``, its group by its rank among the records
+  it sees in the round's hash order (``assign balanced``: ``averaging.math.groups.balanced_groups``, what
+  the engine does) or by the hash's top bits alone (``assign hashed``: ``group_of``, the first rule).
 - **Matchmaking.** Peers with the same key meet. hivemind's leaders assemble as soon as they hold
-  ``target_group_size`` peers, so a key's peers split greedily (arrival order random) into groups of the cap
-  and a remainder; a peer alone (below min_group_size 2) misses the round. Each peer also misses matchmaking
+  ``target_group_size`` peers: the engine gives hivemind no target with sub-groups, so the cap is
+  shoal's 64 (``leader_slack`` None); with ``leader_slack`` the cap is ``ceil(G * leader_slack)`` and a key's
+  peers split greedily (arrival order random) into groups of the cap and a remainder (the first
+  simulation's model: cap G). A peer alone (below min_group_size 2) misses the round. Each peer also misses matchmaking
   with probability ``miss``. A missed or failed round folds: the anchor stays, the pseudo-gradient and weight
   carry into the next contribution.
 - **All-reduce.** A group of g takes ``1.12 * 2 * bytes * (g - 1) / g / (slowest member's link)`` (shoal's
@@ -91,9 +95,11 @@ import torch  # noqa: E402
 from averaging.math.codecs import bytes_per_value  # noqa: E402
 from averaging.math.groups import (  # noqa: E402
     agreed_group_count,
+    group_among,
     group_count,
     group_key_bits,
     group_of,
+    round_hash,
     settled_group_count,
 )
 from averaging.math.outer_step import outer_step_  # noqa: E402
@@ -113,7 +119,8 @@ class Scenario:
     peers: int
     mode: str = "groups"  # groups | one-key | one-key-cap
     group_size: int = 16
-    leader_slack: float = 1.0  # hivemind target_group_size = ceil(group_size * leader_slack)
+    leader_slack: float | None = None  # hivemind target_group_size = ceil(group_size * leader_slack); None: 64
+    assign: str = "balanced"  # balanced (ranks in each peer's view of the records) | hashed (group_of)
     count_rule: str = "agreed"  # raw | settled | agreed
     churn: float = 5.0  # leaves (and joins) per hour per 100 peers
     rounds: int = 120
@@ -154,7 +161,7 @@ class Scenario:
     def cap(self) -> int:
         if self.mode == "one-key":
             return 1 << 30
-        if self.mode == "one-key-cap":
+        if self.mode == "one-key-cap" or self.leader_slack is None:
             return MAX_GROUP
         return math.ceil(self.group_size * self.leader_slack)
 
@@ -202,7 +209,7 @@ class Swarm:
         self.graceful = self.rng.random(cap) < s.graceful
         self.history: list[np.ndarray] = []  # slot 0's anchors (twin events)
         budget = s.round_s - s.matchmaking_s
-        group = min(s.cap, s.peers)
+        group = min(s.cap, s.peers, s.group_size) if s.mode == "groups" and s.group_size else min(s.cap, s.peers)
         share = 2 * s.params * s.bytes_per_param() * 8 * (group - 1) / group
         self.link_bound = ALLREDUCE_OVER_BOUND * share / (self.link * 1e6) > budget
         self.tol_ref = 1.0
@@ -288,13 +295,14 @@ def run(s: Scenario, keep_anchors: tuple[int, int] | None = None) -> dict:
         sw.past[:n, 1:] = sw.past[:n, :-1]
         sw.past[:n, 0] = sw.anchor[:n]
         # -- live counts and group counts, each peer from its own view of the records
-        groups_of = count_groups(sw, s, eligible, D, rec)
+        groups_of, ranks, views = count_groups(sw, s, eligible, D, rec, r)
         # -- matchmaking
         participants = [int(p) for p in eligible if not missed[p]]
         keys: dict[str, list[int]] = {}
         for p in participants:
             g = groups_of[p]
-            keys.setdefault(group_key_bits(r, group_of(sw.ids[p], r, g), g), []).append(p)
+            group = group_of(sw.ids[p], r, g) if s.assign == "hashed" else ranks[p] * g // views[p]
+            keys.setdefault(group_key_bits(r, group, g), []).append(p)
         formed, alone = [], 0
         for members in keys.values():
             order = [members[i] for i in sw.rng_mm.permutation(len(members))]
@@ -368,10 +376,12 @@ def run(s: Scenario, keep_anchors: tuple[int, int] | None = None) -> dict:
     return {"scenario": dataclasses.asdict(s), "rounds": rounds, "anchors": kept}
 
 
-def count_groups(sw: Swarm, s: Scenario, eligible: np.ndarray, D: float, rec: dict) -> dict[int, int]:
-    """Each eligible peer's group count from its own (lagging) view of the records."""
+def count_groups(sw: Swarm, s: Scenario, eligible: np.ndarray, D: float, rec: dict,
+                 r: int) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """Each eligible peer's group count from its own (lagging) view of the records, its rank among the
+    records it sees in round ``r``'s hash order (``balanced_groups``' order), and how many it sees."""
     if s.mode != "groups" or s.group_size == 0:
-        return {int(p): 1 for p in eligible}
+        return {int(p): 1 for p in eligible}, {int(p): 0 for p in eligible}, {int(p): 1 for p in eligible}
     n = sw.n
     read = D - s.matchmaking_s - s.heartbeat_s * sw.rng_mm.random(len(eligible))
     seen = ((sw.join_t[:n][None, :] + s.join_visible_s <= read[:, None])
@@ -399,12 +409,21 @@ def count_groups(sw: Swarm, s: Scenario, eligible: np.ndarray, D: float, rec: di
                 out[int(p)] = group_count(int(estimates[i]), s.group_size)
             else:
                 out[int(p)] = settled_group_count(int(estimates[i]), s.group_size, int(sw.count[p]) or None)
+    # ranks: each row's records in the round's hash order (ties by id, as balanced_groups), counted up to the peer
+    order = sorted(range(n), key=lambda q: (round_hash(sw.ids[q], r), sw.ids[q]))
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
+    before = np.cumsum(seen[:, order], axis=1)
+    ranks = {int(p): int(before[i, position[p]]) - 1 for i, p in enumerate(eligible)}
+    if len(eligible):  # spot-check against the engine's function
+        view = [sw.ids[q] for q in np.flatnonzero(seen[0])]
+        assert ranks[int(eligible[0])] * 4 // len(view) == group_among(sw.ids[eligible[0]], view, r, 4)
     counts = Counter(out.values())
     top = counts.most_common(1)[0][0] if counts else 1
     rec.update(estimate_min=int(estimates.min()) if len(eligible) else 0,
                estimate_max=int(estimates.max()) if len(eligible) else 0,
                counts=dict(counts), off_plurality=sum(v for c, v in counts.items() if c != top) / max(1, len(out)))
-    return out
+    return out, ranks, {int(p): int(estimates[i]) for i, p in enumerate(eligible)}
 
 
 def apply_round(sw: Swarm, s: Scenario, members: list[int], r: int, D: float,
@@ -558,8 +577,11 @@ MAIN = (("one key, no cap (before 587cdb4)", dict(mode="one-key")),
         ("sub-groups G=16, partial results kept", dict(group_size=16, salvage_partial=True)))
 SENSITIVITY = {
     "count rule raw": dict(count_rule="raw"), "count rule settled": dict(count_rule="settled"),
-    "leader cap 1.5 G": dict(leader_slack=1.5), "G=32": dict(group_size=32),
-    "anchors fp16": dict(anchor_codec="fp16"), "anchors on 1/4 of the values a round": dict(anchor_slices=4),
+    "hashed groups (the first rule)": dict(assign="hashed"),
+    "hashed groups, leader cap G (the first simulation)": dict(assign="hashed", leader_slack=1.0),
+    "leader cap G": dict(leader_slack=1.0), "leader cap 1.5 G": dict(leader_slack=1.5), "G=32": dict(group_size=32),
+    "anchors fp16": dict(anchor_codec="fp16"), "anchors fp32 (the engine today)": dict(anchor_codec="fp32"),
+    "partial kept + anchors fp32 (the engine today)": dict(salvage_partial=True, anchor_codec="fp32"), "anchors on 1/4 of the values a round": dict(anchor_slices=4),
     "no momentum averaging": dict(avg_momentum=False), "anchors weighted equally": dict(anchor_weights="equal"),
     "stale anchors weight 0": dict(fresh_anchors_only=True), "no catch-up": dict(catch_up=False),
     "no anchor averaging": dict(anchor_codec="none"), "noise 0": dict(noise=0.0), "noise 0.5": dict(noise=0.5),
@@ -614,13 +636,16 @@ def report(results: dict, args, command: str, minutes: float) -> str:
         "# A swarm of hundreds: sub-groups vs one group (SIMULATED: event-level model, no network, no model)", "",
         f"Command: `{command}` ({minutes:.1f} min, one core). Every figure below is simulated.", "",
         f"Defaults: {s0.params / 1e6:.0f}M parameters; pseudo-gradients in int4 ({bytes_per_value('int4'):.3f} "
-        "B/value); sub-groups add the anchor and the outer momentum as an int8 lattice code (1 B/value each: "
+        "B/value); sub-groups add the anchor and the outer momentum as an int8 lattice code (1 B/value each, "
+        "not built: the engine sends them in fp32, a sensitivity row below; "
         f"{Scenario(label='', peers=0).bytes_per_param():.2f} B/value in all); rounds of {s0.round_s:.0f} s "
         f"(all-reduce budget {s0.round_s - s0.matchmaking_s:.0f} s); links lognormal, median {s0.link_median:g} "
         f"Mbit/s, sigma {s0.link_sigma}, clipped to 10-200; speeds 1/1.5/2/3; matchmaking miss {s0.miss:.0%} a "
         f"peer; a record visible {s0.join_visible_s:g} s after its peer joins and lingering {s0.record_ttl_s:g} s "
         f"after it leaves, {s0.record_miss:.0%} of records missed per read; group counts by "
-        "`agreed_group_count`; hivemind's cap = G; a leaver mid-all-reduce spoils its group (today's rule); "
+        "`agreed_group_count`; groups balanced (each peer's rank among the records it sees, "
+        "`balanced_groups`); hivemind's cap 64, as the engine's (the first simulation: hashed groups, cap G); "
+        "a leaver mid-all-reduce spoils its group (hivemind's rule; 'partial results kept' rows: the engine's); "
         f"outer lr {s0.lr} / momentum {s0.mu} (shoal's defaults, `OuterConfig`); pseudo-gradient noise-to-signal "
         f"{args.noise} for a mean peer, its round-to-round persistence {args.noise_corr} ({args.noise_source}); "
         f"d = {s0.dim}; {args.rounds} rounds, the first "

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from averaging.math.fingerprints import chunk_rms, claim_of, fingerprint, momentum_of, rms_difference
-from averaging.math.groups import group_key_bits, members
+from averaging.math.groups import balanced_groups, group_key_bits
 from averaging.state.shared_state import SharedState
 from protocols.messages import ClaimMessage, MessageError
 
@@ -52,16 +52,20 @@ class Mixing:
         return group_key_bits(round, group, count), group, count
 
 
-def one_group(donors: list[str], *, round: int, groups: int, salt: str) -> list[str]:
-    """Of ``donors`` (in the order to ask them), the members of ``round``'s largest group, in that
-    order: a joiner's download assembles one state from several donors, and only one group's
-    members hold one state (ties: the group whose member comes first in ``donors``)."""
+def one_group(donors: list[str], *, live: Iterable[str], round: int, groups: int, salt: str) -> list[str]:
+    """Of ``donors`` (in the order to ask them), the members of the ``round`` group that holds the
+    most of them, in that order: a joiner's download assembles one state from several donors, and
+    only one group's members hold one state (ties: the group whose member comes first in
+    ``donors``). ``live``: the peers whose records we hold, whose hash order cut the groups."""
     if groups == 1 or not donors:
         return list(donors)
     order = {donor: i for i, donor in enumerate(donors)}
-    assigned = members(donors, round, groups, salt=salt).values()
-    best = min(assigned, key=lambda group: (-len(group), min(order[d] for d in group)))
-    return [donor for donor in donors if donor in set(best)]
+    group_of_donor = {peer: group for peer, group in balanced_groups({*live, *donors}, round, groups, salt=salt).items()
+                      if peer in order}
+    assigned: dict[int, list[str]] = {}
+    for donor in donors:
+        assigned.setdefault(group_of_donor[donor], []).append(donor)
+    return max(assigned.values(), key=lambda group: (len(group), -order[group[0]]))
 
 
 def state_numel(numel: int) -> int:

@@ -2,12 +2,22 @@
 
 With one all-reduce group of everybody, each member talks to N - 1 others and one peer leaving
 mid-round spoils the round for all. Sub-groups of about ``target_group_size`` peers bound both, but
-only if the swarm agrees on who averages with whom without a coordinator. Every peer derives its
-group from a stable hash of (salt, round, its peer id) and puts the group into hivemind's
-matchmaking key, so peers of one group find each other under one DHT key. The hash changes every
-round, so groups remix and what one group learned reaches the whole swarm in about
-log_G(N) rounds (Moshpit SGD, arXiv:2103.03239). These functions are pure: no DHT, no clock, no
-torch; ``benchmarks/scale_sim.py`` measures how they behave under churn and lagging live counts.
+only if the swarm agrees on who averages with whom without a coordinator. Every peer orders the
+live peers by a stable hash of (salt, round, peer id), cuts that order into ``groups`` equal runs
+(``balanced_groups``) and puts its run's index into hivemind's matchmaking key, so peers of one
+group find each other under one DHT key. The hash changes every round, so groups remix and what
+one group learned reaches the whole swarm in about log_G(N) rounds (Moshpit SGD,
+arXiv:2103.03239). These functions are pure: no DHT, no clock, no torch;
+``benchmarks/scale_sim.py`` measures how they behave under churn and lagging live counts.
+
+Why ranks, not the hash's top bits (``group_of``, the first rule: manifest ``averaging.sub_groups``
+1): a hash puts each peer in a group on its own, so group sizes are binomial. 16 real peers in 4
+hashed groups met in groups of 1 to 8 (a peer alone folds its round; the largest group takes the
+longest), ``scale_real_subgroups.md``. Ranks give sizes that differ by one at most. The price: a
+peer whose view of the live records differs (a record it has not seen yet, one that lingers) may
+rank itself a place or two off and, next to a cut, join the neighbouring group; it still meets a
+group, one member larger. Misses spread over the order shift the rank and the count alike, so the
+cut moves little: ``tests/unit/test_groups.py`` measures it.
 """
 
 from __future__ import annotations
@@ -16,6 +26,10 @@ import hashlib
 from collections import Counter
 from collections.abc import Iterable
 
+# The assignment rule's version, in the run manifest (``averaging.sub_groups``): peers of different
+# rules would compute different groups, so a run's peers must share it. 1: hashed (``group_of``),
+# 2: balanced (``balanced_groups``).
+RULE = 2
 ROUND_BITS = 4  # round % 16 in the key: neighbouring rounds never share a key (as round_bits always did)
 _HASH_BITS = 64
 _PERSON = b"shoal-groups-v1"  # blake2b personalisation: these digests mean nothing elsewhere
@@ -86,21 +100,41 @@ def most_published(published: Iterable[int | None]) -> int | None:
     return min(count for count, seen in counts.items() if seen == most)
 
 
-def group_of(peer_id: str, round: int, groups: int, *, salt: str = "") -> int:
-    """The group of ``peer_id`` in ``round``: the top log2(groups) bits of a blake2b digest of
-    (salt, round, peer id).
+def round_hash(peer_id: str, round: int, *, salt: str = "") -> int:
+    """A 64-bit blake2b digest of (salt, round, peer id): stable across processes and machines
+    (unlike ``hash``), so every peer computes every other peer's; seeded by the round, so the
+    order it gives changes every round."""
+    fields = (salt.encode(), str(int(round)).encode(), peer_id.encode())
+    message = b"".join(len(field).to_bytes(4, "big") + field for field in fields)  # unambiguous framing
+    return int.from_bytes(hashlib.blake2b(message, digest_size=_HASH_BITS // 8, person=_PERSON).digest(), "big")
 
-    Stable across processes and machines (unlike ``hash``), so every peer computes every other
-    peer's group; seeded by the round, so groups remix every round; the top bits, so the group for
-    ``2 * groups`` is the group for ``groups`` with one more bit appended."""
+
+def group_of(peer_id: str, round: int, groups: int, *, salt: str = "") -> int:
+    """The hashed rule (the first one, kept so ``benchmarks/scale_sim.py`` can compare): the top
+    log2(groups) bits of ``round_hash``, whoever else is live. The group for ``2 * groups`` is the
+    group for ``groups`` with one more bit appended."""
     if not _is_power_of_two(groups):
         raise ValueError(f"groups ({groups}) must be a power of two")
     if groups == 1:
         return 0
-    fields = (salt.encode(), str(int(round)).encode(), peer_id.encode())
-    message = b"".join(len(field).to_bytes(4, "big") + field for field in fields)  # unambiguous framing
-    digest = hashlib.blake2b(message, digest_size=_HASH_BITS // 8, person=_PERSON).digest()
-    return int.from_bytes(digest, "big") >> (_HASH_BITS - (groups.bit_length() - 1))
+    return round_hash(peer_id, round, salt=salt) >> (_HASH_BITS - (groups.bit_length() - 1))
+
+
+def balanced_groups(peer_ids: Iterable[str], round: int, groups: int, *, salt: str = "") -> dict[str, int]:
+    """Each of ``peer_ids``' group in ``round``: the peers ordered by ``round_hash`` (ties by id), the
+    one at rank ``i`` of ``n`` in group ``i * groups // n``. Sizes differ by one at most, and the
+    group for ``2 * groups`` is the group for ``groups`` with one more bit appended
+    (``(i * 2g // n) // 2 == i * g // n``), so peers whose counts differ by a doubling still
+    disagree on one key bit only."""
+    if not _is_power_of_two(groups):
+        raise ValueError(f"groups ({groups}) must be a power of two")
+    order = sorted(set(peer_ids), key=lambda peer: (round_hash(peer, round, salt=salt), peer))
+    return {peer: rank * groups // len(order) for rank, peer in enumerate(order)}
+
+
+def group_among(peer_id: str, live: Iterable[str], round: int, groups: int, *, salt: str = "") -> int:
+    """``peer_id``'s group in ``round`` among the ``live`` peers it knows of (itself always counted)."""
+    return balanced_groups({*live, peer_id}, round, groups, salt=salt)[peer_id]
 
 
 def group_key_bits(round: int, group: int, groups: int) -> str:
@@ -115,9 +149,9 @@ def group_key_bits(round: int, group: int, groups: int) -> str:
 
 
 def members(peer_ids: Iterable[str], round: int, groups: int, *, salt: str = "") -> dict[int, list[str]]:
-    """Every group of ``round`` with its peers (sorted), from a list of peer ids: who a peer expects to
-    meet, and whom a peer that missed a round can fetch its group's update from."""
+    """Every group of ``round`` with its peers (sorted), from the live peer ids (``balanced_groups``):
+    who a peer expects to meet, and whom a joiner can fetch one group's state from."""
     assigned: dict[int, list[str]] = {}
-    for peer_id in sorted(set(peer_ids)):
-        assigned.setdefault(group_of(peer_id, round, groups, salt=salt), []).append(peer_id)
+    for peer_id, group in sorted(balanced_groups(peer_ids, round, groups, salt=salt).items()):
+        assigned.setdefault(group, []).append(peer_id)
     return assigned

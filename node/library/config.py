@@ -14,6 +14,7 @@ from typing import Any
 
 from averaging.engine.config import SyncMode, validate_sync
 from averaging.math.fingerprints import DEFAULT_ABS_TOL, DEFAULT_REL_TOL
+from averaging.math.groups import RULE as SUB_GROUPS_RULE
 from averaging.math.outer_step import OuterConfig
 from averaging.math.robust import AGGREGATIONS, RobustConfig
 from averaging.math.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat
@@ -143,7 +144,9 @@ def sync_shared_fields(*, outer: OuterConfig, rounds: RoundConfig, averaging: Av
     if averaging.target_group_size:
         # Sub-groups change the all-reduce (anchors and momenta ride it) and the matchmaking keys:
         # a peer of a version without them must not join such a run with the same settings.
-        shared.update({"averaging.target_group_size": averaging.target_group_size, "averaging.sub_groups": 1})
+        # ``sub_groups`` is the rule's version: 1 hashed groups, 2 balanced ones (averaging.math.groups).
+        shared.update({"averaging.target_group_size": averaging.target_group_size,
+                       "averaging.sub_groups": SUB_GROUPS_RULE})
     if averaging.average_inner_state:  # likewise; every member's all-reduce then carries the moments
         shared["averaging.average_inner_state"] = True
     return shared

@@ -28,7 +28,7 @@ from averaging.engine.mixing import Mixing, one_group, state_numel
 from averaging.engine.stats import RoundStats, Traffic
 from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
-from averaging.math.groups import agreed_group_count, group_of
+from averaging.math.groups import agreed_group_count, group_among
 from averaging.math.outer_step import OuterConfig
 from averaging.math.wire import EXTRA_CODE, MIX_CODE, STATE_BYTES_PER_VALUE, round_payload
 from averaging.network.hivemind.averager import leader_group_cap
@@ -277,8 +277,8 @@ class DiLoCoSwarm:
     def _group_plan(self, round: int) -> tuple[int, int]:
         """Our sub-group in ``round`` and the round's group count (the prepare lane's thread): the
         count most live peers published (``agreed_group_count``, from every live record, ours
-        included), kept while the live peers fit it; the group from a hash of (run, round, our id)
-        that every peer computes alike (``averaging.math.groups``).
+        included), kept while the live peers fit it; the group from our rank among the live peers in
+        a hash order of (run, round, id) that every peer computes alike (``averaging.math.groups``).
 
         Every live record, not only the peers that count as members (``present_peers``): members
         are the peers met in a group lately, so with them 16 real peers split for good into 8 that
@@ -286,7 +286,7 @@ class DiLoCoSwarm:
         under other keys), and the two halves never met again. Records that never average (a
         stranger's) can push the count up, thinning the groups: docs/security.md."""
         count = self._agreed_group_count()
-        return group_of(self.peer_id, round, count, salt=self.run_id), count
+        return group_among(self.peer_id, self._monitor.peers, round, count, salt=self.run_id), count
 
     def _agreed_group_count(self) -> int:
         """The sub-group count from every live record (``_group_plan`` says why every one)."""
@@ -480,7 +480,8 @@ class DiLoCoSwarm:
             # Anchors of different sub-groups differ by more than a download's per-slice check
             # allows: take the state from the members of one group of the last round.
             last = self._monitor.schedule.round_at(self._directory.now()) - 1
-            donors = one_group(donors, round=last, groups=self._agreed_group_count(), salt=self.run_id)
+            donors = one_group(donors, live=self._monitor.peers, round=last, groups=self._agreed_group_count(),
+                               salt=self.run_id)
         if not donors:
             return None
         if before_first_step((self._monitor.peers[p] for p in donors),

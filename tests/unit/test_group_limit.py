@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from averaging.math.groups import group_of
+from averaging.math.groups import balanced_groups
 from node.library import swarm as swarm_module
 from node.library.config import AveragingConfig, RoundConfig
 from node.library.group_limit import GroupLimitWatch
@@ -65,8 +65,11 @@ def test_a_swarm_over_one_group_warns_its_operator_and_one_in_sub_groups_does_no
                 for peer in peers:
                     peer._monitor.tick()
         assert "more than one averaging group" not in caplog.text
-        # three live peers in groups of about 2: two groups; each peer's group from the shared hash
-        assert all(peer._group_plan(5) == (group_of(peer.peer_id, 5, 2, salt="capped"), 2) for peer in peers)
+        # three live peers in groups of about 2: two groups, of 2 and 1 (balanced: never 3 and 0), each
+        # peer's from its rank in the shared hash order of the live peers
+        expected = balanced_groups([peer.peer_id for peer in peers], 5, 2, salt="capped")
+        assert sorted(expected.values()) == [0, 0, 1] or sorted(expected.values()) == [0, 1, 1]
+        assert all(peer._group_plan(5) == (expected[peer.peer_id], 2) for peer in peers)
         # ...counted from every live record, not only the peers met lately: a clique that counted only
         # its own members planned one group of itself and never met the others again (16 real peers)
         monkeypatch.setattr(peers[0]._acquaintances, "present", lambda others, round: [])

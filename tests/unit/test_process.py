@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from averaging.math.groups import group_of
+from averaging.math.groups import balanced_groups
 from node.cli import app
 from node.library.checkpoint import list_checkpoints
 from node.library.local_network import LocalNetwork, LocalSwarmHub
@@ -106,15 +106,18 @@ def test_four_peers_average_in_rotating_sub_groups(tmp_path, config_for):
         t.join(timeout=90)
     assert reasons == dict.fromkeys(names, "max_rounds")
     split = 0
+    ids = [next(r["peer"] for r in read_metrics(tmp_path / f"{name}.jsonl") if r["event"] == "start")
+           for name in names]
     for name in names:
         rounds = [r for r in read_metrics(tmp_path / f"{name}.jsonl") if r["event"] == "round"]
         assert not any(r["resynced"] or r["caught_up"] for r in rounds), rounds
         for r in rounds:
             if r["applied"] == "averaged" and 1 < r["group_size"] < 4 and r["round"] >= 3:
                 # a sub-group (once the peers have read each other's records: before, each counts
-                # fewer live peers): its members are the peers the shared hash put with us that round
-                assert {group_of(p, r["round"], 2, salt="process-test") for p in r["group"]} == {
-                    group_of(r["peer"], r["round"], 2, salt="process-test")}, r
+                # fewer live peers): its members are the peers the shared hash order of the four put
+                # with us that round, two and two
+                groups = balanced_groups(ids, r["round"], 2, salt="process-test")
+                assert {groups[p] for p in r["group"]} == {groups[r["peer"]]} and r["group_size"] == 2, r
                 split += 1
     assert split >= 4, f"{split} peer-rounds averaged in sub-groups"
     assert all(record.group_count == 2 for record in hub_records(hub, "process-test")), hub_records(hub, "process-test")

@@ -195,13 +195,16 @@ def test_each_group_averages_its_members_state_and_every_member_ends_with_the_sa
 
 
 def test_a_joiner_downloads_from_the_members_of_one_group_of_the_last_round():
-    donors = [f"peer-{i}" for i in range(12)]
-    groups = members(donors, 7, 4, salt="run")
-    chosen = one_group(donors, round=7, groups=4, salt="run")
-    largest = max(len(g) for g in groups.values())
-    assert len(chosen) == largest and any(set(chosen) == set(g) for g in groups.values())
-    assert chosen == [d for d in donors if d in chosen]  # the caller's order (most steps first) is kept
-    assert one_group(donors, round=7, groups=1, salt="run") == donors
+    live = [f"peer-{i}" for i in range(16)]
+    donors = live[:12][::-1]  # the peers that can serve, most steps first (not every live peer)
+    groups = members(live, 7, 4, salt="run")  # the groups as the round cut them: from every live peer
+    chosen = one_group(donors, live=live, round=7, groups=4, salt="run")
+    most = max(len(set(g) & set(donors)) for g in groups.values())
+    assert len(chosen) == most and any(set(chosen) <= set(g) for g in groups.values())
+    assert chosen == [d for d in donors if d in chosen]  # the caller's order is kept
+    # cut from the donors alone, the groups would differ: a donor's group depends on every live peer
+    assert members(donors, 7, 4, salt="run") != {k: [p for p in g if p in donors] for k, g in groups.items()}
+    assert one_group(donors, live=live, round=7, groups=1, salt="run") == donors
 
 
 def test_the_group_takes_the_most_steps_a_member_claims_within_the_schedule():
