@@ -634,7 +634,8 @@ def report(results: dict, args, command: str, minutes: float) -> str:
     s0 = Scenario(label="", peers=0)
     lines = [
         "# A swarm of hundreds: sub-groups vs one group (SIMULATED: event-level model, no network, no model)", "",
-        f"Command: `{command}` ({minutes:.1f} min, one core). Every figure below is simulated.", "",
+        f"Command: `{command}` ({minutes:.1f} min, {args.jobs} process{'es' if args.jobs > 1 else ''}). "
+        "Every figure below is simulated.", "",
         f"Defaults: {s0.params / 1e6:.0f}M parameters; pseudo-gradients in int4 ({bytes_per_value('int4'):.3f} "
         "B/value); sub-groups add the anchor and the outer momentum as an int8 lattice code (1 B/value each, "
         "not built: the engine sends them in fp32, a sensitivity row below; "
