@@ -440,11 +440,11 @@ def main() -> int:
     sizes = [int(s) for s in (args.peers or ("2,3" if cuda else "2")).split(",")]
     report: dict = {"command": " ".join(["python", "benchmarks/gpu_check.py", *sys.argv[1:]]),
                     "environment": environment(device), "config": config_path.name}
-    report["overhead"] = overhead(config, device, blocks=6 if cuda else 4, steps=20 if cuda else 8,
+    report["overhead"] = overhead(config, device, blocks=6 if cuda else 2, steps=20 if cuda else 8,
                                   round_s=20.0 if cuda else 3.0)
     with tempfile.TemporaryDirectory(prefix="shoal-gpu-check-") as root:
         report["swarms"] = [peers_on_one_device(config_path if cuda else EXAMPLES_DIR / "tiny.toml", args.device,
-                                                peers=n, rounds=5 if cuda else 2, round_s=20.0 if cuda else 3.0, root=Path(root),
+                                                peers=n, rounds=5 if cuda else 1, round_s=20.0 if cuda else 3.0, root=Path(root),
                                                 averaging=None if cuda else FAST_MATCHMAKING) for n in sizes]
     report["bit_identity"] = bit_identity(device, numel=128_566_272 if cuda else 100_000)
     report["inner_state"] = inner_state_landing(device, width=1024 if cuda else 64)

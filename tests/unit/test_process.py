@@ -4,6 +4,7 @@ contract: the user's mistakes are one line and exit 2, a bug keeps its traceback
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ from typer.testing import CliRunner
 
 from averaging.math.groups import balanced_groups
 from node.cli import app
-from node.library.checkpoint import list_checkpoints
+from node.library.checkpoint import list_checkpoints, load_checkpoint
 from node.library.local_network import LocalNetwork, LocalSwarmHub
 from node.observe.metrics import ROUND_FIELDS, read_metrics
 from node.process.config import load_config
@@ -121,6 +122,72 @@ def test_four_peers_average_in_rotating_sub_groups(tmp_path, config_for):
                 split += 1
     assert split >= 4, f"{split} peer-rounds averaged in sub-groups"
     assert all(record.group_count == 2 for record in hub_records(hub, "process-test")), hub_records(hub, "process-test")
+
+
+class ForgetfulNetwork(LocalNetwork):
+    """A peer that skips matchmaking in every round divisible by ``every`` (as if it found no group):
+    it folds that round and is one outer step behind the others at the next."""
+
+    def __init__(self, hub: LocalSwarmHub, name: str, every: int):
+        super().__init__(hub, name)
+        self.every = every
+
+    def backend(self, **kwargs):
+        backend = super().backend(**kwargs)
+        prepare = backend.prepare
+
+        def forgetful_prepare(*, round: int, **rest) -> None:
+            if round % self.every:
+                prepare(round=round, **rest)  # else no step for this round: average() finds none, the round folds
+
+        backend.prepare = forgetful_prepare
+        return backend
+
+
+def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_state(tmp_path, config_for, caplog):
+    """Three peers, one of which misses the matchmaking of every third round: each next round it is
+    one outer step behind its group; the fingerprints say so, it replays the step it missed (the
+    others serve it their applied update) and averages, never re-syncing, and the three end on one
+    anchor. (With real processes and hivemind, a peer whose syncs run late replays the rounds it
+    stayed out of: tests/integration/test_slow_sync.py.)"""
+    hub = LocalSwarmHub()
+    config = config_for()
+    reasons: dict[str, str] = {}
+    names = ("a", "b", "forgetful")
+
+    def peer(name: str) -> None:
+        options = PeerOptions(max_rounds=9, ui=False, metrics_file=tmp_path / f"{name}.jsonl",
+                              checkpoint_dir=tmp_path / f"ckpt-{name}")
+        network = ForgetfulNetwork(hub, name, 3) if name == "forgetful" else LocalNetwork(hub, name)
+        reasons[name] = run_peer(config, options, handle_signals=False, network=network)
+
+    threads = [threading.Thread(target=peer, args=(name,)) for name in names]
+    with caplog.at_level(logging.INFO, logger="averaging.engine.recover"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+    assert reasons == dict.fromkeys(names, "max_rounds")
+    per_peer = {name: {r["round"]: r for r in read_metrics(tmp_path / f"{name}.jsonl") if r["event"] == "round"}
+                for name in names}
+    assert not any(r["resynced"] for rounds in per_peer.values() for r in rounds.values()), per_peer
+    rounds = per_peer["forgetful"]
+    missed = [r for r in rounds if r % 3 == 0 and rounds[r]["applied"] == "folded"]
+    assert missed, rounds
+    replayed = [r + 1 for r in missed if r + 1 in rounds and rounds[r + 1]["applied"] == "averaged"]
+    assert replayed and all(rounds[r]["caught_up"] == 1 for r in replayed), rounds
+    assert "caught up with 1 missed outer step(s)" in caplog.text
+    # the others averaged without it in its missed rounds, and with it, one anchor, in the next
+    last = max(replayed)
+    for name in ("a", "b"):
+        assert per_peer[name][missed[0]]["applied"] == "averaged" and per_peer[name][last]["applied"] == "averaged"
+    saved = [{load_checkpoint(path).round: path for path in list_checkpoints(tmp_path / f"ckpt-{name}")}
+             for name in names]
+    common = max(set.intersection(*(set(rounds_) for rounds_ in saved)))  # each peer keeps its newest few
+    assert common >= last, (common, last)
+    anchors = [load_checkpoint(paths[common]).params for paths in saved]
+    for key in anchors[0]:
+        assert all(torch.allclose(anchors[0][key], other[key], atol=1e-6) for other in anchors[1:]), key
 
 
 def hub_records(hub: LocalSwarmHub, run_id: str) -> list:
