@@ -116,12 +116,16 @@ def test_four_peers_average_in_rotating_sub_groups(tmp_path, config_for):
         for r in rounds:
             if r["applied"] == "averaged" and 1 < r["group_size"] < 4 and r["round"] >= 3:
                 # a sub-group (once the peers have read each other's records: before, each counts
-                # fewer live peers): its members are the peers the shared hash order of the four put
-                # with us that round, two and two
+                # fewer live peers): each member's group is its rank's in the round's hash order of
+                # the live peers it had records of, all four (two groups of two) or, on a loaded
+                # machine, three (a record not seen yet: seen once in the suite)
+                views = [ids] + [[p for p in ids if p != gone] for gone in ids]
+                plausible = [{balanced_groups(view, r["round"], 2, salt="process-test")[m]
+                              for view in views if m in view} for m in r["group"]]
+                assert set.intersection(*plausible), r
                 groups = balanced_groups(ids, r["round"], 2, salt="process-test")
-                assert {groups[p] for p in r["group"]} == {groups[r["peer"]]} and r["group_size"] == 2, r
-                split += 1
-    assert split >= 4, f"{split} peer-rounds averaged in sub-groups"
+                split += {groups[p] for p in r["group"]} == {groups[r["peer"]]} and r["group_size"] == 2
+    assert split >= 4, f"{split} peer-rounds averaged in sub-groups cut from all four records"
     assert all(record.group_count == 2 for record in hub_records(hub, "process-test")), hub_records(hub, "process-test")
 
 
