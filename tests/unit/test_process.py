@@ -41,6 +41,18 @@ def config_for(tmp_path):
     return make
 
 
+def start_organiser_first(threads: list[threading.Thread], hub: LocalSwarmHub) -> None:
+    """Start the first peer, wait until it has published the run's manifest, then the others: peers
+    started at the same instant could each organise a run of their own (``join_run``'s random pause
+    makes that rare; in-process, under load, seen once in four runs) and never meet."""
+    threads[0].start()
+    deadline = time.monotonic() + 60
+    while not hub.read("process-test", "manifest") and time.monotonic() < deadline and threads[0].is_alive():
+        time.sleep(0.05)
+    for t in threads[1:]:
+        t.start()
+
+
 def test_two_peers_train_average_checkpoint_and_leave(tmp_path, config_for):
     hub = LocalSwarmHub()
     config = config_for()
@@ -53,8 +65,7 @@ def test_two_peers_train_average_checkpoint_and_leave(tmp_path, config_for):
         reasons[name] = run_peer(config, options, handle_signals=False, network=LocalNetwork(hub, name))
 
     threads = [threading.Thread(target=peer, args=(name,)) for name in ("a", "b")]
-    for t in threads:
-        t.start()
+    start_organiser_first(threads, hub)
     for t in threads:
         t.join(timeout=60)
     assert reasons == {"a": "max_rounds", "b": "max_rounds"}
@@ -102,8 +113,7 @@ def test_four_peers_average_in_rotating_sub_groups(tmp_path, config_for):
         reasons[name] = run_peer(config, options, handle_signals=False, network=LocalNetwork(hub, name))
 
     threads = [threading.Thread(target=peer, args=(name,)) for name in names]
-    for t in threads:
-        t.start()
+    start_organiser_first(threads, hub)
     for t in threads:
         t.join(timeout=90)
     assert reasons == dict.fromkeys(names, "max_rounds")
@@ -168,14 +178,7 @@ def test_a_peer_that_missed_a_round_replays_the_step_instead_of_downloading_the_
 
     threads = [threading.Thread(target=peer, args=(name,)) for name in names]
     with caplog.at_level(logging.INFO, logger="averaging.engine.recover"):
-        # a organises the run; the others join it (started together, two peers could each find no
-        # run yet and organise one: then nobody met anybody, seen once in four runs)
-        threads[0].start()
-        deadline = time.monotonic() + 60
-        while not hub.read("process-test", "manifest") and time.monotonic() < deadline and threads[0].is_alive():
-            time.sleep(0.05)
-        for t in threads[1:]:
-            t.start()
+        start_organiser_first(threads, hub)
         for t in threads:
             t.join(timeout=90)
     assert reasons == dict.fromkeys(names, "max_rounds")
