@@ -60,11 +60,10 @@ def one_group(donors: list[str], *, live: Iterable[str], round: int, groups: int
     if groups == 1 or not donors:
         return list(donors)
     order = {donor: i for i, donor in enumerate(donors)}
-    group_of_donor = {peer: group for peer, group in balanced_groups({*live, *donors}, round, groups, salt=salt).items()
-                      if peer in order}
+    cut = balanced_groups({*live, *donors}, round, groups, salt=salt)
     assigned: dict[int, list[str]] = {}
     for donor in donors:
-        assigned.setdefault(group_of_donor[donor], []).append(donor)
+        assigned.setdefault(cut[donor], []).append(donor)
     return max(assigned.values(), key=lambda group: (len(group), -order[group[0]]))
 
 

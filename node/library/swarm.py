@@ -285,13 +285,13 @@ class DiLoCoSwarm:
         counted 8 live peers (one group, the bare round key) and 8 that counted 16 (two groups
         under other keys), and the two halves never met again. Records that never average (a
         stranger's) can push the count up, thinning the groups: docs/security.md."""
-        count = self._agreed_group_count()
-        return group_among(self.peer_id, self._monitor.peers, round, count, salt=self.run_id), count
+        records = self._monitor.peers  # one snapshot for the count and the cut (the monitor swaps its dict whole)
+        count = self._agreed_group_count(records)
+        return group_among(self.peer_id, records, round, count, salt=self.run_id), count
 
-    def _agreed_group_count(self) -> int:
+    def _agreed_group_count(self, records: Mapping[str, ProgressRecord]) -> int:
         """The sub-group count from every live record (``_group_plan`` says why every one)."""
-        records = list(self._monitor.peers.values())
-        return agreed_group_count((r.group_count for r in records), max(1, len(records)),
+        return agreed_group_count((r.group_count for r in records.values()), max(1, len(records)),
                                   self.averaging.target_group_size)
 
     def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -480,7 +480,8 @@ class DiLoCoSwarm:
             # Anchors of different sub-groups differ by more than a download's per-slice check
             # allows: take the state from the members of one group of the last round.
             last = self._monitor.schedule.round_at(self._directory.now()) - 1
-            donors = one_group(donors, live=self._monitor.peers, round=last, groups=self._agreed_group_count(),
+            records = self._monitor.peers
+            donors = one_group(donors, live=records, round=last, groups=self._agreed_group_count(records),
                                salt=self.run_id)
         if not donors:
             return None
