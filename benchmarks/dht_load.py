@@ -26,6 +26,8 @@ peer's DHT I/O against the median (the nodes nearest the run's keys serve every 
     .venv/bin/python benchmarks/dht_load.py --peers 4,8,16,32 --seconds 45 --warmup 15
     .venv/bin/python benchmarks/dht_load.py --peers 8,16,32 --policies after --bootstraps 2 --append
     .venv/bin/python benchmarks/dht_load.py --peers 32 --policies after --shards 1,4 --out benchmarks/results/dht_shards
+    .venv/bin/python benchmarks/dht_load.py --peers 48,32 --policies after --seconds 45 --warmup 45 \
+        --shards 1,4,auto --out benchmarks/results/dht_shards_auto
 
 Results: ``benchmarks/results/dht_load.{md,json}``.
 """
@@ -129,11 +131,13 @@ def _start_all(count: int, initial: list[str], *, rules, cache: bool) -> list:
         return [future.result() for future in futures]
 
 
-def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float, bootstraps: int = 0, shards: int = 1) -> dict:
+def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float, bootstraps: int = 0,
+              shards: int | str = 1) -> dict:
     """One swarm of ``n`` peers under ``policy``: the window's figures per peer. ``bootstraps``: 0,
     peer 0 is everyone's initial peer (started first); K > 0, K entry nodes started apart (none
     knows another: the worst case of hivemind issue #624) and all ``n`` peers started at once with
-    all K addresses; their load is measured too. ``shards``: the run's ``averaging.progress_shards``."""
+    all K addresses; their load is measured too. ``shards``: the run's ``averaging.progress_shards``
+    (a count, or "auto": each peer's count follows the swarm's size)."""
     from hivemind.utils import get_dht_time
 
     from node.library.dht import RecordRules, shutdown_dht, start_dht
@@ -158,7 +162,7 @@ def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float, bootstrap
             for _ in range(n - 1):
                 dhts.append(start_dht(initial_peers=bootstrap, listen=["/ip4/127.0.0.1/tcp/0"], announce=[],
                                       timeout=60, rules=rules, cache_values=cache))
-        fields = {"model.d_model": 64, **({"averaging.progress_shards": shards} if shards > 1 else {})}
+        fields = {"model.d_model": 64, **({"averaging.progress_shards": shards} if shards != 1 else {})}
         ours = RunManifest.create(RUN_ID, fields, start_time=get_dht_time(), round_seconds=10.0)
         boot_s = time.monotonic() - started
         for i, dht in enumerate(dhts):
@@ -200,11 +204,12 @@ def run_swarm(n: int, policy: str, *, warmup_s: float, seconds: float, bootstrap
                 "period_s": monitors[i].period, "seen": len(monitors[i].peers),
                 "progress_reads_s": (c1[0] - c0[0]) / elapsed, "records_read_s": (c1[1] - c0[1]) / elapsed,
                 "manifest_reads_s": (c1[2] - c0[2]) / elapsed, "manifest_writes_s": (c1[3] - c0[3]) / elapsed,
+                "keys_written": directories[i].shards, "keys_read": directories[i].read_shards,
             })
         entry_load = [{"io_kib_s": (b["io"] - a["io"]) / elapsed / 1024, "cpu_cores": (b["cpu"] - a["cpu"]) / elapsed}
                       for a, b in zip(entries_before, entries_after)]
         organisers = len({m.manifest.organiser for m in monitors})
-        label = policy if shards == 1 else f"{policy}, {shards} shards"
+        label = policy if shards == 1 else f"{policy}, {shards} shards" if shards != "auto" else f"{policy}, auto shards"
         return {"peers": n, "policy": label, "shards": shards, "bootstraps": bootstraps, "boot_s": boot_s,
                 "window_s": elapsed,
                 "per_peer": peers, "entries": entry_load, "organisers": organisers}
@@ -261,7 +266,7 @@ def report(results: dict) -> str:
     for n in pairs:
         b, a = _median(by[n, "before"]["per_peer"], "io_kib_s"), _median(by[n, "after"]["per_peer"], "io_kib_s")
         lines.append(f"- {n} peers: {a:.1f} vs {b:.1f} KiB/s ({a / b:.2f}x)")
-    sharded = sorted({(r["peers"], r["policy"]) for r in direct if r.get("shards", 1) > 1})
+    sharded = sorted({(r["peers"], r["policy"]) for r in direct if r.get("shards", 1) != 1})
     if sharded:
         lines += ["", "Progress records spread over S keys (`averaging.progress_shards`) against one key, at each "
                       "size (DHT + p2pd I/O per peer, KiB/s, median / max: the max is the hotspot):", ""]
@@ -270,8 +275,13 @@ def report(results: dict) -> str:
         if base is not None:
             s_rows, b_rows = by[n, label]["per_peer"], base["per_peer"]
             s_max, b_max = max(p["io_kib_s"] for p in s_rows), max(p["io_kib_s"] for p in b_rows)
+            keys = ""
+            if "keys_written" in s_rows[0]:  # where each peer's counts ended (auto: its own choice)
+                written, read = sorted({p["keys_written"] for p in s_rows}), sorted({p["keys_read"] for p in s_rows})
+                keys = f"; keys written {'/'.join(map(str, written))}, read {'/'.join(map(str, read))}"
             lines.append(f"- {n} peers, {label}: {_median(s_rows, 'io_kib_s'):.1f} / {s_max:.1f} against "
-                         f"{_median(b_rows, 'io_kib_s'):.1f} / {b_max:.1f} with one key (hotspot {s_max / b_max:.2f}x)")
+                         f"{_median(b_rows, 'io_kib_s'):.1f} / {b_max:.1f} with one key (hotspot {s_max / b_max:.2f}x)"
+                         + keys)
     entered = [r for r in results["runs"] if r.get("bootstraps")]
     if entered:
         lines += ["", "## Several entry peers", "",
@@ -301,8 +311,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--bootstraps", type=int, default=0,
                         help="K entry nodes, started apart, given to all peers started at once (0: peer 0 is the entry)")
-    parser.add_argument("--shards", type=lambda s: [int(x) for x in s.split(",")], default=[1],
-                        help="the run's averaging.progress_shards, each measured side by side (1: one key)")
+    parser.add_argument("--shards", type=lambda s: [x if x == "auto" else int(x) for x in s.split(",")], default=[1],
+                        help="the run's averaging.progress_shards, each measured side by side (1: one key; auto)")
     parser.add_argument("--append", action="store_true", help="keep the runs already in the results json")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()

@@ -4,7 +4,7 @@
 
 reads the results of ``scale_real.py`` (real ``shoal run`` peers on this machine, after the
 start-up fixes: ``scale_real_fixed.json``), ``dht_load.py`` (the heartbeat's DHT cost and entry
-peers; with ``--shards``: ``dht_shards.json``) and ``scale_sim.py`` (SIMULATED 64-1,024 peers) and writes ``benchmarks/results/scale.{md,json,png}``:
+peers; with ``--shards``: ``dht_shards.json``, and ``dht_shards_auto.json``) and ``scale_sim.py`` (SIMULATED 64-1,024 peers) and writes ``benchmarks/results/scale.{md,json,png}``:
 the figures an operator of a large run asks for, the issue's targets met or missed, and where it
 breaks. It runs nothing: rerun the benchmarks (their commands are in the page) to refresh it.
 """
@@ -70,7 +70,9 @@ def dht_rows(dht: dict) -> list[dict]:
                      "io_max_kib_s": max(p["io_kib_s"] for p in per),
                      "period_s": statistics.median(p["period_s"] for p in per),
                      "seen_min": min(p["seen"] for p in per), "organisers": run.get("organisers"),
-                     "entries_io_kib_s": [e["io_kib_s"] for e in run.get("entries", [])]})
+                     "entries_io_kib_s": [e["io_kib_s"] for e in run.get("entries", [])],
+                     "keys_written": sorted({p["keys_written"] for p in per if "keys_written" in p}),
+                     "keys_read": sorted({p["keys_read"] for p in per if "keys_read" in p})})
     return rows
 
 
@@ -194,6 +196,19 @@ def report(summary: dict) -> str:
             if one and four:
                 lines.append(f"| {n} | {_dht_cell(one)} | {_dht_cell(four)} | "
                              f"{four['io_max_kib_s'] / one['io_max_kib_s']:.2f}x |")
+    auto = summary.get("auto_shards", [])
+    if auto:
+        lines += ["", "The count chosen by each peer from the live peers it counts (`averaging.progress_shards = \"auto\"`, "
+                  "the default), beside one key and 4 fixed keys in one session ([dht_shards_auto.md](dht_shards_auto.md): `"
+                  + summary["commands"]["auto_shards"] + "`):", "",
+                  "| peers | one key, KiB/s (busiest) | 4 keys, KiB/s (busiest) | auto, KiB/s (busiest) | auto: keys written / read |",
+                  "|---|---|---|---|---|"]
+        by_auto = {(r["peers"], r["shards"]): r for r in auto}
+        for n in sorted({n for n, _ in by_auto}):
+            one, four, chosen = by_auto.get((n, 1)), by_auto.get((n, 4)), by_auto.get((n, "auto"))
+            if one and four and chosen:
+                lines.append(f"| {n} | {_dht_cell(one)} | {_dht_cell(four)} | {_dht_cell(chosen)} | "
+                             f"{'/'.join(map(str, chosen['keys_written']))} / {'/'.join(map(str, chosen['keys_read']))} |")
     lines += ["", "## SIMULATED: 64 to 1,024 peers (event-level model, no network, no model)", "",
               "Share of eligible peers whose round completed (mean / worst round) and the anchors' spread "
               "(RMS over a pseudo-gradient's, median; the consistency tolerance is 0.25):", "",
@@ -214,8 +229,10 @@ BREAKS = [
     "**Sub-groups cost bytes and are only partly hardened**: the anchors and momenta ride the all-reduce in "
     "fp32 (8 bytes a parameter each way: 4-5x the payload of an fp16 round here, about 16x an int4 one) until "
     "the lattice code (1 byte) is built; a lying reducer's share of the anchors and momenta is bounded by the "
-    "members' claims, which a member claiming a far state widens (docs/security.md). Hashed groups vary in size (groups of 4 "
-    "among 16 peers: 1 to 8), and a peer alone under its key folds the round.",
+    "members' claims, which a member claiming a far state widens (docs/security.md). Groups are balanced cuts "
+    "of the live records (16 real peers in groups of 4: exactly 4 every round; the first, hashed rule gave 1 to "
+    "8), but a peer whose view of the records differs lands a group off (simulated: 3.4% of peers when 1% of "
+    "records are missed per read) and may fold.",
     "**Join time on this machine** grows with N because N peers boot at once on 2 cores (importing torch and "
     "hivemind, starting a DHT, an averager and a p2pd each): after the heartbeat fix, boot took 15 s for 4 peers "
     "and 62 s for 16, about 7.5 core-seconds a peer either way, so the boot is the cores' queue; from the end of "
@@ -226,8 +243,9 @@ BREAKS = [
     "**The DHT's progress key**: each peer's heartbeat cost is flat past 16 peers, but the key's 5 replicas "
     "serve every read (about 5 x N records a second each), and past 1,024 peers the key's cap refuses "
     "records. `averaging.progress_shards` spreads the records over S keys (the busiest node's load 0.41x at 32 "
-    "and 48 peers with 4 shards, the median unchanged at 48); the run's organiser sets S, nothing picks it "
-    "as the swarm grows.",
+    "and 48 peers with 4 shards, the median unchanged at 48), and by default (`\"auto\"`) each peer picks S "
+    "from the live peers it counts (one key below 48, 4 at 48: every real peer moved, dht_shards_auto.md); "
+    "not measured past 48 real DHT nodes.",
     "**One failure spoils a whole group's round** with one group of everybody: a member that leaves "
     "mid-all-reduce leaves every member's result partial, and nobody applies it (one anchor for all). With "
     "sub-groups a partial result is kept, each member's own values standing for the missing share "
@@ -237,14 +255,15 @@ BREAKS = [
 
 def main() -> None:
     reals = {name: _load(name) for name in (*REAL_SOURCES, SUBGROUP_SOURCE)}
-    dht, sim, shards = _load("dht_load"), _load("scale_sim"), _load("dht_shards")
+    dht, sim, shards, auto = _load("dht_load"), _load("scale_sim"), _load("dht_shards"), _load("dht_shards_auto")
     summary = {
         "commands": {"real": "`; `".join(c["command"] for name, real in reals.items() if name != SUBGROUP_SOURCE
                                          for c in real["meta"]["commands"]),
                      "subgroups": "`; `".join(c["command"] for c in reals[SUBGROUP_SOURCE]["meta"]["commands"]),
-                     "dht": dht["command"].split("`; `")[0], "sim": sim["command"], "shards": shards["command"]},
+                     "dht": dht["command"].split("`; `")[0], "sim": sim["command"], "shards": shards["command"],
+                     "auto_shards": auto["command"]},
         "real": [row for name, real in reals.items() for row in real_rows(real, source=name)], "dht": dht_rows(dht),
-        "shards": dht_rows(shards), "sim": sim_rows(sim), "breaks": BREAKS,
+        "shards": dht_rows(shards), "auto_shards": dht_rows(auto), "sim": sim_rows(sim), "breaks": BREAKS,
     }
     summary["targets"] = targets(summary["real"], summary["sim"], twin_agreement(sim))
     write_results(summary, OUT, lambda s: report(s) + "\n![scale](scale.png)\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 
 from protocols.errors import ConfigError
 
@@ -41,8 +42,61 @@ def validate_progress_shards(shards: int) -> int:
     if not isinstance(shards, int) or isinstance(shards, bool) or not 1 <= shards <= MAX_PROGRESS_SHARDS \
             or shards & (shards - 1):
         raise ConfigError(f"averaging.progress_shards ({shards!r}) must be a power of two from 1 to "
-                          f"{MAX_PROGRESS_SHARDS} (1 below about 48 peers, then about one per 16: docs/scale.md)")
+                          f"{MAX_PROGRESS_SHARDS}, or \"{AUTO_SHARDS}\" (the count follows the swarm's size: "
+                          "docs/scale.md)")
     return shards
+
+
+def validate_shards_setting(setting: int | str) -> int | str:
+    """``averaging.progress_shards`` as a run sets it: a fixed count, or ``"auto"``."""
+    return setting if setting == AUTO_SHARDS else validate_progress_shards(setting)
+
+
+# ``averaging.progress_shards = "auto"``: every peer picks how many keys it writes under from the
+# live peers it counts (``auto_progress_shards``) and publishes that count in its record; a reader
+# reads every key below the highest count it finds published (``shards_to_read``). Counts are powers
+# of two and a peer writes to ``hash % count``, so a writer at any count up to the reader's lands in
+# a key the reader reads: peers need not agree on the count, and none is missed while it changes.
+AUTO_SHARDS = "auto"
+# One key below AUTO_MIN_PEERS; from there about one key per PEERS_PER_SHARD peers. Measured
+# (docs/scale.md, benchmarks/results/dht_shards.md): 4 keys at 16 peers cost the median peer 1.8x
+# one key's heartbeat traffic, at 32 peers 1.3x, at 48 peers 1.0x while the busiest node's load fell
+# to 0.41x; so sharding starts at 48 peers with 4 keys.
+AUTO_MIN_PEERS = 48
+PEERS_PER_SHARD = 12
+# A count comes down only once the swarm is this fraction below the size that raised it, so a
+# swarm near a boundary does not move every record back and forth with each join and leave.
+AUTO_SHRINK_BELOW = 0.75
+READ_CEILING = 4
+
+
+def _pow2_floor(x: float) -> int:
+    return 1 << max(0, int(x).bit_length() - 1) if x >= 1 else 1
+
+
+def auto_progress_shards(live_peers: int, current: int = 1) -> int:
+    """The count a peer writes under in an ``"auto"`` run, from the live peers it counts and its
+    current count: 1 below ``AUTO_MIN_PEERS``, then the power of two at most ``live / PEERS_PER_SHARD``
+    (48-95 peers: 4, 96-191: 8, ... 768 and up: 64). It rises at once and falls only once the
+    swarm shrank ``AUTO_SHRINK_BELOW`` under the size that gives ``current``. Pure."""
+    target = 1 if live_peers < AUTO_MIN_PEERS else min(MAX_PROGRESS_SHARDS, _pow2_floor(live_peers / PEERS_PER_SHARD))
+    if target >= current:
+        return target
+    raised_at = max(AUTO_MIN_PEERS, PEERS_PER_SHARD * current)
+    return target if live_peers < AUTO_SHRINK_BELOW * raised_at else current
+
+
+def shards_to_read(own: int, published: Iterable[int | None], live_peers: int) -> int:
+    """How many keys (from 0) a reader of an ``"auto"`` run reads: up to the highest count a record
+    publishes, so that it finds every writer. A published count is taken up to ``READ_CEILING`` x
+    what the reader's own count of live peers gives (``auto_progress_shards``): a stranger's record
+    claiming 64 cannot make every peer of a small swarm look up 64 keys a heartbeat, while an honest
+    count, one step above ours (x4 at 48 peers, x2 after), is always followed. A reader that sees
+    part of the swarm (a joiner's first read) reads again with what it learnt until the count holds
+    (``DhtDirectory.progress``). Pure."""
+    ceiling = READ_CEILING * max(own, auto_progress_shards(live_peers, own))
+    highest = max((count for count in published if count is not None), default=1)
+    return min(MAX_PROGRESS_SHARDS, max(own, min(highest, ceiling)))
 
 
 def progress_shard(peer_id: str, shards: int) -> int:

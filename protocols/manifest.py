@@ -20,7 +20,7 @@ from typing import Any
 
 from protocols.errors import ConfigError
 from protocols.identity import RUN_KEY_BYTES, RunKey, verify_run_signature
-from protocols.keys import validate_progress_shards, validate_run_id
+from protocols.keys import validate_run_id, validate_shards_setting
 from protocols.messages import MessageError
 from protocols.version import PROTOCOL_VERSION
 
@@ -162,12 +162,14 @@ def first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None
     return None
 
 
-def progress_shards(manifest: RunManifest) -> int:
+def progress_shards(manifest: RunManifest) -> int | str:
     """How many DHT keys the run's progress records are spread over (``averaging.progress_shards``;
-    absent: 1, the one key); ``MessageError`` if a manifest read from the network holds a bad count."""
+    absent: 1, the one key; ``"auto"``: each peer's count follows the swarm's size,
+    ``protocols.keys.auto_progress_shards``); ``MessageError`` if a manifest read from the network
+    holds a bad count."""
     shards = manifest.fields.get("averaging.progress_shards", 1)
     try:
-        return validate_progress_shards(shards)
+        return validate_shards_setting(shards)
     except ConfigError as e:
         raise MessageError(f"manifest: {e}") from None
 

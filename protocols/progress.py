@@ -22,6 +22,7 @@ from hivemind.p2p import PeerID
 
 from protocols.addresses import _peer_id_problem, parse_peer_multiaddr, peer_id_of
 from protocols.errors import AddressError
+from protocols.keys import MAX_PROGRESS_SHARDS
 from protocols.messages import MAX_ROUND, MessageError, bounded_int
 
 PROGRESS_VERSION = 1
@@ -78,6 +79,10 @@ class ProgressRecord:
     # How many averaging sub-groups this peer split its last round into (``averaging.math.groups``:
     # the next round's count follows what most peers used); None: one group of everybody, or an older peer.
     group_count: int | None = None
+    # How many DHT keys this peer's record is spread over in an ``averaging.progress_shards = "auto"``
+    # run (``protocols.keys.auto_progress_shards``): readers read every key below the highest count
+    # published; None: a fixed count (the manifest's), or an older peer.
+    progress_shards: int | None = None
 
 
 def encode(record: ProgressRecord) -> dict[str, Any]:
@@ -108,6 +113,7 @@ def encode(record: ProgressRecord) -> dict[str, Any]:
         **({"clock_offset_s": record.clock_offset_s} if record.clock_offset_s is not None else {}),
         **({"addrs": list(record.addrs)} if record.addrs is not None else {}),
         **({"group_count": record.group_count} if record.group_count is not None else {}),
+        **({"progress_shards": record.progress_shards} if record.progress_shards is not None else {}),
     }
 
 
@@ -141,6 +147,16 @@ def _group_count(obj: dict) -> int | None:
     count = bounded_int(obj, "group_count", 1, MAX_GROUPS)
     if count & (count - 1):
         raise MessageError(f"group_count: expected a power of two, got {count}")
+    return count
+
+
+def _progress_shards(obj: dict) -> int | None:
+    """The record's key count in an auto-sharded run (a power of two up to the keys' cap), or None."""
+    if obj.get("progress_shards") is None:
+        return None
+    count = bounded_int(obj, "progress_shards", 1, MAX_PROGRESS_SHARDS)
+    if count & (count - 1):
+        raise MessageError(f"progress_shards: expected a power of two, got {count}")
     return count
 
 
@@ -199,6 +215,7 @@ def decode(peer_id: str, value: Any) -> ProgressRecord:
         clock_offset_s=_number(value, "clock_offset_s", -MAX_CLOCK_OFFSET, MAX_CLOCK_OFFSET, optional=True),
         addrs=_addrs(value, peer_id),
         group_count=_group_count(value),
+        progress_shards=_progress_shards(value),
     )
 
 

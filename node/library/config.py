@@ -19,7 +19,7 @@ from averaging.math.outer_step import OuterConfig
 from averaging.math.robust import AGGREGATIONS, RobustConfig
 from averaging.math.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat
 from protocols.errors import ConfigError
-from protocols.keys import validate_progress_shards
+from protocols.keys import AUTO_SHARDS, validate_shards_setting
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,10 +69,11 @@ class AveragingConfig:
     # (honest ones fail now and then: docs/security.md, "Reducers that fail rounds"); 0 = never.
     strike_limit: int = 5
     strike_window: int = 20
-    # The run's progress records (every peer's heartbeat) under this many DHT keys: 1 (one key) below
-    # about 48 peers, then about one per 16 peers, which spreads the reads over more DHT nodes
-    # (measured: docs/scale.md). Shared: every peer of a run must read and write the same keys.
-    progress_shards: int = 1
+    # The run's progress records (every peer's heartbeat) under this many DHT keys, which spreads the
+    # reads over more DHT nodes (measured: docs/scale.md): "auto" (each peer follows the swarm's size:
+    # one key below 48 peers, then about one per 12; protocols.keys.auto_progress_shards), or a fixed
+    # power of two. Shared: every peer of a run must read and write alike.
+    progress_shards: int | str = AUTO_SHARDS
     # Average the inner optimizer's moments (AdamW's two, Muon's one) with every round, beside the
     # pseudo-gradient, in bf16: each peer's next steps start from the group's moments. Simulated, it
     # lifts 4 equal peers from 1.81x to 1.98x a lone peer in blocking mode (1.65x -> 1.70x in
@@ -106,7 +107,7 @@ class AveragingConfig:
         if self.strike_limit < 0 or self.strike_window < max(1, self.strike_limit):
             raise ConfigError(f"averaging.strike_limit ({self.strike_limit}) must be >= 0 (0 = never) and "
                               f"averaging.strike_window ({self.strike_window}) at least the limit and >= 1")
-        validate_progress_shards(self.progress_shards)
+        validate_shards_setting(self.progress_shards)
         if self.allreduce_timeout <= 0 or self.rel_tol <= 0 or self.abs_tol < 0:
             raise ConfigError("averaging.allreduce_timeout and averaging.rel_tol must be > 0, averaging.abs_tol >= 0")
 

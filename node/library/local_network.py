@@ -26,7 +26,7 @@ from averaging.network.local import LocalBackend, LocalHub
 from node.library.config import AveragingConfig
 from node.library.run_record import RunDirectory, decode_manifests
 from protocols import progress
-from protocols.keys import validate_progress_shards
+from protocols.keys import validate_shards_setting
 from protocols.manifest import RunManifest
 from protocols.progress import ProgressRecord
 
@@ -102,9 +102,9 @@ class LocalDirectory:
         found = {PeerID.from_base58(peer).to_bytes(): item for peer, item in self.hub.read(self.run_id, "progress").items()}
         return progress.read_records(found, self.now())
 
-    def use_progress_shards(self, shards: int) -> None:
+    def use_progress_shards(self, shards: int | str) -> None:
         """Nothing to spread: one in-process hub serves every read (``DhtDirectory`` shards DHT keys)."""
-        validate_progress_shards(shards)
+        validate_shards_setting(shards)
 
 
 class LocalNetwork:

@@ -17,6 +17,7 @@ organises the run itself, with a new key.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -35,7 +36,15 @@ from node.library.atomic import write_atomically
 from protocols import manifest, progress, records, swarm_time
 from protocols.errors import ConfigError, NetworkError
 from protocols.identity import RunKey, format_run_key, peer_id_of
-from protocols.keys import peers_key, progress_shard, run_key, validate_progress_shards
+from protocols.keys import (
+    AUTO_SHARDS,
+    auto_progress_shards,
+    peers_key,
+    progress_shard,
+    run_key,
+    shards_to_read,
+    validate_shards_setting,
+)
 from protocols.manifest import RunManifest
 from protocols.messages import MessageError
 from protocols.progress import ProgressRecord
@@ -134,9 +143,9 @@ class RunDirectory(Protocol):
     def progress(self) -> tuple[dict[str, ProgressRecord], int]:
         """The live peers' valid progress records by peer id, and how many were ignored."""
 
-    def use_progress_shards(self, shards: int) -> None:
+    def use_progress_shards(self, shards: int | str) -> None:
         """Write and read the progress records under the run's ``shards`` keys (its manifest's
-        ``averaging.progress_shards``), from now on."""
+        ``averaging.progress_shards``: a count, or ``"auto"``), from now on."""
 
     def refusal(self) -> str | None:
         """Why the swarm refuses this peer (e.g. a private swarm and no swarm key), or None."""
@@ -167,14 +176,23 @@ class DhtDirectory:
     Progress records live under one key, or under ``shards`` keys (``use_progress_shards``): each
     peer writes to the one its id hashes to (``protocols.keys.progress_shard``) and reads them all,
     at once. Why: every lookup collects the key's records from the nodes nearest it, so with one key
-    its 5 replicas serve every peer's read of all N records; with S keys each replica serves N / S."""
+    its 5 replicas serve every peer's read of all N records; with S keys each replica serves N / S.
+    In an ``"auto"`` run the count we write under follows the live peers we read
+    (``protocols.keys.auto_progress_shards``) and rides our record, and we read every key below the
+    highest count published (``shards_to_read``)."""
 
     def __init__(self, dht: DHT, run_id: str, owner: bytes | None = None):
         self.dht, self.run_id, self.owner = dht, run_id, owner
-        self.shards = 1
+        self.shards = 1  # the keys we write under
+        self.read_shards = 1  # the keys our next read covers
+        self.auto = False
 
-    def use_progress_shards(self, shards: int) -> None:
-        self.shards = validate_progress_shards(shards)
+    def use_progress_shards(self, shards: int | str) -> None:
+        """The run's ``averaging.progress_shards``: a fixed count, or ``"auto"`` (from one key up)."""
+        setting = validate_shards_setting(shards)
+        self.auto = setting == AUTO_SHARDS
+        if not self.auto:
+            self.shards = self.read_shards = setting
 
     def now(self) -> float:
         return swarm_time.now()
@@ -192,14 +210,31 @@ class DhtDirectory:
 
     def publish_progress(self, record: ProgressRecord, *, ttl: float) -> None:
         assert self.owner is not None, "a read-only directory publishes nothing"
-        shard = progress_shard(str(self.dht.peer_id), self.shards)  # 0 (the one key) when unsharded
+        shards = self.shards  # one read of it: a heartbeat's read may change it meanwhile
+        if self.auto:
+            record = dataclasses.replace(record, progress_shards=shards)
+        shard = progress_shard(str(self.dht.peer_id), shards)  # 0 (the one key) when unsharded
         self.dht.store(peers_key(self.run_id, shard), subkey=self.owner, value=progress.encode(record),
                        expiration_time=swarm_time.now() + ttl)
 
     def progress(self) -> tuple[dict[str, ProgressRecord], int]:
+        records: dict[str, ProgressRecord] = {}
+        ignored, read, wanted = 0, 0, self.read_shards
+        while read < wanted:  # auto: again with the keys the records name, until they name no more
+            found, malformed = self._read_keys(range(read, wanted))
+            ignored += malformed
+            _keep_newest(records, found)
+            read = wanted
+            if self.auto:
+                wanted = shards_to_read(self.shards, (r.progress_shards for r in records.values()), len(records))
+        if self.auto:
+            self.shards = auto_progress_shards(len(records), self.shards)
+            self.read_shards = shards_to_read(self.shards, (r.progress_shards for r in records.values()), len(records))
+        return records, ignored
+
+    def _read_keys(self, shards: range) -> tuple[dict[str, ProgressRecord], int]:
         # Every shard's lookup at once: a heartbeat waits for the slowest one, not for their sum.
-        futures = [self.dht.get(peers_key(self.run_id, shard), latest=True, return_future=True)
-                   for shard in range(self.shards)]
+        futures = [self.dht.get(peers_key(self.run_id, shard), latest=True, return_future=True) for shard in shards]
         records: dict[str, ProgressRecord] = {}
         ignored = 0
         for future in futures:
@@ -214,7 +249,7 @@ class DhtDirectory:
                         ignored += 1
                 value = by_peer
             shard_records, malformed = progress.read_records(value, swarm_time.now())
-            records.update(shard_records)
+            _keep_newest(records, shard_records)
             ignored += malformed
         return records, ignored
 
@@ -231,6 +266,14 @@ class DhtDirectory:
 
     def reconnect(self, targets: list[tuple[str, tuple[str, ...]]]) -> Future:
         return rediscovery.reconnect(self.dht, targets)
+
+
+def _keep_newest(records: dict[str, ProgressRecord], found: dict[str, ProgressRecord]) -> None:
+    """Merge ``found`` into ``records``, a peer's newest record winning: a peer whose key count
+    changed lingers under its old key until that record expires."""
+    for peer, record in found.items():
+        if peer not in records or record.time > records[peer].time:
+            records[peer] = record
 
 
 def private_swarm_refusal(dht: DHT) -> str | None:

@@ -109,4 +109,4 @@ def look(dht, run_id: str) -> SwarmSnapshot:
     records, malformed = directory.progress()
     return SwarmSnapshot(run_id=run_id, time=directory.now(), schedule=schedule_of(manifests), records=records,
                          malformed=malformed, malformed_manifests=malformed_manifests,
-                         progress_shards=directory.shards)
+                         progress_shards=directory.read_shards)

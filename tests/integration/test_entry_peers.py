@@ -1,7 +1,9 @@
 """Several entry peers: a swarm started at once through two entry nodes that do not know each other
 is one swarm (hivemind issue #624 saw peers started with one bootstrap list split into two DHTs).
-The run spreads its progress records over 4 keys (``averaging.progress_shards``), so the same
-swarm shows that every peer, and ``shoal status`` from a node outside the run, reads them all.
+The run's progress records spread themselves over more keys as the swarm grows
+(``averaging.progress_shards = "auto"``, the default; its thresholds lowered here so that four
+peers move to 4 keys), so the same swarm shows that every peer, and ``shoal status`` from a node
+outside the run, still reads them all.
 
 Real hivemind DHT nodes as ``shoal run`` starts them, with real ``PeerMonitor``s and nothing else
 (benchmarks/dht_load.py --bootstraps measures the same at 8-32 peers and the entry peers' load)."""
@@ -17,8 +19,13 @@ RUN = "entries"
 
 
 @pytest.mark.timeout(180)
-def test_peers_started_at_once_through_two_unconnected_entry_peers_form_one_swarm():
+def test_peers_started_at_once_through_two_unconnected_entry_peers_form_one_swarm(monkeypatch):
     from hivemind.utils import get_dht_time
+
+    from protocols import keys
+
+    monkeypatch.setattr(keys, "AUTO_MIN_PEERS", 4)  # 4 keys from 4 live peers (the real rule: 48)
+    monkeypatch.setattr(keys, "PEERS_PER_SHARD", 1)
 
     from node.library.dht import RecordRules, shutdown_dht, start_dht
     from node.library.monitor import PeerMonitor
@@ -37,7 +44,7 @@ def test_peers_started_at_once_through_two_unconnected_entry_peers_form_one_swar
             entries = list(pool.map(start, [[], []]))  # each alone: neither knows the other
             addresses = [str(m) for entry in entries for m in entry.get_visible_maddrs()]
             peers = list(pool.map(start, [addresses] * 4))  # all at once, each given both
-        ours = RunManifest.create(RUN, {"model.d_model": 64, "averaging.progress_shards": 4},
+        ours = RunManifest.create(RUN, {"model.d_model": 64, "averaging.progress_shards": "auto"},
                                   start_time=get_dht_time(), round_seconds=6.0)
         for dht in peers:
             peer_id = str(dht.peer_id)
@@ -59,13 +66,20 @@ def test_peers_started_at_once_through_two_unconnected_entry_peers_form_one_swar
         seen = sorted(len(m.peers) for m in monitors)
         assert seen == [len(peers)] * len(peers), f"records each peer saw: {seen} (a split DHT sees a part)"
         assert len({m.manifest.organiser for m in monitors}) == 1, "two halves organised two runs"
-        # The records are spread: the one key (shard 0) holds only the peers that hash there ...
+        # The records spread: once the one-key records expired (3 heartbeats), the one key (shard 0)
+        # holds only the peers that hash there ...
         ids = [str(dht.peer_id) for dht in peers]
+        share = sorted(i for i in ids if progress_shard(i, 4) == 0)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sorted(DhtDirectory(entries[0], RUN).progress()[0]) != share:
+            time.sleep(1.0)
         first_key, _ = DhtDirectory(entries[0], RUN).progress()
-        assert sorted(first_key) == sorted(i for i in ids if progress_shard(i, 4) == 0), (first_key, ids)
-        # ... and ``shoal status`` (a read-only directory that learns the count from the manifest) sees all.
+        assert sorted(first_key) == share, (first_key, ids)
+        assert [m.directory.shards for m in monitors] == [4] * len(peers)
+        assert min(len(m.peers) for m in monitors) == len(peers), "a peer lost sight of another as the keys spread"
+        # ... and ``shoal status`` (a read-only directory, from the one key up) sees all in one look.
         snapshot = look(entries[1], RUN)
-        assert sorted(snapshot.records) == sorted(ids) and snapshot.malformed == 0
+        assert sorted(snapshot.records) == sorted(ids) and snapshot.malformed == 0 and snapshot.progress_shards == 4
     finally:
         for monitor in monitors:
             monitor.stop()

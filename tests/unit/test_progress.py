@@ -314,6 +314,17 @@ def test_a_group_count_that_is_not_a_power_of_two_up_to_1024_is_refused(bad):
         decode(ED25519_ID, value)
 
 
+def test_the_progress_key_count_round_trips_and_a_bad_one_is_refused():
+    """An auto-sharded run's record names the key count its writer uses (readers follow it)."""
+    newer = record(progress_shards=8)
+    assert decode(ED25519_ID, msgpack.unpackb(msgpack.packb(encode(newer)), raw=False)) == newer
+    assert "progress_shards" not in encode(record())
+    for bad in (0, 3, 128, 1.0, "4", True):
+        value = {**encode(newer), "progress_shards": bad}
+        with pytest.raises(MessageError, match="progress_shards"):
+            decode(ED25519_ID, value)
+
+
 def test_a_swarm_is_before_its_first_step_only_in_its_first_round_and_if_every_record_says_so():
     fresh = [record(rounds_done=0), record(RSA_ID, rounds_done=0)]
     assert before_first_step(fresh, first_round_left_s=8.0)

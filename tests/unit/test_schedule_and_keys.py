@@ -15,10 +15,12 @@ from node.training.trainer import inner_lr
 from protocols.errors import ConfigError
 from protocols.keys import (
     MAX_PROGRESS_SHARDS,
+    auto_progress_shards,
     averager_prefix,
     peers_key,
     progress_shard,
     run_key,
+    shards_to_read,
     validate_progress_shards,
     validate_run_id,
 )
@@ -192,16 +194,56 @@ def test_a_progress_shard_count_that_is_no_power_of_two_up_to_64_is_one_line(bad
         validate_progress_shards(bad)
 
 
-def test_only_a_sharded_run_carries_its_shard_count_in_the_manifest():
-    """An unsharded run's shared fields (so its manifest and config hash) are what they were; a
-    sharded one's name the count, which ``progress_shards`` reads back (and a bad count is refused)."""
-    plain = sync_shared_fields(outer=OuterConfig(), rounds=RoundConfig(), averaging=AveragingConfig())
-    assert not any("progress_shards" in key for key in plain)
+def test_the_shard_setting_rides_the_manifest_unless_it_is_one_key():
+    """A one-key run's shared fields (so its manifest and config hash) are what they were before
+    shards; the default ("auto") and a fixed count name the setting, which ``progress_shards`` reads
+    back (and a bad count is refused, on the network and in a config alike)."""
+    one_key = sync_shared_fields(outer=OuterConfig(), rounds=RoundConfig(), averaging=AveragingConfig(progress_shards=1))
+    assert not any("progress_shards" in key for key in one_key)
+    default = sync_shared_fields(outer=OuterConfig(), rounds=RoundConfig(), averaging=AveragingConfig())
+    assert default == {**one_key, "averaging.progress_shards": "auto"}
     sharded = sync_shared_fields(outer=OuterConfig(), rounds=RoundConfig(), averaging=AveragingConfig(progress_shards=8))
-    assert sharded == {**plain, "averaging.progress_shards": 8}
+    assert sharded == {**one_key, "averaging.progress_shards": 8}
     make = lambda fields: RunManifest.create("r", fields, start_time=1e9, round_seconds=10.0)  # noqa: E731
-    assert progress_shards(make(plain)) == 1 and progress_shards(make(sharded)) == 8
-    with pytest.raises(MessageError, match="power of two"):
-        progress_shards(make({**plain, "averaging.progress_shards": 6}))
+    assert progress_shards(make(one_key)) == 1 and progress_shards(make(sharded)) == 8
+    assert progress_shards(make(default)) == "auto"
+    for bad in (6, "many", None):
+        with pytest.raises(MessageError, match="power of two"):
+            progress_shards(make({**one_key, "averaging.progress_shards": bad}))
     with pytest.raises(ConfigError, match="power of two"):
         AveragingConfig(progress_shards=6)
+    with pytest.raises(ConfigError, match='or "auto"'):
+        AveragingConfig(progress_shards="Auto")
+
+
+def test_auto_shards_start_at_48_peers_with_4_keys_and_come_down_with_a_margin():
+    """The writer's count: one key below 48 live peers, then the power of two at most N / 12 (the
+    measured guidance, docs/scale.md), capped at 64; it rises at once and falls only once the swarm
+    is a quarter below the size that raised it."""
+    grow = {n: auto_progress_shards(n) for n in (1, 16, 47, 48, 95, 96, 191, 192, 767, 768, 5000)}
+    assert grow == {1: 1, 16: 1, 47: 1, 48: 4, 95: 4, 96: 8, 191: 8, 192: 16, 767: 32, 768: 64, 5000: 64}
+    assert auto_progress_shards(48, 1) == 4 and auto_progress_shards(200, 4) == 16  # up at once
+    assert auto_progress_shards(47, 4) == 4 and auto_progress_shards(36, 4) == 4  # held near the boundary
+    assert auto_progress_shards(35, 4) == 1  # 35 < 0.75 x 48
+    assert auto_progress_shards(95, 8) == 8 and auto_progress_shards(71, 8) == 4  # 71 < 0.75 x 96
+    assert auto_progress_shards(10, 64) == 1
+    # Every count is a power of two no larger than the cap: a writer lands in a key a reader at any
+    # count up to its own reads.
+    assert all(c & (c - 1) == 0 and c <= MAX_PROGRESS_SHARDS
+               for n in range(0, 3000, 7) for cur in (1, 4, 8, 64) for c in [auto_progress_shards(n, cur)])
+
+
+def test_a_reader_reads_up_to_the_highest_count_published_within_a_ceiling():
+    """Readers follow the writers (a peer at 4 keys is found by one still at 1), but a count far
+    above what the reader's own count of peers gives (a stranger's record) is cut to 4x it."""
+    assert shards_to_read(1, [None, 1, 1], 20) == 1
+    assert shards_to_read(1, [1, 4, 4], 47) == 4  # the swarm just crossed 48: followed
+    assert shards_to_read(4, [1, 1], 40) == 4  # our own keys always
+    assert shards_to_read(1, [64], 10) == 4  # a lone claim of 64 in a small swarm: cut to 4
+    assert shards_to_read(8, [64, 8], 100) == 32 and shards_to_read(16, [64], 400) == 64
+    # Whatever the mix of published counts up to 4x ours, a writer at any of them lands below the
+    # count read.
+    ids = [f"12D3KooW{i:040d}" for i in range(500)]
+    for counts in ([1, 4], [4, 8], [1, 4, 16]):
+        read = shards_to_read(counts[0], counts, 200)
+        assert all(progress_shard(i, c) < read for i in ids for c in counts)
