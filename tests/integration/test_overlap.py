@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from node.library.checkpoint import load_checkpoint, load_latest_valid, round_dir_name
-from tests.integration.swarm import TINY, anchor_at, every_round_checkpoints, rounds_of, train_then_interrupt
+from tests.integration.swarm import (
+    TINY,
+    anchor_at,
+    every_round_checkpoints,
+    is_partial,
+    rounds_of,
+    train_then_interrupt,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -34,28 +41,34 @@ def test_blocking_mode_waits_for_the_all_reduce(swarm):
     args = ("--sync-mode", "blocking", *ROUND)
     first = swarm.start("a", *args, config=config)
     second = swarm.start("b", *args, initial=first.wait_for_address()[:1], config=config)
-    # From the second round both took part in (the first may be partial).
-    shared = train_then_interrupt([first, second], full_rounds=2, timeout=240)
+    # From the second round both took part in (the first may be partial). A round whose all-reduce
+    # came back partial (a reducer's answer stream ended short, about 1 peer-round in 240:
+    # docs/limitations.md) folds and is replayed; the others must average, at least two of them.
+    shared = train_then_interrupt([first, second], full_rounds=3, timeout=240)
     a, b = rounds_of(first), rounds_of(second)
     for r in shared:
         for rounds in (a, b):
             record = rounds[r]
             assert record["inner_steps"] == INNER_STEPS, record
+            if is_partial(record):
+                continue
             # (the error first: pytest cuts a long record short, and a fold says why only there)
             assert record["group_size"] == 2 and record["applied"] == "averaged" and record["peers"] == 2, \
                 (record["error"], record)
             # The loop idles until the deadline, then waits for the all-reduce: no overlap.
             assert record["wait_s"] > 0.2 * record["wall_s"] and record["wait_s"] >= record["sync_s"] * 0.9, record
-    assert torch.allclose(anchor_at(first, shared[-1]), anchor_at(second, shared[-1]), atol=1e-3)
-    # (the first shared round: the last one's directory may hold the final save, made after more steps)
-    moments = [load_checkpoint(p.checkpoint_dir / round_dir_name(shared[0])).local_state for p in (first, second)]
+    both = [r for r in shared if a[r]["applied"] == b[r]["applied"] == "averaged"]
+    assert len(both) >= 2, [(r, a[r]["error"], b[r]["error"]) for r in shared]
+    assert torch.allclose(anchor_at(first, both[-1]), anchor_at(second, both[-1]), atol=1e-3)
+    # (an early round: the last one's directory may hold the final save, made after more steps)
+    moments = [load_checkpoint(p.checkpoint_dir / round_dir_name(both[0])).local_state for p in (first, second)]
     squares = [k for k in moments[0] if k.endswith(".exp_avg_sq")]
     assert squares and all(k in moments[1] for k in squares), sorted(moments[0])[:4]
     # Within bf16's precision of each other (this run's fp16 sends take hivemind's path: each member
     # gets its own bf16 delta, avg - own, rounded); peers training alone differ by tens of percent.
     for key in squares + [k.replace("exp_avg_sq", "exp_avg") for k in squares]:
-        a, b = moments[0][key], moments[1][key]
-        assert float((a - b).abs().max()) <= 2**-6 * float(a.abs().max()), (key, float((a - b).abs().max()))
+        a_, b_ = moments[0][key], moments[1][key]
+        assert float((a_ - b_).abs().max()) <= 2**-6 * float(a_.abs().max()), (key, float((a_ - b_).abs().max()))
     for peer in (first, second):  # each saved the shared model when it left
         checkpoint = load_latest_valid(peer.checkpoint_dir)
         assert checkpoint is not None and checkpoint.round >= shared[-1], (peer.name, checkpoint)
