@@ -227,9 +227,10 @@ BREAKS = [
     "Rotating sub-groups (`averaging.target_group_size`, docs/scale.md) are the answer, now in the engine: "
     "16 real peers in groups of about 8 averaged in every round with no re-sync (scale_real_subgroups.md).",
     "**Sub-groups cost bytes and are only partly hardened**: the anchors and momenta ride the all-reduce in "
-    "fp32 (8 bytes a parameter each way: 4-5x the payload of an fp16 round here, about 16x an int4 one) until "
-    "the lattice code (1 byte) is built; a lying reducer's share of the anchors and momenta is bounded by the "
-    "members' claims, which a member claiming a far state widens (docs/security.md). Groups are balanced cuts "
+    "fp16 (4 bytes a parameter each way, about 8x an int4 round's payload; fp32 where reducers return deltas) "
+    "until the lattice code (1 byte) is built; a lying reducer's share of the anchors and momenta is bounded by the "
+    "members' claims, and a member claiming a far anchor gets weight 0 instead of widening that bound (a close "
+    "claim with a far anchor can still fold its group's round: docs/security.md). Groups are balanced cuts "
     "of the live records (16 real peers in groups of 4: exactly 4 every round; the first, hashed rule gave 1 to "
     "8), but a peer whose view of the records differs lands a group off (simulated: 3.4% of peers when 1% of "
     "records are missed per read) and may fold.",

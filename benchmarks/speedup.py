@@ -46,7 +46,8 @@ the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
 
 ``--group-sizes G``: round-seeded sub-groups of at most G peers (``averaging.math.groups``) that average
 pseudo-gradients, anchors and outer momentum within the group (``run_swarm_groups``; issue 32); 0 is one
-group of everyone.
+group of everyone. There the anchors and momenta are averaged exactly, or with ``+state16`` as the fp16
+code carries them (``averaging.math.wire.MIX_CODE``).
 
 Everything is simulated: no failures, no network; figures are labelled so. Writes
 ``benchmarks/results/speedup.{md,json}`` (and ``.png`` when matplotlib is installed).
@@ -73,7 +74,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # harness's own imports
 
 import torch  # noqa: E402
 
-from averaging.math import inner_state, robust  # noqa: E402
+from averaging.math import codecs, inner_state, robust  # noqa: E402
 from averaging.math.flat import FlatLayout  # noqa: E402
 from averaging.math.groups import group_count, members  # noqa: E402
 from averaging.math.merge import apply_correction_, eager_jump, landing_correction, merge_correction, stand_in  # noqa: E402
@@ -235,6 +236,12 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
     return {"final_eval": _eval(trainers[0], layout, anchor)}
 
 
+def _fp16_parts(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as the fp16 code carries them, in ``PARTS`` parts with a scale each."""
+    return torch.cat([codecs.decode(codecs.encode(part, "fp16"), max_numel=part.numel())
+                      for part in values.chunk(PARTS)])
+
+
 def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: float, mu: float, rule: str,
                      delay: float, compression: str, group_size: int) -> dict:
     """``run_swarm`` with round-seeded sub-groups (``--group-sizes``, ``averaging.math.groups``): every round
@@ -243,8 +250,11 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
     its work and weight go into its next round). Peers then hold different anchors: peer 0's is evaluated
     (what a user holds), the token-free mean too. ``blocking`` and ``overlap`` only, no flags."""
     mode, *flags = rule.split("+")
-    if mode not in ("blocking", "overlap") or flags:
-        raise SystemExit(f"--group-sizes: rule {rule} is not supported (blocking, overlap)")
+    if mode not in ("blocking", "overlap") or set(flags) - {"state16"}:
+        raise SystemExit(f"--group-sizes: rule {rule} is not supported (blocking, overlap; +state16)")
+    # +state16: anchors and momenta travel in fp16 (sends and the returned mean, a power-of-two scale
+    # per part: averaging.math.wire.MIX_CODE), else exactly (fp32, the engine before fp16)
+    wired = _fp16_parts if "state16" in flags else (lambda x: x)
     wire = WireFormat.of(compression)
     config = robust.RobustConfig(aggregation="centered_clip")
     trainers = [_trainer(seed, lr, rounds) for _ in steps]
@@ -287,8 +297,8 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
             average = aggregate([sends[i] for i in idx], weights, config, work_scaled=True, keep_norm=False)
             average = returned(average, sends[idx[0]], wire.return_code)
             share = [w / sum(weights) for w in weights]
-            anchor = sum(w * anchors[i] for w, i in zip(share, idx))
-            momentum = sum(w * momenta[i] for w, i in zip(share, idx))
+            anchor = wired(sum(w * wired(anchors[i]) for w, i in zip(share, idx)))
+            momentum = wired(sum(w * wired(momenta[i]) for w, i in zip(share, idx)))
             outer_step_(anchor, average, momentum, lr=outer_lr, mu=mu, nesterov=True)
             averages.append(average)
             for i in idx:

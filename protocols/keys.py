@@ -67,7 +67,7 @@ PEERS_PER_SHARD = 12
 # A count comes down only once the swarm is this fraction below the size that raised it, so a
 # swarm near a boundary does not move every record back and forth with each join and leave.
 AUTO_SHRINK_BELOW = 0.75
-READ_CEILING = 4
+READ_CEILING = 4  # a reader follows published counts up to this multiple of its own (shards_to_read)
 
 
 def _pow2_floor(x: float) -> int:

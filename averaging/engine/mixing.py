@@ -13,8 +13,9 @@ differ by design, and a stale anchor is pulled into its next group's mean anyway
 swarm's reunion logic (every round meets peers from other groups).
 
 The all-reduce's extra vector (``HivemindBackend(extra_numel=...)``) is laid out as
-``[anchor | momentum | the inner optimizer's moments, when they ride too]``, in fp32
-(``averaging.math.wire.MIX_CODE``). These helpers are pure: the round engine drives them.
+``[anchor | momentum | the inner optimizer's moments, when they ride too]``, in fp16, or in fp32 where
+reducers return deltas or the moments ride (``averaging.math.wire.mix_code``). These helpers are
+pure: the round engine drives them.
 """
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ from typing import Any
 
 import torch
 
-from averaging.math.fingerprints import chunk_rms, claim_of, fingerprint, momentum_of, rms_difference
+from averaging.math.fingerprints import (
+    chunk_rms,
+    claim_of,
+    far_members,
+    fingerprint,
+    momentum_of,
+    rms_difference,
+)
 from averaging.math.groups import balanced_groups, group_key_bits
+from averaging.math.wire import MIX_CODE
 from averaging.state.shared_state import SharedState
 from protocols.messages import ClaimMessage, MessageError
 
@@ -44,6 +53,7 @@ class Mixing:
     """The round engine's sub-group settings: which group we join in each round."""
 
     plan: GroupPlan
+    code: str = MIX_CODE  # the extra vector's code both ways (``averaging.math.wire.mix_code``)
 
     def key_bits(self, round: int) -> tuple[str, int, int]:
         """(hivemind's matchmaking bits, our group, the count) for ``round``: the round's 4 bits,
@@ -97,7 +107,12 @@ STEP_SLACK = 4.0
 def round_claims(state: SharedState, gathered: Mapping[str, Any], *, round: int) -> list[ClaimMessage]:
     """The group's valid claims for ``round`` (ours included), each decoded once; an invalid one is
     logged and left out."""
-    claims = []
+    return list(claims_by_peer(state, gathered, round=round).values())
+
+
+def claims_by_peer(state: SharedState, gathered: Mapping[str, Any], *, round: int) -> dict[str, ClaimMessage]:
+    """``round_claims`` by member."""
+    claims = {}
     for peer, raw in gathered.items():
         try:
             message = state.decode_message(raw)
@@ -105,12 +120,24 @@ def round_claims(state: SharedState, gathered: Mapping[str, Any], *, round: int)
             logger.warning(f"round {round}: ignoring the claim of {peer}: {e}")
             continue
         if message.round == round:
-            claims.append(message)
+            claims[peer] = message
     return claims
 
 
+def far_claims(claims: Mapping[str, ClaimMessage], *, self_id: str) -> list[bool]:
+    """Per claim (in ``claims``' order), whether the group's mean state leaves that member out
+    (``averaging.math.fingerprints.far_members``: the reducers give its anchor and momentum weight
+    0), so its distance must not widen our bound (``state_problem``'s ``left_out``). If we are far
+    ourselves nothing is left out: the mean is then the others', far from us by our own distance."""
+    far = far_members([claim_of(message) for message in claims.values()])
+    if any(f for peer, f in zip(claims, far) if peer == self_id):
+        return [False] * len(far)
+    return far
+
+
 def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedState,
-                  claims: list[ClaimMessage], *, members: int, local_pseudo_grad: torch.Tensor) -> str | None:
+                  claims: list[ClaimMessage], *, members: int, local_pseudo_grad: torch.Tensor,
+                  left_out: list[bool] | None = None) -> str | None:
     """Why the group's mean state must not be taken, or None.
 
     A reducer returns its part of the mean itself, and our own part is all a member can check a
@@ -122,9 +149,10 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
     fingerprint chunk: ``RMS(mean - ours) <= ESTIMATE_SLACK x sqrt(n) x D + STEP_SLACK x step``, with
     ``D`` estimated from the claims, and the momentum likewise from the momentum fingerprints the
     members' claims carry (``SharedState.claim_message(with_momentum=True)``); when a member's claim
-    lacks one, only by how far momenta can honestly lie apart (``1 / (1 - mu)`` steps). A stale member
-    widens ``D`` for everyone (its anchor is far, and the mean honestly moves toward it); a reducer
-    that lies gains at most that bound on its share. Non-finite values are refused first."""
+    lacks one, only by how far momenta can honestly lie apart (``1 / (1 - mu)`` steps). A member far
+    from the rest (``left_out``, from ``far_claims``) is not in the mean and does not count in ``D``;
+    a stale member that is not that far widens ``D`` for everyone (its anchor is in the mean); a
+    reducer that lies gains at most that bound on its share. Non-finite values are refused first."""
     if not bool(torch.isfinite(anchor).all()) or not bool(torch.isfinite(momentum).all()):
         return "the group's mean anchor or momentum has NaN/inf values; it was not taken"
     ours = state.claim().fingerprint
@@ -132,11 +160,14 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
     farthest = torch.zeros(ours.num_chunks, dtype=torch.float64)
     farthest_momentum = torch.zeros(ours.num_chunks, dtype=torch.float64)
     momenta_claimed = 0
-    for message in claims:
+    for message, out in zip(claims, left_out or [False] * len(claims)):
+        theirs = momentum_of(message)
+        momenta_claimed += theirs is not None
+        if out:
+            continue
         farthest = torch.maximum(farthest, rms_difference(claim_of(message).fingerprint, ours))
-        if (theirs := momentum_of(message)) is not None:
+        if theirs is not None:
             farthest_momentum = torch.maximum(farthest_momentum, rms_difference(theirs, our_momentum))
-            momenta_claimed += 1
     step = torch.maximum(state.scale, chunk_rms(local_pseudo_grad, ours.chunk_len))
     spread = ESTIMATE_SLACK * math.sqrt(max(1, members))
     allowed = spread * farthest + STEP_SLACK * step + state.abs_tol

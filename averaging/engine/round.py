@@ -31,9 +31,10 @@ from averaging.engine.config import LoopConfig
 from averaging.engine.lineage import LineageWatch, lineage_fold
 from averaging.engine.mixing import (
     Mixing,
+    claims_by_peer,
+    far_claims,
     group_rounds_done,
     pack_state,
-    round_claims,
     state_numel,
     state_problem,
     unpack_state,
@@ -45,7 +46,7 @@ from averaging.math.fingerprints import DivergenceWatch
 from averaging.math.flat import FlatLayout
 from averaging.math.merge import merge_correction
 from averaging.math.outer_step import anchor_before_step, pseudo_gradient
-from averaging.math.wire import EXTRA_CODE, MIX_CODE, WireFormat, accounted_for, round_payload
+from averaging.math.wire import EXTRA_CODE, WireFormat, accounted_for, round_payload
 from averaging.network.interface import AverageOutcome
 from averaging.state.accept import check_average, rms
 from averaging.state.shared_state import SharedState
@@ -54,7 +55,6 @@ from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
 EXTRA_BYTES_PER_VALUE = bytes_per_value(EXTRA_CODE)  # the inner state on the wire (both ways)
-MIX_BYTES_PER_VALUE = bytes_per_value(MIX_CODE)  # with sub-groups, the whole extra vector (both ways)
 
 
 @dataclass(slots=True)
@@ -140,7 +140,7 @@ def _alone_or_fold(conclusion: RoundConclusion, state: SharedState, local_pseudo
 
 def conclude_mixed(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: torch.Tensor, *, round: int,
                    averaged: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
-                   alone: bool = False) -> RoundConclusion:
+                   alone: bool = False, self_id: str = "") -> RoundConclusion:
     """``conclude`` for a sub-group round (``averaging.engine.mixing``): no verdict, no catch-up, no
     re-sync (anchors of different groups differ by design); if the round succeeded and both the
     average and the group's mean state (``mixed``: the extra vector's head) are usable, take the
@@ -151,9 +151,11 @@ def conclude_mixed(state: SharedState, outcome: AverageOutcome, local_pseudo_gra
     if outcome.ok and averaged is not None and mixed is not None:
         conclusion.group_size = len(outcome.group)
         anchor, momentum = unpack_state(mixed, state.layout.numel)
-        claims = round_claims(state, outcome.gathered, round=round)
+        by_peer = claims_by_peer(state, outcome.gathered, round=round)
+        claims = list(by_peer.values())
         problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or state_problem(
-            anchor, momentum, state, claims, members=len(outcome.group), local_pseudo_grad=local_pseudo_grad)
+            anchor, momentum, state, claims, members=len(outcome.group), local_pseudo_grad=local_pseudo_grad,
+            left_out=far_claims(by_peer, self_id=self_id))
         _take(conclusion, problem, lambda: state.mix(
             anchor, momentum, averaged, round=round, rounds_done=group_rounds_done(state, claims, round=round)))
     return _alone_or_fold(conclusion, state, local_pseudo_grad, round=round, alone=alone)
@@ -253,7 +255,8 @@ class RoundRunner:
             send_bytes_per_value=self.wire.send_bytes_per_value(),
             return_bytes_per_value=self.wire.return_bytes_per_value())
         if extra is not None:
-            per_value = MIX_BYTES_PER_VALUE if self.mixing is not None else EXTRA_BYTES_PER_VALUE
+            # with sub-groups the whole extra vector travels in the mixing code (both ways)
+            per_value = bytes_per_value(self.mixing.code) if self.mixing is not None else EXTRA_BYTES_PER_VALUE
             extra_sent, extra_received = round_payload(
                 extra.numel(), group_size, client_mode=self.client_mode,
                 send_bytes_per_value=per_value, return_bytes_per_value=per_value)
@@ -290,7 +293,8 @@ class RoundRunner:
         usable = averaged if outcome.ok else None
         if self.mixing is not None:
             return conclude_mixed(self.state, outcome, pseudo_grad, round=round, averaged=usable,
-                                  mixed=self._extra if outcome.ok else None, alone=self._alone()), False
+                                  mixed=self._extra if outcome.ok else None, alone=self._alone(),
+                                  self_id=self.peer_id), False
         conclusion = conclude(self.state, outcome, pseudo_grad, round=round, averaged=usable, self_id=self.peer_id,
                               alone=self._alone(), recovery=self.recovery)
         self._report_divergence(round, conclusion.verdict)

@@ -156,6 +156,38 @@ class AnchorClaim:
     rounds_done: int  # outer steps this peer has applied (self-claimed: picks catch-ups, never the reference)
 
 
+# A sub-group member whose claimed anchor lies this many times farther from the others than the
+# group's typical member does, plus this many of the members' claimed steps, is "far": its anchor
+# and momentum get weight 0 in the group's mean and it adopts the group's (``far_members``).
+FAR_FACTOR = 4.0
+FAR_STEPS = 4.0
+
+
+def far_members(claims: list[AnchorClaim]) -> list[bool]:
+    """Which members of a sub-group hold an anchor far from the rest, by their claims alone, so
+    that every member and every reducer computes the same answer (each sees the same signed claims).
+
+    Member ``i``'s distance is the median over the others of the claims' estimated RMS difference,
+    per chunk; it is far where some chunk's exceeds ``FAR_FACTOR`` x the median member's distance
+    plus ``FAR_STEPS`` x the median claimed step (``scale``). Why: the group's mean state is checked
+    against the farthest claimed distance (``averaging.engine.mixing.state_problem``), so a member
+    claiming a far anchor (a stranger, or a peer back from an old checkpoint) would widen that bound
+    for everybody, and its anchor would pull the mean; with weight 0 it pulls nothing and the bound
+    is the others'. The medians hold while fewer than half of the others are far; below 3 members
+    nobody can be told apart, and nobody is far."""
+    n = len(claims)
+    if n < 3:
+        return [False] * n
+    distances = torch.stack([  # [n, n - 1, chunks]
+        torch.stack([rms_difference(a.fingerprint, b.fingerprint) for j, b in enumerate(claims) if j != i])
+        for i, a in enumerate(claims)])
+    own = distances.median(dim=1).values  # [n, chunks]: the lower median, robust to far others
+    typical = own.median(dim=0).values
+    step = torch.stack([c.scale for c in claims]).median(dim=0).values
+    bound = FAR_FACTOR * typical + FAR_STEPS * step + DEFAULT_ABS_TOL  # (+ float32 noise, as ``agree``)
+    return [bool((own[i] > bound).any()) for i in range(n)]
+
+
 @dataclass(frozen=True, slots=True)
 class Consensus:
     """The group's view of who holds the reference anchor; every member computes the same one.

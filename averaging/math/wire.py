@@ -62,11 +62,19 @@ STATE_BYTES_PER_VALUE = 4  # the shared state is stored and downloaded as fp32
 # An extra vector averaged beside the pseudo-gradient (the inner optimizer's moments) goes both ways
 # in bf16: fp32's range (an Adam second moment spans tens of binades, which fp16 flushes to zero).
 EXTRA_CODE = "bf16"
-# With sub-groups (``averaging.engine.mixing``) the anchors and outer momenta ride the all-reduce too,
-# and the extra vector goes in fp32: bf16 would snap every anchor to a grid of 2**-8 of its own
-# size, coarser than an outer step's change to most of it. 8 bytes a parameter each way: the
-# lattice code of docs/scale.md (1 byte) is the planned replacement.
-MIX_CODE = "fp32"
+# With sub-groups (``averaging.engine.mixing``) the anchors and outer momenta ride the all-reduce too
+# (``mix_code`` picks their code). In fp16, 4 bytes a parameter each way: 11 significant bits under a
+# power-of-two scale per part (values down to 2**-28 of a part's largest keep them all), so a
+# member's anchor lands within about 2**-11 of its own size of the group's mean, a few thousandths of
+# the change an outer step makes to a typical weight, and every member takes the same bytes where
+# reducers return the mean itself (int8/int4 returns: the default). bf16 (8 bits) would snap anchors
+# to 2**-9 of their size, coarser than an outer step's change to many of them. The 1-byte lattice
+# code of docs/scale.md is the next step.
+MIX_CODE = "fp16"
+# Where fp16 would not do: reducers that return deltas (fp16/fp32 payloads) leave each member its own
+# rounding of what it sent (members of a group 2**-12 of a weight apart), and the inner optimizer's
+# moments (``averaging.average_inner_state``) span more binades than fp16 keeps.
+MIX_CODE_EXACT = "fp32"
 
 
 def canonical(compression: str) -> str:
@@ -169,3 +177,10 @@ def round_payload(numel: int, group_size: int, *, send_bytes_per_value: float, r
         return round(numel * send_bytes_per_value), round(numel * return_bytes_per_value)
     each_way = round((group_size - 1) * numel * (send_bytes_per_value + return_bytes_per_value) / group_size)
     return each_way, each_way
+
+
+def mix_code(wire: WireFormat, *, with_inner_state: bool) -> str:
+    """The code of a sub-group round's extra vector (anchor, momentum and, with ``with_inner_state``,
+    the inner optimizer's moments): ``MIX_CODE`` where reducers return the mean itself and no
+    moments ride, else ``MIX_CODE_EXACT``."""
+    return MIX_CODE if wire.return_code in AVERAGE_RETURN_CODES and not with_inner_state else MIX_CODE_EXACT

@@ -17,7 +17,7 @@ from averaging.math.fingerprints import DEFAULT_ABS_TOL, DEFAULT_REL_TOL
 from averaging.math.groups import RULE as SUB_GROUPS_RULE
 from averaging.math.outer_step import OuterConfig
 from averaging.math.robust import AGGREGATIONS, RobustConfig
-from averaging.math.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat
+from averaging.math.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat, mix_code
 from protocols.errors import ConfigError
 from protocols.keys import AUTO_SHARDS, validate_shards_setting
 
@@ -147,7 +147,10 @@ def sync_shared_fields(*, outer: OuterConfig, rounds: RoundConfig, averaging: Av
         # a peer of a version without them must not join such a run with the same settings.
         # ``sub_groups`` is the rule's version: 1 hashed groups, 2 balanced ones (averaging.math.groups).
         shared.update({"averaging.target_group_size": averaging.target_group_size,
-                       "averaging.sub_groups": SUB_GROUPS_RULE})
+                       "averaging.sub_groups": SUB_GROUPS_RULE,
+                       # the anchors' and momenta's code on the wire (members must decode alike)
+                       "averaging.state_code": mix_code(averaging.wire,
+                                                        with_inner_state=averaging.average_inner_state)})
     if averaging.average_inner_state:  # likewise; every member's all-reduce then carries the moments
         shared["averaging.average_inner_state"] = True
     return shared

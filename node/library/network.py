@@ -78,12 +78,13 @@ class HivemindNetwork:
             self.dht, numel=numel, prefix=averager_prefix(run_id), state_provider=state_provider,
             update_provider=update_provider,
             # No cap below the hard one: with sub-groups each group meets under its own key, and
-            # hashed groups vary in size around the target (averaging.math.groups).
+            # a member's view of the live records may put it in a larger one (averaging.math.groups).
             wire=avg.wire, target_group_size=None,
             min_group_size=avg.min_group_size, min_matchmaking_time=avg.matchmaking_seconds,
             request_timeout=avg.request_timeout, allreduce_timeout=avg.allreduce_timeout, client_mode=client_mode,
             robust=avg.robust, admission=admission_key(self.swarm_key) if self.swarm_key is not None else None,
             signer=self.dht.shoal_key, share_state=share_state, extra_numel=extra_numel, extra_code=extra_code,
+            mixing=bool(avg.target_group_size),  # sub-groups: the extra vector leads with the anchors
         )
         return self._backend
 

@@ -30,7 +30,7 @@ from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
 from averaging.math.groups import agreed_group_count, group_among
 from averaging.math.outer_step import OuterConfig
-from averaging.math.wire import EXTRA_CODE, MIX_CODE, STATE_BYTES_PER_VALUE, round_payload
+from averaging.math.wire import EXTRA_CODE, STATE_BYTES_PER_VALUE, mix_code, round_payload
 from averaging.network.hivemind.averager import leader_group_cap
 from averaging.network.interface import Progress
 from averaging.state.served import DownloadedState
@@ -223,7 +223,8 @@ class DiLoCoSwarm:
         avg = self.averaging
         # Sub-groups (averaging.engine.mixing): the anchor and momentum ride every all-reduce, ahead
         # of the inner optimizer's moments when those ride too.
-        mixing = self._mixing = Mixing(plan=self._group_plan) if avg.target_group_size else None
+        code = mix_code(avg.wire, with_inner_state=avg.average_inner_state)
+        mixing = self._mixing = Mixing(plan=self._group_plan, code=code) if avg.target_group_size else None
         extra_numel = (state_numel(self._layout.numel) if mixing else 0) + (
             self._inner_state.numel if self._inner_state else 0)
         # A peer that downloads the swarm's state first serves none until then (``share_state``).
@@ -232,7 +233,7 @@ class DiLoCoSwarm:
                                         client_mode=self.reachability.client_mode,
                                         update_provider=self._shared.update_after,
                                         share_state=not self.initial_peers,
-                                        extra_numel=extra_numel, extra_code=MIX_CODE if mixing else EXTRA_CODE)
+                                        extra_numel=extra_numel, extra_code=code if mixing else EXTRA_CODE)
         self._backend = backend
         self._worker = SyncWorker(backend, allreduce_timeout=avg.allreduce_timeout,
                                   matchmaking_grace=avg.matchmaking_seconds)

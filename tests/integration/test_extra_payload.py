@@ -5,8 +5,10 @@ vector shaped like an Adam second moment (positive, spanning 40 binades). The ps
 as the one-tensor path leaves it (the same average on every member); the extra vector ends at the
 weighted mean within bf16's precision, its small entries kept, on every member. And sub-groups
 (``averaging.engine.mixing``): four backends meet as two groups of two under their groups' keys in
-one round, each group averaging anchors and momenta in fp32 beside an int4 pseudo-gradient; each
-member ends with its own group's mean, to an fp32 rounding."""
+one round, each group averaging anchors and momenta in fp16 beside an int4 pseudo-gradient; each
+member ends with its own group's mean, the same bytes within a group. In a group of three whose
+claims put one member's anchor far from the others', the reducers leave its anchor and momentum out
+of the mean (``far_members``) and it takes the others'."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from averaging.math import codecs, robust
 from averaging.math.groups import group_key_bits
 from averaging.math.robust import RobustConfig
-from averaging.math.wire import MIX_CODE, WireFormat
+from averaging.math.wire import MIX_CODE, WireFormat, mix_code
 from averaging.network.hivemind.backend import HivemindBackend
 from tests.integration.averagers import loopback_averagers
 
@@ -92,8 +94,9 @@ def test_an_extra_vector_is_averaged_in_bf16_beside_the_pseudo_gradient(code):
 
 
 @pytest.mark.timeout(150)
-def test_sub_groups_meet_apart_and_each_averages_its_members_anchors_in_fp32():
+def test_sub_groups_meet_apart_and_each_averages_its_members_anchors_in_fp16():
     wire, numel, peers = WireFormat.of("int4"), 6_000, 4
+    assert mix_code(wire, with_inner_state=False) == MIX_CODE == "fp16"
     prefix = f"mix-{uuid.uuid4().hex[:6]}"
     weights = (1.0, 3.0, 2.0, 0.5)
     group = (0, 0, 1, 1)
@@ -132,7 +135,60 @@ def test_sub_groups_meet_apart_and_each_averages_its_members_anchors_in_fp32():
         bounded = robust.bound_weights([weights[i] for i in ids], max_ratio=RobustConfig().max_weight_ratio)
         mean = sum(w * states[i].double() for w, i in zip(bounded, ids)) / sum(bounded)
         for i in ids:
-            # the mean
-            # is returned in fp32, and each member ends at own + (mean - own): an fp32 rounding
-            assert float((outs[i].double() - mean).abs().max()) <= 2**-22 * float(mean.abs().max()), i
+            # fp16 sends and an fp16 mean, each within 2**-11 of its part's largest value (a
+            # power-of-two scale per part) ...
+            assert float((outs[i].double() - mean).abs().max()) <= 2**-10 * float(mean.abs().max()), i
+            # ... and the same bytes for every member: each ends at own + (mean - own), an fp32 rounding
+            assert float((outs[i] - outs[ids[0]]).abs().max()) <= 2**-22 * float(mean.abs().max()), i
     assert float((outs[0] - outs[2]).abs().max()) > 1e-4  # the two groups applied different means
+
+
+@pytest.mark.timeout(150)
+def test_a_member_whose_claimed_anchor_is_far_adds_nothing_to_the_groups_state():
+    from averaging.math.flat import FlatLayout
+    from averaging.math.outer_step import OuterConfig
+    from averaging.state.shared_state import SharedState
+
+    wire, numel, peers = WireFormat.of("int4"), 8_000, 3
+    prefix = f"far-{uuid.uuid4().hex[:6]}"
+    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
+    generator = torch.Generator().manual_seed(8)
+    step = torch.randn(numel, generator=generator) * 1e-3
+    base = torch.randn(numel, generator=generator) * 0.05
+    states = []
+    for i in range(peers):  # two anchors a step apart, the third 40 steps off; each one step taken
+        state = SharedState(layout, base + torch.randn(numel, generator=generator) * 1e-3 + (40 * step if i == 2 else 0),
+                            OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
+        state.apply(step, round=1)
+        states.append(state)
+
+    def make(_: int, dht: hivemind.DHT) -> HivemindBackend:
+        return HivemindBackend(dht, numel=numel, prefix=prefix, state_provider=lambda: ({}, []), wire=wire,
+                               min_group_size=3, extra_numel=2 * numel, extra_code=MIX_CODE, mixing=True,
+                               min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0,
+                               robust=RobustConfig(ban_rounds=0))
+
+    grads = [wire.to_send(torch.randn(numel, generator=generator) * 1e-3) for _ in range(peers)]
+    extras = [torch.cat([s.anchor, s.momentum]) for s in states]
+    with loopback_averagers(peers, make) as backends:
+        for round in (2, 3, 4):  # a round whose matchmaking or a reducer failed is replayed (docs/hivemind.md)
+            vectors, outs = [g.clone() for g in grads], [e.clone() for e in extras]
+            scheduled = time.time() + 3.0
+            for i, backend in enumerate(backends):
+                backend.prepare(round=round, scheduled_time=scheduled, timeout=20.0, key_bits=group_key_bits(round, 0, 1),
+                                gather=states[i].claim_message(round=round, with_momentum=True).encode())
+            with ThreadPoolExecutor(peers) as pool:
+                outcomes = list(pool.map(
+                    lambda i, vectors=vectors, outs=outs, round=round: backends[i].average(
+                        vectors[i], weight=1.0, timeout=40.0, round=round, extra=outs[i]), range(peers)))
+            if all(outcome.ok for outcome in outcomes):
+                break
+    assert all(outcome.ok and len(outcome.group) == 3 for outcome in outcomes), outcomes
+    close = torch.stack(extras[:2]).double().mean(0)  # the two close members' mean: the far one left out
+    for out in outs:  # every member, the far one too, ends with it (fp16 sends and returns)
+        assert float((out.double() - close).abs().max()) <= 2**-10 * float(close.abs().max())
+        assert float((out - outs[0]).abs().max()) <= 2**-22 * float(close.abs().max())  # an fp32 rounding apart
+    everyone = torch.stack(extras).double().mean(0)
+    assert float((everyone - close).abs().max()) > 10 * 2**-10 * float(close.abs().max())  # it would have moved it
+    # the pseudo-gradients are averaged over all three, the far member's included
+    assert float((vectors[0] - torch.stack(grads).mean(0)).abs().max()) < 0.2 * float(grads[0].abs().max())

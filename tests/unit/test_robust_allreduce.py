@@ -184,6 +184,29 @@ def test_an_extra_tensors_part_is_judged_without_work_and_returned_in_its_own_co
     assert not torch.allclose(unscaled, robust.aggregate([p[0] for p in parts], bounded, config).value)
 
 
+def test_a_far_members_state_gets_weight_0_and_its_pseudo_gradient_still_counts():
+    """Sub-groups: a member whose claimed anchor is far from the rest (``far_senders``) adds nothing
+    to the extra tensor's parts (the anchors, momenta) but its pseudo-gradient part is averaged as
+    anyone's; a reducer whose every sender is far keeps them all (nobody would be left)."""
+    refused, reducers = [], []
+    parts = [honest(0), honest(1), honest(2)]
+    parts[2][1] += 4.0  # its anchor (the extra part), far from the others'
+    results = run_senders(3, refused, parts, [1.0, 1.0, 1.0], return_code="int4", reducers=reducers,
+                          extra_parts=[False, True], extra_code="fp16", far_senders=frozenset({2}))
+    assert refused == []
+    config = RobustConfig()
+    main = robust.aggregate([p[0] for p in parts], [1.0] * 3, config).value
+    state = robust.aggregate([p[1] for p in parts[:2]], [1.0] * 2, config, work_scaled=False).value
+    for sender in range(3):  # the far member takes the others' state like everyone
+        assert torch.equal(results[sender][0], codecs.quantize(main, "int4"))
+        assert torch.equal(results[sender][1], codecs.quantize(state, "fp16"))
+    assert float(results[0][1].mean()) < 1.5  # its anchor pulled nothing (with it: about 2.3)
+    alone = run_senders(2, [], parts[:2], [1.0, 1.0], return_code="int4", extra_parts=[False, True],
+                        extra_code="fp16", far_senders=frozenset({0, 1}))
+    both = robust.aggregate([p[1] for p in parts[:2]], [1.0] * 2, config, work_scaled=False).value
+    assert torch.equal(alone[0][1], codecs.quantize(both, "fp16"))
+
+
 def checked_container(tensor: torch.Tensor, peers: int,
                       returns_average: frozenset[int] = frozenset()) -> tuple[CheckedPartContainer, list]:
     """Build inside the event loop that uses it (the container creates asyncio events)."""

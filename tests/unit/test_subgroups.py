@@ -17,6 +17,8 @@ from averaging.engine.config import LoopConfig
 from averaging.engine.loop import RoundEngine
 from averaging.engine.mixing import (
     Mixing,
+    claims_by_peer,
+    far_claims,
     group_rounds_done,
     one_group,
     round_claims,
@@ -24,6 +26,7 @@ from averaging.engine.mixing import (
     state_problem,
 )
 from averaging.engine.worker import SyncWorker
+from averaging.math.fingerprints import claim_of, far_members
 from averaging.math.flat import FlatLayout
 from averaging.math.groups import members
 from averaging.math.outer_step import OuterConfig, outer_step_
@@ -265,3 +268,49 @@ def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
     stale_gathered = {**gathered, "m0": stale.claim_message(round=round).encode()}
     assert state_problem(torch.stack([stale.anchor, *anchors[1:]]).mean(0), mean_momentum, stale,
                          round_claims(stale, stale_gathered, round=round), members=4, local_pseudo_grad=pg) is None
+
+
+def test_a_member_far_from_its_group_is_found_by_everyone_and_widens_nobodys_bound():
+    """``far_members`` flags, from the claims alone, a member whose anchor is far from the rest (a
+    stranger's, or one back from an old checkpoint); members a step or two apart, groups of two and a
+    fresh run (every anchor the same, no step yet) flag nobody. The others' check (``state_problem``
+    with ``far_claims``) then leaves its distance out, so the reducers' mean without it passes and a
+    lie its claim would have covered is refused; the far member itself still takes that mean."""
+    numel, round, pg_rms = 4093 * 8, 9, 1e-3
+    generator = torch.Generator().manual_seed(5)
+    base = torch.randn(numel, generator=generator) * 0.05
+    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
+    scale = torch.randn(numel, generator=generator) * pg_rms
+
+    def member(offset: float) -> SharedState:
+        state = SharedState(layout, base + torch.randn(numel, generator=generator) * pg_rms + offset * scale, OUTER)
+        state.apply(scale, round=round - 1)  # one step: its claim now carries a step's scale
+        return state
+
+    states = [member(0.0) for _ in range(4)] + [member(40.0)]
+    claims = {f"m{i}": s.claim_message(round=round).encode() for i, s in enumerate(states)}
+    decoded = claims_by_peer(states[0], claims, round=round)
+    assert far_members([claim_of(m) for m in decoded.values()]) == [False] * 4 + [True]
+    assert far_claims(decoded, self_id="m0") == [False] * 4 + [True]
+    assert far_claims(decoded, self_id="m4") == [False] * 5  # the far member's own check leaves nobody out
+    assert not any(far_members([claim_of(m) for m in list(decoded.values())[:4]]))
+    assert far_members([claim_of(m) for m in list(decoded.values())[3:]]) == [False, False]  # two: undecidable
+    fresh = [SharedState(layout, base.clone(), OUTER) for _ in range(3)]
+    assert not any(far_members([s.claim() for s in fresh]))
+    # What the reducers return: the four close members' mean, the far one left out.
+    mean = torch.stack([s.anchor for s in states[:4]]).mean(0)
+    momentum = torch.stack([s.momentum for s in states[:4]]).mean(0)
+    pg = torch.randn(numel, generator=generator) * pg_rms
+
+    def problem(anchor, ours=states[0], self_id="m0"):
+        by_peer = claims_by_peer(ours, claims, round=round)
+        return state_problem(anchor, momentum, ours, list(by_peer.values()), members=5, local_pseudo_grad=pg,
+                             left_out=far_claims(by_peer, self_id=self_id))
+
+    assert problem(mean) is None
+    assert problem(mean, ours=states[4], self_id="m4") is None  # the far member takes it
+    lied = mean.clone()
+    lied[: 4093] += 20 * pg_rms  # a reducer's share moved 20 steps: within what the far claim allowed
+    assert "anchor is" in problem(lied)
+    by_peer = claims_by_peer(states[0], claims, round=round)
+    assert state_problem(lied, momentum, states[0], list(by_peer.values()), members=5, local_pseudo_grad=pg) is None

@@ -14,9 +14,9 @@ from averaging.math.fingerprints import consensus
 from averaging.math.flat import FlatLayout
 from averaging.math.merge import merge_correction
 from averaging.math.outer_step import OuterConfig, outer_step_
-from averaging.math.wire import WireFormat, accounted_for, returned, round_payload
+from averaging.math.wire import WireFormat, accounted_for, mix_code, returned, round_payload
 from averaging.state.shared_state import SharedState
-from node.library.config import AveragingConfig, sync_shared_fields
+from node.library.config import AveragingConfig, RoundConfig, sync_shared_fields
 from node.library.local_network import LocalNetwork, LocalSwarmHub
 from protocols.errors import ConfigError
 
@@ -281,3 +281,26 @@ def test_round_payload_counts_sends_and_returns_in_their_codes():
     assert round_payload(1000, 3, send_bytes_per_value=2, return_bytes_per_value=2, client_mode=True) == (2000, 2000)
     assert WireFormat.of("none").send_bytes_per_value() == 4
     assert WireFormat.of("int2").send_bytes_per_value() == codecs.bytes_per_value("int2", 256)
+
+
+def test_sub_groups_send_the_state_in_fp16_only_where_every_member_takes_the_same_bytes():
+    """``mix_code``: fp16 (4 bytes a parameter each way instead of 8) where reducers return the mean
+    itself; fp32 where they return deltas (each member would keep its own fp16 rounding) or where
+    the inner optimizer's moments ride (fp16 flushes a second moment's small entries). The code is
+    a manifest field of every sub-group run, so peers that would decode otherwise are refused."""
+    assert mix_code(WireFormat.of("int4"), with_inner_state=False) == "fp16"
+    assert mix_code(WireFormat.of("int8"), with_inner_state=False) == "fp16"
+    assert mix_code(WireFormat.of("int4", return_compression="fp16"), with_inner_state=False) == "fp32"
+    assert mix_code(WireFormat.of("fp16"), with_inner_state=False) == "fp32"
+    assert mix_code(WireFormat.of("int4"), with_inner_state=True) == "fp32"
+    shared = lambda **kw: sync_shared_fields(outer=OuterConfig(), rounds=RoundConfig(),  # noqa: E731
+                                             averaging=AveragingConfig(**kw))
+    assert shared(target_group_size=8)["averaging.state_code"] == "fp16"
+    assert shared(target_group_size=8, average_inner_state=True)["averaging.state_code"] == "fp32"
+    assert "averaging.state_code" not in shared()  # one group: no state on the wire
+    # An anchor's fp16 round trip under the part's power-of-two scale: within 2**-11 of the part's
+    # largest value, whatever its magnitude (weights of size 1e-3 or 1e3 alike).
+    for size in (1e-3, 1.0, 1e3):
+        anchor = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * size
+        back = codecs.decode(codecs.encode(anchor, "fp16"), max_numel=4096)
+        assert float((back - anchor).abs().max()) <= 2**-11 * float(anchor.abs().max())

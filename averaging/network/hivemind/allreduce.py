@@ -105,11 +105,16 @@ class RobustPartReducer(TensorPartReducer):
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, config: RobustConfig,
                  local_sender_index: int | None, refuse: Callable[[int, str], None],
-                 return_code: str | None = None, extra_parts: Sequence[bool] = (), extra_code: str | None = None):
+                 return_code: str | None = None, extra_parts: Sequence[bool] = (), extra_code: str | None = None,
+                 far_senders: frozenset[int] = frozenset()):
         """``extra_parts[i]``: our part ``i`` is of the extra tensor (``PayloadCompression``): judged
         without work scaling (a moment is not work: a peer that did more steps has no longer ones),
-        and with ``return_code`` returned as its average in ``extra_code``."""
+        and with ``return_code`` returned as its average in ``extra_code``. ``far_senders``: with
+        sub-groups, the members whose claimed anchor is far from the rest
+        (``averaging.math.fingerprints.far_members``): weight 0 on the extra tensor's parts (they
+        take the others' mean), unless nobody else sent one."""
         self.config, self.local_sender_index, self.refuse = config, local_sender_index, refuse
+        self.far_senders = far_senders
         self.return_code, self.extra_code = return_code, extra_code
         self.extra_parts = tuple(extra_parts) or (False,) * len(part_shapes)
         assert len(self.extra_parts) == len(part_shapes)
@@ -187,6 +192,8 @@ class RobustPartReducer(TensorPartReducer):
     def _aggregate_current(self) -> torch.Tensor:
         # 3. Norm screening against our own part and the median, then bounded weights, then the rule.
         senders = [s for s in sorted(self.contributions) if s not in self.excluded]
+        if self.extra_parts[self.current_part_index] and self.far_senders:
+            senders = [s for s in senders if s not in self.far_senders] or senders
         parts = [self.contributions[s][0] for s in senders]
         part_norms = robust.norms(parts)
         own_norm = part_norms[senders.index(self.local_sender_index)] if self.local_sender_index in senders else 0.0
@@ -242,7 +249,9 @@ class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's runner with ``RobustPartReducer``, returned-delta checks and the ban list."""
 
     def __init__(self, *, robust_config: RobustConfig, ban_list: BanList, counters: RobustCounters | None = None,
-                 strikes: Strikes | None = None, **kwargs):
+                 strikes: Strikes | None = None, far_peers: Sequence[PeerID] = (), **kwargs):
+        """``far_peers``: members whose anchor and momentum get weight 0 (``RobustPartReducer``'s
+        ``far_senders``)."""
         super().__init__(**kwargs)
         self.robust_config, self.ban_list, self.counters, self.strikes = robust_config, ban_list, counters, strikes
         self.failed_reducers: list[PeerID] = []  # reducers whose stream failed, in the order they failed
@@ -263,7 +272,11 @@ class RobustAllReduceRunner(AllReduceRunner):
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
             config=robust_config, local_sender_index=local_index, refuse=self._refuse_sender,
             return_code=self.return_code, extra_parts=[i >= container.num_parts_by_tensor[0] for i in own],
-            extra_code=hivemind_codecs.extra_code(container.compression))
+            extra_code=hivemind_codecs.extra_code(container.compression),
+            far_senders=frozenset(self.sender_peer_ids.index(p) for p in far_peers if p in self.sender_peer_ids))
+        if far_peers:
+            logger.info(f"group {self.group_id.hex()[:8]}: the anchors of {', '.join(map(str, far_peers))} are far "
+                        "from the others' (their claims): weight 0 in the group's mean state")
         container.__class__ = CheckedPartContainer
         container.max_norm_ratio, container.on_bad_return, container.distrusted = (
             robust_config.max_norm_ratio, self._refuse_reducer, set())
@@ -469,12 +482,12 @@ def gathered_signature_problem(serializer, raw: bytes, *, peer_id: str, prefix: 
         declared_mode = AveragingMode(declared_mode)
     except Exception as e:  # noqa: BLE001 - undecodable
         return f"undecodable metadata ({type(e).__name__})"
-    return signature_problem(_user_claim(serializer, user_data), peer_id=peer_id, prefix=prefix,
+    return signature_problem(gathered_claim(serializer, user_data), peer_id=peer_id, prefix=prefix,
                              mode=declared_mode.value)
 
 
-def _user_claim(serializer, user_data: object) -> object:
-    """A member's user data (bytes of its gathered object) decoded, or None."""
+def gathered_claim(serializer, user_data: object) -> object:
+    """A member's user data (bytes of its gathered object: its claim) decoded, or None."""
     try:
         return serializer.loads(user_data) if isinstance(user_data, bytes) else None
     except Exception:  # noqa: BLE001 - undecodable: no claim
@@ -482,7 +495,7 @@ def _user_claim(serializer, user_data: object) -> object:
 
 
 def _proof_in(serializer, user_data: object) -> bytes | None:
-    data = _user_claim(serializer, user_data)
+    data = gathered_claim(serializer, user_data)
     proof = data.get("admit") if isinstance(data, dict) else None
     return proof if isinstance(proof, bytes) else None
 
@@ -530,7 +543,7 @@ def vet_group(group_info: GroupInfo, *, peer_id: PeerID, bandwidth: float | None
             raise ForgedGroup(f"the leader misstated our own entry (mode {declared_mode.name}, "
                               f"bandwidth {declared_bandwidth!r:.20})")
         if signed_prefix is not None:
-            problem = signature_problem(_user_claim(serializer, user_data), peer_id=str(peer), prefix=signed_prefix,
+            problem = signature_problem(gathered_claim(serializer, user_data), peer_id=str(peer), prefix=signed_prefix,
                                         mode=declared_mode.value)
             if problem is not None:
                 raise ForgedGroup(f"the entry of {peer}: {problem}")

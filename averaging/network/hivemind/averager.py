@@ -49,6 +49,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
+from averaging.math.fingerprints import NUM_PROJECTIONS, chunk_length, claim_of, far_members
 from averaging.math.robust import BanList, RobustConfig, Strikes
 from averaging.network.hivemind import pins
 from averaging.network.hivemind.allreduce import (
@@ -57,6 +58,7 @@ from averaging.network.hivemind.allreduce import (
     RobustAllReduceRunner,
     RobustCounters,
     ban,
+    gathered_claim,
     gathered_proof,
     gathered_signature_problem,
     vet_group,
@@ -67,6 +69,7 @@ from averaging.network.hivemind.serving import StateServing
 from averaging.network.interface import StateProvider, UpdateProvider
 from protocols import swarm_time
 from protocols.admission import admitted, make_proof
+from protocols.messages import ClaimMessage
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +114,13 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
 
     def __init__(self, *args, state_provider: StateProvider, update_provider: UpdateProvider | None = None,
                  registration_wait: float = 10.0, robust: RobustConfig | None = None,
-                 admission: bytes | None = None, signed_claims: bool = False, **kwargs):
+                 admission: bytes | None = None, signed_claims: bool = False, far_state_numel: int = 0, **kwargs):
         """``signed_claims``: every member's gathered claim must be signed by it
-        (``protocols.signed_claims``); a leader that relays a forged one is banned."""
+        (``protocols.signed_claims``); a leader that relays a forged one is banned.
+        ``far_state_numel``: sub-groups, whose extra tensor carries the anchors (of that many values):
+        members whose claimed anchor is far from the rest get weight 0 on it (``far_peers``)."""
         self._state_provider = state_provider
+        self._far_state_numel = far_state_numel
         self._signed_claims = signed_claims
         # A private swarm's admission key (protocols.admission): every request we serve and every
         # member of a group we join must prove it; None (a public swarm) admits everyone.
@@ -311,7 +317,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             runner = AllReduceRunner(**common)
         else:
             runner = RobustAllReduceRunner(robust_config=self._robust, ban_list=self._ban_list,
-                                           counters=self.robust_counters, strikes=self._strikes, **common)
+                                           counters=self.robust_counters, strikes=self._strikes,
+                                           far_peers=self.far_peers(group_info), **common)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
@@ -327,6 +334,26 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             self._partial[group_id] = container.failed_size / max(1, container.total_size)
         if isinstance(runner, RobustAllReduceRunner):  # every reducer's stream has ended by now
             runner.strike_failed_reducers(round=_STEP_ROUND.get(self._ban_list.round))
+
+    def far_peers(self, group_info: GroupInfo) -> list:
+        """With sub-groups, the members whose claimed anchor is far from the rest
+        (``averaging.math.fingerprints.far_members``, from the claims every member gathered, so each
+        reducer and each member's own check find the same ones); a claim we cannot decode counts
+        for nobody."""
+        if not self._far_state_numel:
+            return []
+        numel = self._far_state_numel
+        peers, claims = [], []
+        for peer, raw in zip(group_info.peer_ids, group_info.gathered):
+            try:
+                _, _, user_data = self.serializer.loads(raw)
+                message = ClaimMessage.decode(gathered_claim(self.serializer, user_data), numel=numel,
+                                              chunk_len=chunk_length(numel), num_projections=NUM_PROJECTIONS)
+            except Exception:  # noqa: BLE001 - anything undecodable: no claim
+                continue
+            peers.append(peer)
+            claims.append(claim_of(message))
+        return [peer for peer, far in zip(peers, far_members(claims)) if far]
 
     # -- admission (a private swarm) ----------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by

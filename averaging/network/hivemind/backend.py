@@ -97,6 +97,7 @@ class HivemindBackend:
         share_state: bool = True,
         extra_numel: int = 0,
         extra_code: str = EXTRA_CODE,
+        mixing: bool = False,
     ):
         """``admission``: a private swarm's admission key (``protocols.admission.admission_key``).
         ``signer``: this peer's libp2p identity (the DHT's): our claims are signed with it and every
@@ -106,8 +107,10 @@ class HivemindBackend:
         ``extra_numel``: a second vector of that many values averaged in the same all-reduce
         (``average(extra=...)``), in bf16 and judged without work scaling: the inner optimizer's
         moments. Every member of a run must agree on it (the parts are cut from both tensors).
-        ``extra_code``: that vector's codec both ways (``MIX_CODE``, fp32, when it carries anchors:
-        ``averaging.engine.mixing``)."""
+        ``extra_code``: that vector's codec both ways (``averaging.math.wire.mix_code``'s when it
+        carries anchors: ``averaging.engine.mixing``). ``mixing``: it does (sub-groups), so the
+        reducers give a member whose claimed anchor is far from the rest weight 0 on it
+        (``averaging.math.fingerprints.far_members``)."""
         if signer is not None and signer.peer_id != str(dht.peer_id):
             raise ValueError("the signer must be the DHT's own identity")
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
@@ -146,6 +149,7 @@ class HivemindBackend:
             robust=robust,
             admission=admission,
             signed_claims=signer is not None,
+            far_state_numel=numel if mixing and extra_numel else 0,
             **part_bytes,
         )
         self._signer = signer
