@@ -139,24 +139,13 @@ def _addrs(obj: dict, peer_id: str) -> tuple[str, ...] | None:
     return tuple(out)
 
 
-def _group_count(obj: dict) -> int | None:
-    """The record's sub-group count: a power of two up to ``MAX_GROUPS`` (what every peer derives
-    its group from), or None."""
-    if obj.get("group_count") is None:
+def _power_of_two(obj: dict, key: str, high: int) -> int | None:
+    """An optional power of two up to ``high`` (a sub-group count, a key count), or None."""
+    if obj.get(key) is None:
         return None
-    count = bounded_int(obj, "group_count", 1, MAX_GROUPS)
+    count = bounded_int(obj, key, 1, high)
     if count & (count - 1):
-        raise MessageError(f"group_count: expected a power of two, got {count}")
-    return count
-
-
-def _progress_shards(obj: dict) -> int | None:
-    """The record's key count in an auto-sharded run (a power of two up to the keys' cap), or None."""
-    if obj.get("progress_shards") is None:
-        return None
-    count = bounded_int(obj, "progress_shards", 1, MAX_PROGRESS_SHARDS)
-    if count & (count - 1):
-        raise MessageError(f"progress_shards: expected a power of two, got {count}")
+        raise MessageError(f"{key}: expected a power of two, got {count}")
     return count
 
 
@@ -214,8 +203,9 @@ def decode(peer_id: str, value: Any) -> ProgressRecord:
         rounds_done=bounded_int(value, "rounds_done", 0, MAX_ROUND) if value.get("rounds_done") is not None else None,
         clock_offset_s=_number(value, "clock_offset_s", -MAX_CLOCK_OFFSET, MAX_CLOCK_OFFSET, optional=True),
         addrs=_addrs(value, peer_id),
-        group_count=_group_count(value),
-        progress_shards=_progress_shards(value),
+        # what every peer derives its group from; how many keys its writer's records spread over
+        group_count=_power_of_two(value, "group_count", MAX_GROUPS),
+        progress_shards=_power_of_two(value, "progress_shards", MAX_PROGRESS_SHARDS),
     )
 
 
