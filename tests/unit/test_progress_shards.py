@@ -134,3 +134,26 @@ def test_a_strangers_record_claiming_64_keys_makes_a_small_swarm_read_at_most_4(
     assert all(len(s) == 3 for s in seen)
     assert {d.read_shards for d in peers} == {4}, "a forged count was followed past 4x our own"
     assert len(set(dht.gets)) <= 4
+
+
+def test_a_newcomer_finds_a_sharded_swarm_whose_first_key_holds_nobody(low_thresholds):
+    """Four writers at 4 keys, none of them under key 0 (a third of the time in so small a swarm):
+    a newcomer's first read covers the first 4 keys, so it still finds them all."""
+    writers = []
+    while len(writers) < 4:  # identities whose records land outside key 0 at 4 keys
+        identity = PeerKey.generate()
+        if progress_shard(peer_id_of(identity.public), 4) != 0:
+            writers.append(identity)
+    dht = FakeDht()
+    peers = []
+    for identity in writers:
+        directory = DhtDirectory(dht.for_peer(peer_id_of(identity.public)), RUN, owner=identity.public)
+        directory.use_progress_shards("auto")
+        peers.append(directory)
+    heartbeat(peers)
+    dht.data.clear()
+    heartbeat(peers)  # now at 4 keys, key 0 empty
+    assert {d.shards for d in peers} == {4} and peers_key(RUN, 0) not in dht.data
+    newcomer = DhtDirectory(dht, RUN)
+    newcomer.use_progress_shards("auto")
+    assert len(newcomer.progress()[0]) == 4 and newcomer.read_shards == 4
