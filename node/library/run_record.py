@@ -187,7 +187,6 @@ class DhtDirectory:
         self.shards = 1  # the keys we write under
         self.read_shards = 1  # the keys our next read covers
         self.auto = False
-        self._read_once = False
 
     def use_progress_shards(self, shards: int | str) -> None:
         """The run's ``averaging.progress_shards``: a fixed count, or ``"auto"`` (from one key up)."""
@@ -195,11 +194,12 @@ class DhtDirectory:
         self.auto = setting == AUTO_SHARDS
         if not self.auto:
             self.shards = self.read_shards = setting
-        elif not self._read_once:
-            # A first read looks at READ_CEILING keys: it learns the counts from the records it finds,
-            # and in a small sharded swarm key 0 alone may hold nobody's (3 of 4 writers at 4 keys
-            # miss it a third of the time). Later reads follow the counts (``shards_to_read``).
-            self.read_shards = READ_CEILING
+        else:
+            # The next read looks at READ_CEILING keys at least: it learns the counts from the records
+            # it finds, and in a small sharded swarm key 0 alone may hold nobody's (4 writers at 4
+            # keys all miss it a third of the time). Reads after it follow the counts
+            # (``shards_to_read``). So also for a peer that read key 0 alone while it joined.
+            self.read_shards = max(self.read_shards, READ_CEILING)
 
     def now(self) -> float:
         return swarm_time.now()
@@ -234,7 +234,6 @@ class DhtDirectory:
             read = wanted
             if self.auto:
                 wanted = shards_to_read(self.shards, (r.progress_shards for r in records.values()), len(records))
-        self._read_once = True
         if self.auto:
             self.shards = auto_progress_shards(len(records), self.shards)
             self.read_shards = shards_to_read(self.shards, (r.progress_shards for r in records.values()), len(records))
