@@ -104,14 +104,9 @@ ESTIMATE_SLACK = 4.0
 STEP_SLACK = 4.0
 
 
-def round_claims(state: SharedState, gathered: Mapping[str, Any], *, round: int) -> list[ClaimMessage]:
-    """The group's valid claims for ``round`` (ours included), each decoded once; an invalid one is
-    logged and left out."""
-    return list(claims_by_peer(state, gathered, round=round).values())
-
-
 def claims_by_peer(state: SharedState, gathered: Mapping[str, Any], *, round: int) -> dict[str, ClaimMessage]:
-    """``round_claims`` by member."""
+    """The group's valid claims for ``round`` by member (ours included), each decoded once; an
+    invalid one is logged and left out."""
     claims = {}
     for peer, raw in gathered.items():
         try:

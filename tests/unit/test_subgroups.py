@@ -21,7 +21,6 @@ from averaging.engine.mixing import (
     far_claims,
     group_rounds_done,
     one_group,
-    round_claims,
     state_numel,
     state_problem,
 )
@@ -220,7 +219,7 @@ def test_the_group_takes_the_most_steps_a_member_claims_within_the_schedule():
     liar.rounds_done = 50
     gathered = {"ahead": ahead.claim_message(round=6).encode(), "liar": liar.claim_message(round=6).encode(),
                 "stale": ahead.claim_message(round=5).encode(), "junk": b"\x00"}
-    claims = round_claims(state, gathered, round=6)  # the stale claim and the junk are left out
+    claims = list(claims_by_peer(state, gathered, round=6).values())  # the stale claim and the junk are left out
     assert group_rounds_done(state, claims, round=6) == 5  # the liar is past round 6: not counted
 
 
@@ -244,8 +243,8 @@ def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
     ours, pg = states[0], torch.randn(numel, generator=generator) * pg_rms
 
     def problem(anchor, momentum, state=ours, gathered=gathered):
-        return state_problem(anchor, momentum, state, round_claims(state, gathered, round=round), members=4,
-                             local_pseudo_grad=pg)
+        return state_problem(anchor, momentum, state, list(claims_by_peer(state, gathered, round=round).values()),
+                             members=4, local_pseudo_grad=pg)
 
     mean_momentum = torch.stack([s.momentum for s in states]).mean(0)
     weights = torch.tensor([1.0, 3.0, 0.5, 2.0])
@@ -267,7 +266,8 @@ def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
     stale = SharedState(layout, anchors[0] + 40 * pg_rms, OUTER)
     stale_gathered = {**gathered, "m0": stale.claim_message(round=round).encode()}
     assert state_problem(torch.stack([stale.anchor, *anchors[1:]]).mean(0), mean_momentum, stale,
-                         round_claims(stale, stale_gathered, round=round), members=4, local_pseudo_grad=pg) is None
+                         list(claims_by_peer(stale, stale_gathered, round=round).values()), members=4,
+                         local_pseudo_grad=pg) is None
 
 
 def test_a_member_far_from_its_group_is_found_by_everyone_and_widens_nobodys_bound():
