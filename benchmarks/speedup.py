@@ -47,7 +47,9 @@ the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
 ``--group-sizes G``: round-seeded sub-groups of at most G peers (``averaging.math.groups``) that average
 pseudo-gradients, anchors and outer momentum within the group (``run_swarm_groups``; issue 32); 0 is one
 group of everyone. There the anchors and momenta are averaged exactly, or with ``+state16`` as the fp16
-code carries them (``averaging.math.wire.MIX_CODE``).
+code carries them (``averaging.math.wire.MIX_CODE``), or with ``+lattice`` as the lattice code does
+(``averaging.math.lattice``: every member's state on the grid its group's claims set, the weighted mean
+rounded to it again; values that would unwrap wrongly are counted as ``lattice_overflows``).
 
 Everything is simulated: no failures, no network; figures are labelled so. Writes
 ``benchmarks/results/speedup.{md,json}`` (and ``.png`` when matplotlib is installed).
@@ -74,7 +76,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # harness's own imports
 
 import torch  # noqa: E402
 
-from averaging.math import codecs, inner_state, robust  # noqa: E402
+from averaging.math import codecs, inner_state, lattice, robust  # noqa: E402
+from averaging.math.fingerprints import AnchorClaim, chunk_length, chunk_rms, far_members, fingerprint  # noqa: E402
 from averaging.math.flat import FlatLayout  # noqa: E402
 from averaging.math.groups import group_count, members  # noqa: E402
 from averaging.math.merge import apply_correction_, eager_jump, landing_correction, merge_correction, stand_in  # noqa: E402
@@ -250,8 +253,8 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
     its work and weight go into its next round). Peers then hold different anchors: peer 0's is evaluated
     (what a user holds), the token-free mean too. ``blocking`` and ``overlap`` only, no flags."""
     mode, *flags = rule.split("+")
-    if mode not in ("blocking", "overlap") or set(flags) - {"state16"}:
-        raise SystemExit(f"--group-sizes: rule {rule} is not supported (blocking, overlap; +state16)")
+    if mode not in ("blocking", "overlap") or set(flags) - {"state16", "lattice"}:
+        raise SystemExit(f"--group-sizes: rule {rule} is not supported (blocking, overlap; +state16, +lattice)")
     # +state16: anchors and momenta travel in fp16 (sends and the returned mean, a power-of-two scale
     # per part: averaging.math.wire.MIX_CODE), else exactly (fp32, the engine before fp16)
     wired = _fp16_parts if "state16" in flags else (lambda x: x)
@@ -268,6 +271,11 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
     groups = group_count(len(steps), group_size)
     pending: list = [None] * len(steps)  # per peer: (new anchor, old anchor, accounted) awaiting the merge
     spreads, folds = [], 0
+    on_lattice = "lattice" in flags
+    numel = anchors[0].numel()
+    chunk = chunk_length(numel)
+    scales = [torch.zeros(-(-numel // chunk), dtype=torch.float64) for _ in steps]  # each claim's step
+    overflows = 0
 
     def land(i: int) -> None:
         new, old, accounted = pending[i]
@@ -297,9 +305,16 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
             average = aggregate([sends[i] for i in idx], weights, config, work_scaled=True, keep_norm=False)
             average = returned(average, sends[idx[0]], wire.return_code)
             share = [w / sum(weights) for w in weights]
-            anchor = wired(sum(w * wired(anchors[i]) for w, i in zip(share, idx)))
-            momentum = wired(sum(w * wired(momenta[i]) for w, i in zip(share, idx)))
+            if on_lattice:
+                anchor, momentum, wrong = _lattice_mean([anchors[i] for i in idx], [momenta[i] for i in idx],
+                                                        [scales[i] for i in idx], share)
+                overflows += wrong
+            else:
+                anchor = wired(sum(w * wired(anchors[i]) for w, i in zip(share, idx)))
+                momentum = wired(sum(w * wired(momenta[i]) for w, i in zip(share, idx)))
             outer_step_(anchor, average, momentum, lr=outer_lr, mu=mu, nesterov=True)
+            for i in idx:
+                scales[i] = chunk_rms(average, chunk)
             averages.append(average)
             for i in idx:
                 accounted = accounted_for(grads[i], sends[i], averaged=True, local=False,
@@ -316,7 +331,29 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
     mean = sum(anchors) / len(anchors)
     late = spreads[len(spreads) // 2:]
     return {"final_eval": _eval(trainers[0], layout, anchors[0]), "mean_anchor_eval": _eval(trainers[0], layout, mean),
-            "spread_median": statistics.median(late), "spread_max": max(late), "folds": folds}
+            "spread_median": statistics.median(late), "spread_max": max(late), "folds": folds,
+            **({"lattice_overflows": overflows} if on_lattice else {})}
+
+
+def _lattice_mean(anchors: list[torch.Tensor], momenta: list[torch.Tensor], scales: list[torch.Tensor],
+                  share: list[float]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A group's mean state as the lattice code carries it: the grid from the members' claims
+    (``lattice.group_lattice``; far members weigh nothing in the mean, as in the reducers), each
+    member's state on it, the weighted mean rounded to it; and how many values lay beyond half the
+    range from the mean (they would unwrap a whole range off: counted, not simulated)."""
+    claims = [AnchorClaim(fingerprint(a), s, 0) for a, s in zip(anchors, scales)]
+    far = far_members(claims)
+    grid = lattice.group_lattice(claims, [fingerprint(m) for m in momenta], far)
+    states = [torch.cat([a, m]) for a, m in zip(anchors, momenta)]
+    near = [(w, s) for w, s, f in zip(share, states, far) if not f] or list(zip(share, states))
+    total = sum(w for w, _ in near)
+    mean = lattice.on_grid(sum(w / total * lattice.on_grid(s, grid) for w, s in near), grid)
+    half = torch.empty_like(mean, dtype=torch.float64)
+    for start, stop, step in grid.spans():
+        half[start:stop] = step * lattice.HALF
+    wrong = sum(int(((s.double() - mean.double()).abs() > half).sum()) for (_, s) in near)
+    numel = anchors[0].numel()
+    return mean[:numel].clone(), mean[numel:].clone(), wrong
 
 
 def _point(point: dict) -> dict:
@@ -415,6 +452,16 @@ def report(points: list[dict], args, command: str, minutes: float) -> tuple[str,
              "| swarm | inner steps a round | eval loss (mean) | speedup vs its fastest member alone "
              "| loss vs lockstep DDP of the same peers |",
              "|---|---|---|---|---|", *[r[-1] for r in sorted(rows)]]
+    grouped = {key: runs for key, runs in by_label.items() if "spread_median" in runs[0]}
+    if grouped:  # sub-group runs: how far apart the anchors stayed, and the lattice code's misses
+        lines += ["", "Sub-groups: spread of the anchors across groups (RMS of the farthest from their mean, in "
+                  "pseudo-gradient RMS, median over the second half of the rounds), rounds a peer was alone "
+                  "(folds), and values the lattice code would have unwrapped a range off (overflows).", "",
+                  "| swarm | spread (median, mean over seeds) | folds | lattice overflows |", "|---|---|---|---|"]
+        for key, runs in grouped.items():
+            overflows = [p["lattice_overflows"] for p in runs if "lattice_overflows" in p]
+            lines.append(f"| {key} | {statistics.fmean(p['spread_median'] for p in runs):.2f} "
+                         f"| {sum(p['folds'] for p in runs)} | {sum(overflows) if overflows else '-'} |")
     return "\n".join(lines) + "\n", summary
 
 

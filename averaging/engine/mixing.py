@@ -130,6 +130,16 @@ def far_claims(claims: Mapping[str, ClaimMessage], *, self_id: str) -> list[bool
     return far
 
 
+def far_from_group(claims: Mapping[str, ClaimMessage], *, self_id: str) -> list[str] | None:
+    """If we are far from our group by the claims (``far_members``), the members that are not (the
+    donors of the group's state); else None. With the lattice code a far member cannot decode the
+    group's state (``averaging.math.lattice``) and downloads it from them instead."""
+    far = far_members([claim_of(message) for message in claims.values()])
+    if not any(f for peer, f in zip(claims, far) if peer == self_id):
+        return None
+    return [peer for peer, f in zip(claims, far) if not f and peer != self_id]
+
+
 def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedState,
                   claims: list[ClaimMessage], *, members: int, local_pseudo_grad: torch.Tensor,
                   left_out: list[bool] | None = None) -> str | None:

@@ -33,6 +33,7 @@ from averaging.engine.mixing import (
     Mixing,
     claims_by_peer,
     far_claims,
+    far_from_group,
     group_rounds_done,
     pack_state,
     state_numel,
@@ -46,7 +47,7 @@ from averaging.math.fingerprints import DivergenceWatch
 from averaging.math.flat import FlatLayout
 from averaging.math.merge import merge_correction
 from averaging.math.outer_step import anchor_before_step, pseudo_gradient
-from averaging.math.wire import EXTRA_CODE, WireFormat, accounted_for, round_payload
+from averaging.math.wire import EXTRA_CODE, LATTICE_CODE, WireFormat, accounted_for, round_payload
 from averaging.network.interface import AverageOutcome
 from averaging.state.accept import check_average, rms
 from averaging.state.shared_state import SharedState
@@ -140,19 +141,30 @@ def _alone_or_fold(conclusion: RoundConclusion, state: SharedState, local_pseudo
 
 def conclude_mixed(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: torch.Tensor, *, round: int,
                    averaged: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
-                   alone: bool = False, self_id: str = "") -> RoundConclusion:
+                   alone: bool = False, self_id: str = "", lattice: bool = False) -> RoundConclusion:
     """``conclude`` for a sub-group round (``averaging.engine.mixing``): no verdict, no catch-up, no
     re-sync (anchors of different groups differ by design); if the round succeeded and both the
     average and the group's mean state (``mixed``: the extra vector's head) are usable, take the
     group's state and apply its step, so every member ends with the same anchor. Otherwise as
     ``conclude``: our own step if alone, else the work folds (our stale anchor and the folded work
-    offset each other in our next group's mean)."""
+    offset each other in our next group's mean).
+
+    ``lattice``: the state rode the lattice code, which a member far from its group cannot decode
+    (``averaging.math.lattice``; its averager kept our own state): such a member applies the group's
+    step to its own state and re-syncs from the near members (``resync``, no reference claim: they
+    hold one state after the round, and the download's donors must agree)."""
     conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=max(1, len(outcome.group)), error=outcome.error)
     if outcome.ok and averaged is not None and mixed is not None:
         conclusion.group_size = len(outcome.group)
         anchor, momentum = unpack_state(mixed, state.layout.numel)
         by_peer = claims_by_peer(state, outcome.gathered, round=round)
         claims = list(by_peer.values())
+        donors = far_from_group(by_peer, self_id=self_id) if lattice else None
+        if donors:
+            _take(conclusion, check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms),
+                  lambda: state.apply(averaged, round=round))
+            conclusion.resync = Resync(donors=donors, reference=None)
+            return conclusion
         problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or state_problem(
             anchor, momentum, state, claims, members=len(outcome.group), local_pseudo_grad=local_pseudo_grad,
             left_out=far_claims(by_peer, self_id=self_id))
@@ -292,9 +304,14 @@ class RoundRunner:
         group's anchor; (conclusion, whether a re-sync replaced the anchor)."""
         usable = averaged if outcome.ok else None
         if self.mixing is not None:
-            return conclude_mixed(self.state, outcome, pseudo_grad, round=round, averaged=usable,
-                                  mixed=self._extra if outcome.ok else None, alone=self._alone(),
-                                  self_id=self.peer_id), False
+            conclusion = conclude_mixed(self.state, outcome, pseudo_grad, round=round, averaged=usable,
+                                        mixed=self._extra if outcome.ok else None, alone=self._alone(),
+                                        self_id=self.peer_id, lattice=self.mixing.code == LATTICE_CODE)
+            if conclusion.resync is None:
+                return conclusion, False
+            logger.warning(f"round {round}: our anchor is far from our group's (its claims), too far to decode the "
+                           "group's lattice-coded state; downloading it")
+            return conclusion, self.recovery.resync(round, conclusion.resync, None)
         conclusion = conclude(self.state, outcome, pseudo_grad, round=round, averaged=usable, self_id=self.peer_id,
                               alone=self._alone(), recovery=self.recovery)
         self._report_divergence(round, conclusion.verdict)

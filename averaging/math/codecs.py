@@ -65,6 +65,7 @@ FP32_MAX = torch.finfo(torch.float32).max
 FP16_MAX = torch.finfo(torch.float16).max
 FP16_MAX_EXPONENT = 112  # the fp16 code's exponent cap: 65504 * 2**112 < FP32_MAX
 FP16_NONFINITE_BITS = 0x7C00
+LATTICE_LEVELS = 256  # the lat8 code's residues: 0..255
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,9 @@ CODES: dict[str, Code] = {
         Code("fp32", 32, 32, 0, 0),
         Code("fp16", 16, 16, 0, 0),
         Code("bf16", 17, 16, 0, 0),  # fp32's range at 8 bits of precision: values spanning many binades
+        # Lattice residues (``averaging.math.lattice``): integers 0..255, one byte each, meaningful
+        # only against a reference the receiver holds (a sub-group's state).
+        Code("lat8", 18, 8, 0, 0),
         Code("int8", 8, 8, 127, 64),
         Code("int4", 4, 4, 7, 64),
         Code("int2", 2, 2, 1, 256),
@@ -163,6 +167,11 @@ def _quantize(tensor: torch.Tensor, spec: Code, block: int) -> _Quantized:
     if spec.name == "fp32":
         zero = torch.zeros((), dtype=torch.int32, device=flat.device)
         return _Quantized(flat, no_scales, zero, flat.new_ones(()), torch.isfinite(_peak(flat.abs())))
+    if spec.name == "lat8":  # residues mod 256 of the nearest integer
+        zero = torch.zeros((), dtype=torch.int32, device=flat.device)
+        residues = torch.remainder(flat.round(), LATTICE_LEVELS)
+        return _Quantized(residues.to(torch.uint8), no_scales, zero, flat.new_ones(()),
+                          torch.isfinite(_peak(flat.abs())))
     if spec.name == "bf16":
         zero = torch.zeros((), dtype=torch.int32, device=flat.device)
         brain = flat.to(torch.bfloat16)  # rounds to nearest; fp32's largest values may round to inf
@@ -317,7 +326,7 @@ def _checked_header(data: bytes | bytearray | memoryview, max_numel: int):
             raise _fail(f"block size {block} out of range")
         if not MIN_EXPONENT <= exponent <= MAX_EXPONENT:
             raise _fail(f"exponent {exponent} out of range")
-    elif block != 0 or (spec.name in ("fp32", "bf16") and exponent != 0):
+    elif block != 0 or (spec.name in ("fp32", "bf16", "lat8") and exponent != 0):
         raise _fail(f"{spec.name} with block size {block}, exponent {exponent}")
     elif not MIN_EXPONENT <= exponent <= FP16_MAX_EXPONENT:
         raise _fail(f"exponent {exponent} out of range")
@@ -331,6 +340,8 @@ _FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfl
 
 
 def _decode_float(body: torch.Tensor, spec, exponent: int) -> torch.Tensor:
+    if spec.name == "lat8":  # every byte is a valid residue
+        return body.float()
     values = body.view(_FLOAT_DTYPES[spec.name])
     # amax propagates NaN and inf, and is much faster than isfinite(values).all().
     if values.numel() and not bool(torch.isfinite(values.abs().amax())):

@@ -75,6 +75,10 @@ MIX_CODE = "fp16"
 # rounding of what it sent (members of a group 2**-12 of a weight apart), and the inner optimizer's
 # moments (``averaging.average_inner_state``) span more binades than fp16 keeps.
 MIX_CODE_EXACT = "fp32"
+# ``averaging.state_compression = "lat8"``: 1 byte a value, residues on a grid the group's claims set
+# (``averaging.math.lattice``); only where fp16 would do (reducers return the mean, no moments ride).
+LATTICE_CODE = "lat8"
+STATE_COMPRESSIONS = ("auto", "fp16", "fp32", LATTICE_CODE)
 
 
 def canonical(compression: str) -> str:
@@ -179,8 +183,23 @@ def round_payload(numel: int, group_size: int, *, send_bytes_per_value: float, r
     return each_way, each_way
 
 
-def mix_code(wire: WireFormat, *, with_inner_state: bool) -> str:
+def mix_code(wire: WireFormat, *, with_inner_state: bool, requested: str = "auto") -> str:
     """The code of a sub-group round's extra vector (anchor, momentum and, with ``with_inner_state``,
     the inner optimizer's moments): ``MIX_CODE`` where reducers return the mean itself and no
-    moments ride, else ``MIX_CODE_EXACT``."""
-    return MIX_CODE if wire.return_code in AVERAGE_RETURN_CODES and not with_inner_state else MIX_CODE_EXACT
+    moments ride, else ``MIX_CODE_EXACT``; ``requested`` (``averaging.state_compression``) picks fp32
+    or the lattice code instead (``state_compression_problem`` says where that is refused)."""
+    compact = wire.return_code in AVERAGE_RETURN_CODES and not with_inner_state
+    if requested in (LATTICE_CODE, MIX_CODE) and compact:
+        return requested
+    return MIX_CODE if compact and requested == "auto" else MIX_CODE_EXACT
+
+
+def state_compression_problem(wire: WireFormat, *, with_inner_state: bool, requested: str) -> str | None:
+    """Why ``averaging.state_compression = requested`` cannot be honoured, or None."""
+    if requested not in STATE_COMPRESSIONS:
+        return f"must be one of: {', '.join(STATE_COMPRESSIONS)}"
+    if requested in (LATTICE_CODE, MIX_CODE) and mix_code(wire, with_inner_state=with_inner_state,
+                                                          requested=requested) != requested:
+        return (f"{requested!r} needs reducers that return the average (averaging.compression int8/int4 with "
+                "return_compression auto, int8 or int4) and average_inner_state = false; use \"auto\"")
+    return None

@@ -52,7 +52,7 @@ class Resync:
     """Download the state from ``donors`` and keep it only if it matches ``reference`` (8 bytes/param)."""
 
     donors: list[str]
-    reference: AnchorClaim
+    reference: AnchorClaim | None  # None: the donors must agree with each other (a sub-group's state)
 
 
 @dataclass(slots=True)

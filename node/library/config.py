@@ -17,7 +17,14 @@ from averaging.math.fingerprints import DEFAULT_ABS_TOL, DEFAULT_REL_TOL
 from averaging.math.groups import RULE as SUB_GROUPS_RULE
 from averaging.math.outer_step import OuterConfig
 from averaging.math.robust import AGGREGATIONS, RobustConfig
-from averaging.math.wire import COMPRESSIONS, FLOAT_CODES, RETURN_CODES, WireFormat, mix_code
+from averaging.math.wire import (
+    COMPRESSIONS,
+    FLOAT_CODES,
+    RETURN_CODES,
+    WireFormat,
+    mix_code,
+    state_compression_problem,
+)
 from protocols.errors import ConfigError
 from protocols.keys import AUTO_SHARDS, validate_shards_setting
 
@@ -50,11 +57,17 @@ class AveragingConfig:
     error_feedback: bool = True  # int codes: what quantization drops re-enters the next round (per peer)
     # 0 = one group of everybody each round (up to 64). Else sub-groups: each round the swarm splits
     # into groups of about this size (8-16 for a large swarm) that change every round, and each
-    # group averages its members' anchors and outer momenta with the pseudo-gradient (in fp32:
-    # 8 bytes a parameter each way more), so anchors agree within a group and converge across groups
-    # (averaging.engine.mixing, docs/scale.md). Shared. Only partly hardened against strangers
-    # (docs/security.md): prefer private swarms.
+    # group averages its members' anchors and outer momenta with the pseudo-gradient (in fp16:
+    # 4 bytes a parameter each way more; see state_compression), so anchors agree within a group and
+    # converge across groups (averaging.engine.mixing, docs/scale.md). Shared. Only partly hardened
+    # against strangers (docs/security.md): prefer private swarms.
     target_group_size: int = 0
+    # Sub-groups: the code of the anchors and momenta on the wire. "auto": fp16 where reducers return
+    # the average (int8/int4) and no inner moments ride, else fp32. "lat8": 1 byte a value, residues
+    # on a grid the group's claims set (averaging.math.lattice): half fp16's bytes, the state lands
+    # within 1/8 of an outer step of the group's mean; a member far from its group downloads the
+    # group's state instead. "fp16"/"fp32" force those. Shared.
+    state_compression: str = "auto"
     min_group_size: int = 2
     matchmaking_seconds: float = 3.0  # hivemind min_matchmaking_time
     request_timeout: float = 1.5  # must be < matchmaking_seconds
@@ -95,6 +108,10 @@ class AveragingConfig:
             raise ConfigError("averaging.target_group_size must be 0 (one group of everybody) or at least 2 "
                               "(sub-groups of about that many peers: 8-16 for a large swarm), and "
                               "averaging.min_group_size >= 2")
+        problem = state_compression_problem(self.wire, with_inner_state=self.average_inner_state,
+                                            requested=self.state_compression)
+        if problem is not None:
+            raise ConfigError(f"averaging.state_compression ({self.state_compression!r}) {problem}")
         if not 0 < self.request_timeout < self.matchmaking_seconds:
             raise ConfigError(
                 f"averaging.request_timeout ({self.request_timeout}) must be below averaging.matchmaking_seconds "
@@ -150,7 +167,8 @@ def sync_shared_fields(*, outer: OuterConfig, rounds: RoundConfig, averaging: Av
                        "averaging.sub_groups": SUB_GROUPS_RULE,
                        # the anchors' and momenta's code on the wire (members must decode alike)
                        "averaging.state_code": mix_code(averaging.wire,
-                                                        with_inner_state=averaging.average_inner_state)})
+                                                        with_inner_state=averaging.average_inner_state,
+                                                        requested=averaging.state_compression)})
     if averaging.average_inner_state:  # likewise; every member's all-reduce then carries the moments
         shared["averaging.average_inner_state"] = True
     return shared

@@ -223,7 +223,7 @@ class DiLoCoSwarm:
         avg = self.averaging
         # Sub-groups (averaging.engine.mixing): the anchor and momentum ride every all-reduce, ahead
         # of the inner optimizer's moments when those ride too.
-        code = mix_code(avg.wire, with_inner_state=avg.average_inner_state)
+        code = mix_code(avg.wire, with_inner_state=avg.average_inner_state, requested=avg.state_compression)
         mixing = self._mixing = Mixing(plan=self._group_plan, code=code) if avg.target_group_size else None
         extra_numel = (state_numel(self._layout.numel) if mixing else 0) + (
             self._inner_state.numel if self._inner_state else 0)

@@ -20,6 +20,7 @@ from protocols.messages import MessageError
 
 INT_CODES = ("int8", "int4")
 ALL_CODES = tuple(CODES)
+VALUE_CODES = tuple(code for code in CODES if code != "lat8")  # lat8 carries residues (test_lattice.py)
 LENGTHS = (1, 2, 3, 63, 64, 65, 255, 257, 1000, 4099)
 
 
@@ -100,7 +101,7 @@ def test_an_outlier_only_costs_its_own_block():
     assert abs(y[100] - 1e4) <= 1e4 * 2**-11  # the absmax, up to the fp16 rounding of its scale
 
 
-@pytest.mark.parametrize("code", ALL_CODES)
+@pytest.mark.parametrize("code", VALUE_CODES)
 def test_zeros_empty_and_extreme_magnitudes(code):
     assert torch.equal(decode(encode(torch.zeros(1000), code), max_numel=1000), torch.zeros(1000))
     empty = decode(encode(torch.zeros(0), code), max_numel=0)

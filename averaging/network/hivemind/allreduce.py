@@ -55,8 +55,9 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
-from averaging.math import robust
+from averaging.math import lattice, robust
 from averaging.math.robust import BanList, RobustConfig, Strikes
+from averaging.math.wire import LATTICE_CODE
 from averaging.network.hivemind import codecs as hivemind_codecs
 from protocols.admission import admitted
 from protocols.signed_claims import signature_problem
@@ -112,7 +113,9 @@ class RobustPartReducer(TensorPartReducer):
         and with ``return_code`` returned as its average in ``extra_code``. ``far_senders``: with
         sub-groups, the members whose claimed anchor is far from the rest
         (``averaging.math.fingerprints.far_members``): weight 0 on the extra tensor's parts (they
-        take the others' mean), unless nobody else sent one."""
+        take the others' mean), unless nobody else sent one. With ``extra_code`` lat8 the extra parts
+        are lattice residues (``averaging.math.lattice``): each sender's are unwrapped against a
+        near member's before they are judged, and the mean's residue is returned."""
         self.config, self.local_sender_index, self.refuse = config, local_sender_index, refuse
         self.far_senders = far_senders
         self.return_code, self.extra_code = return_code, extra_code
@@ -123,6 +126,7 @@ class RobustPartReducer(TensorPartReducer):
         self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
         self.excluded: set[int] = set()  # senders refused after their part was counted
         self.clipped: Counter[int] = Counter()
+        self.edge_values = 0  # lattice values unwrapped near the edge of their range (overflow suspects)
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
@@ -192,6 +196,8 @@ class RobustPartReducer(TensorPartReducer):
     def _aggregate_current(self) -> torch.Tensor:
         # 3. Norm screening against our own part and the median, then bounded weights, then the rule.
         senders = [s for s in sorted(self.contributions) if s not in self.excluded]
+        if self.extra_parts[self.current_part_index] and self.extra_code == LATTICE_CODE:
+            self._unwrap_current(senders)
         if self.extra_parts[self.current_part_index] and self.far_senders:
             senders = [s for s in senders if s not in self.far_senders] or senders
         parts = [self.contributions[s][0] for s in senders]
@@ -217,6 +223,19 @@ class RobustPartReducer(TensorPartReducer):
         return result.value
 
 
+    def _unwrap_current(self, senders: list[int]) -> None:
+        """Lattice residues as values near a near member's (``lattice.reference_part``), in place."""
+        parts = {s: self.contributions[s][0] for s in senders}
+        reference = lattice.reference_part(parts, own=self.local_sender_index, far=self.far_senders)
+        if reference is None:
+            return
+        for s in senders:
+            value = lattice.unwrap(parts[s], reference)
+            if s not in self.far_senders:
+                self.edge_values += lattice.edge_values(value, reference)
+            self.contributions[s] = (value, self.contributions[s][1])
+
+
 class CheckedPartContainer(TensorPartContainer):
     """hivemind's container, plus a check of every delta a reducer returns (set up by
     ``RobustAllReduceRunner``; no ``__init__`` of its own: an existing container is given this class).
@@ -227,13 +246,21 @@ class CheckedPartContainer(TensorPartContainer):
     on_bad_return: Callable[[int, str], None]
     distrusted: set[int]
     returns_average: frozenset[int]
+    lattice_from: int | None = None  # the first part (in the payload's order) of lattice residues, if any
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         inputs = self._input_parts_by_peer[peer_index]
         if part_index < len(inputs):  # (after finalize the inputs are gone; hivemind then raises itself)
             own = inputs[part_index][0]
+            residues = self.lattice_from is not None and (
+                sum(self.num_parts_by_peer[:peer_index]) + part_index >= self.lattice_from)
             if peer_index in self.returns_average and part.shape == own.shape:
                 part = part - own  # (a wrong shape is refused below as it arrived)
+            if residues and part.shape == own.shape:
+                # A residue's delta is the offset it stands for; the check below then sees shape and
+                # finiteness (norms of residues say little: the members check the state they rebuild,
+                # ``mixing.state_problem``).
+                part = lattice.wrap(part)
             problem = None if peer_index in self.distrusted else robust.check_returned(
                 part, own, max_norm_ratio=self.max_norm_ratio)
             if problem is not None:
@@ -284,6 +311,8 @@ class RobustAllReduceRunner(AllReduceRunner):
         container.returns_average = frozenset(
             index for index, peer in enumerate(self.ordered_peer_ids)
             if peer != self.peer_id) if self.return_code is not None else frozenset()
+        container.lattice_from = container.num_parts_by_tensor[0] \
+            if hivemind_codecs.extra_code(container.compression) == LATTICE_CODE else None
         # Peers banned in earlier rounds: failed from the start (their parts never count).
         self.excluded_peers = [peer for peer in self.ordered_peer_ids
                                if peer != self.peer_id and ban_list.is_banned(str(peer))]
@@ -450,6 +479,10 @@ class RobustAllReduceRunner(AllReduceRunner):
                 RobustCounters._add(self.counters._clipped, sum(clipped.values()))
             summary = ", ".join(f"{self.sender_peer_ids[s]} ({n} parts)" for s, n in clipped.most_common())
             logger.info(f"group {self.group_id.hex()[:8]}: clipped outlying parts of {summary}")
+        edge = getattr(self.tensor_part_reducer, "edge_values", 0)
+        if edge and not self._future.done():
+            logger.warning(f"group {self.group_id.hex()[:8]}: {edge} lattice values unwrapped near the edge of "
+                           "their range (the group's anchors may lie farther apart than its grid covers)")
         super().finalize(cancel=cancel, exception=exception)
 
 

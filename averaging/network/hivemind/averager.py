@@ -49,7 +49,15 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
-from averaging.math.fingerprints import NUM_PROJECTIONS, chunk_length, claim_of, far_members
+from averaging.math.fingerprints import (
+    NUM_PROJECTIONS,
+    AnchorClaim,
+    chunk_length,
+    claim_of,
+    far_members,
+    momentum_of,
+)
+from averaging.math.lattice import from_residues_, group_lattice, to_residues_
 from averaging.math.robust import BanList, RobustConfig, Strikes
 from averaging.network.hivemind import pins
 from averaging.network.hivemind.allreduce import (
@@ -114,13 +122,17 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
 
     def __init__(self, *args, state_provider: StateProvider, update_provider: UpdateProvider | None = None,
                  registration_wait: float = 10.0, robust: RobustConfig | None = None,
-                 admission: bytes | None = None, signed_claims: bool = False, far_state_numel: int = 0, **kwargs):
+                 admission: bytes | None = None, signed_claims: bool = False, far_state_numel: int = 0,
+                 lattice: bool = False, **kwargs):
         """``signed_claims``: every member's gathered claim must be signed by it
         (``protocols.signed_claims``); a leader that relays a forged one is banned.
         ``far_state_numel``: sub-groups, whose extra tensor carries the anchors (of that many values):
-        members whose claimed anchor is far from the rest get weight 0 on it (``far_peers``)."""
+        members whose claimed anchor is far from the rest get weight 0 on it (``far_peers``).
+        ``lattice``: that tensor (anchor and momentum only) travels as lattice residues
+        (``averaging.math.lattice``; its codec is lat8)."""
         self._state_provider = state_provider
         self._far_state_numel = far_state_numel
+        self._lattice = lattice and bool(far_state_numel)
         self._signed_claims = signed_claims
         # A private swarm's admission key (protocols.admission): every request we serve and every
         # member of a group we join must prove it; None (a public swarm) admits everyone.
@@ -313,22 +325,38 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             kwargs.update(sender_timeout=sender_timeout, reducer_timeout=reducer_timeout)
         common = dict(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
                       ordered_peer_ids=group_info.peer_ids, **kwargs)
+        peers, claims, momenta = self._group_claims(group_info) if self._far_state_numel else ([], [], [])
+        far = far_members(claims)
         if self._robust is None:
             runner = AllReduceRunner(**common)
         else:
             runner = RobustAllReduceRunner(robust_config=self._robust, ban_list=self._ban_list,
                                            counters=self.robust_counters, strikes=self._strikes,
-                                           far_peers=self.far_peers(group_info), **common)
+                                           far_peers=[p for p, f in zip(peers, far) if f], **common)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            async for tensor, update in azip(as_aiter(*tensors), runner):
-                tensor.add_(update, alpha=self._averaging_alpha)
-                self.last_updated = swarm_time.now()
-                self._state_updated.set()
-        else:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
+        # Lattice-coded state (``averaging.math.lattice``): residues on the group's grid go out, the
+        # group's mean on that grid comes back; a far member cannot decode it and keeps its own.
+        lattice_grid = group_lattice(claims, momenta, far) if claims and self._lattice else None
+        raw = tensors[1].clone() if lattice_grid is not None else None
+        decoded = False
+        try:
+            if raw is not None:
+                to_residues_(tensors[1], lattice_grid)
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+                async for tensor, update in azip(as_aiter(*tensors), runner):
+                    tensor.add_(update, alpha=self._averaging_alpha)
+                    self.last_updated = swarm_time.now()
+                    self._state_updated.set()
+            else:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
+            if raw is not None and not any(f for p, f in zip(peers, far) if p == self.peer_id):
+                from_residues_(tensors[1], raw, lattice_grid)
+                decoded = True
+        finally:
+            if raw is not None and not decoded:
+                tensors[1].copy_(raw)  # failed, or far: our own state, never residues
         container = runner.tensor_part_container
         if container.failed_size:
             self._partial[group_id] = container.failed_size / max(1, container.total_size)
@@ -340,10 +368,16 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         (``averaging.math.fingerprints.far_members``, from the claims every member gathered, so each
         reducer and each member's own check find the same ones); a claim we cannot decode counts
         for nobody."""
+        peers, claims, _ = self._group_claims(group_info)
+        return [peer for peer, far in zip(peers, far_members(claims)) if far]
+
+    def _group_claims(self, group_info: GroupInfo) -> tuple[list, list[AnchorClaim], list]:
+        """With sub-groups, the members' decodable claims: (peers, claims, momentum fingerprints);
+        empty lists otherwise."""
         if not self._far_state_numel:
-            return []
+            return [], [], []
         numel = self._far_state_numel
-        peers, claims = [], []
+        peers, claims, momenta = [], [], []
         for peer, raw in zip(group_info.peer_ids, group_info.gathered):
             try:
                 _, _, user_data = self.serializer.loads(raw)
@@ -353,7 +387,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
                 continue
             peers.append(peer)
             claims.append(claim_of(message))
-        return [peer for peer, far in zip(peers, far_members(claims)) if far]
+            momenta.append(momentum_of(message))
+        return peers, claims, momenta
 
     # -- admission (a private swarm) ----------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by

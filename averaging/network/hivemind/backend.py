@@ -28,7 +28,13 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import NoCompression
 
 from averaging.math.robust import RobustConfig
-from averaging.math.wire import AVERAGE_RETURN_CODES, EXTRA_CODE, STATE_BYTES_PER_VALUE, WireFormat
+from averaging.math.wire import (
+    AVERAGE_RETURN_CODES,
+    EXTRA_CODE,
+    LATTICE_CODE,
+    STATE_BYTES_PER_VALUE,
+    WireFormat,
+)
 from averaging.network.hivemind.averager import DISTRUSTED_KEY, PARTIAL_KEY, ShoalAverager, leader_group_cap
 from averaging.network.hivemind.fetching import FETCH_GRACE_S, describe
 from averaging.network.hivemind.parts import (
@@ -118,6 +124,10 @@ class HivemindBackend:
         wire = wire or WireFormat()
         if robust is None and wire.return_code in AVERAGE_RETURN_CODES:
             raise ValueError(f"{wire.return_code} returns need shoal's all-reduce runner: pass a RobustConfig")
+        if extra_code == LATTICE_CODE and not (mixing and robust is not None and wire.return_code in AVERAGE_RETURN_CODES
+                                               and extra_numel == 2 * numel):
+            raise ValueError("the lattice code carries a sub-group's anchor and momentum alone, in a run whose "
+                             "reducers return the average (int8/int4) through shoal's runner")
         part_bytes = {} if wire.quantized else {"part_size_bytes": float_part_bytes(wire, numel)}
         leader_cap = leader_group_cap(target_group_size, robust)
         self.extra_numel = extra_numel
@@ -150,6 +160,7 @@ class HivemindBackend:
             admission=admission,
             signed_claims=signer is not None,
             far_state_numel=numel if mixing and extra_numel else 0,
+            lattice=mixing and extra_code == LATTICE_CODE,
             **part_bytes,
         )
         self._signer = signer

@@ -17,7 +17,7 @@ through ``averaging.network.hivemind.pins``):
 Registration (``register``, run at import; the averager is a forked process and inherits it, so
 import this module before creating the averager): each (send, return) pair of codes gets a new
 enum value ``7000 + 100 * send_bits + return_bits`` (e.g. 7416 = int4 out, fp16 back; an extra
-tensor's code, ``ExtraCodec``, gets ``7900 +`` its header id, bf16 7917, fp16 7916, fp32 7932), the enum
+tensor's code, ``ExtraCodec``, gets ``7900 +`` its header id, bf16 7917, fp16 7916, fp32 7932, lat8 7918), the enum
 wrapper's ``Name`` learns these numbers (an instance attribute that falls back to the original
 for every other value), and the registry maps each name to a ``ReturnCodec``: its ``extract``
 decodes any shoal code (the header says which, hostile-input safe, at most ``MAX_PART_NUMEL``
@@ -64,10 +64,10 @@ from protocols.messages import MessageError
 SEND_CODES = QUANTIZED_CODES
 DEFAULT_RETURN_CODE = "fp16"
 # The codes of an extra averaged tensor (``PayloadCompression``), each sent and returned in itself.
-EXTRA_CODES = ("bf16", "fp16", "fp32")
+EXTRA_CODES = ("bf16", "fp16", "fp32", "lat8")
 MAX_PART_NUMEL = 1 << 24  # what a receiver decodes at most per part: 64 MiB of fp32
 WIRE_TYPE_BASE = 7000
-EXTRA_WIRE_TYPE_BASE = 7900  # + the code's header id (bf16: 7917, fp16: 7916, fp32: 7932), clear of the pairs above (<= 7808)
+EXTRA_WIRE_TYPE_BASE = 7900  # + the code's header id (bf16: 7917, fp16: 7916, fp32: 7932, lat8: 7918), clear of the pairs above (<= 7808)
 
 
 def wire_type(send: str, ret: str = DEFAULT_RETURN_CODE) -> int:

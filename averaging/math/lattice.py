@@ -1,0 +1,143 @@
+"""The 1-byte lattice code of a sub-group's state: anchors and momenta as residues on a shared grid.
+
+Why: with sub-groups every all-reduce carries the members' anchors and outer momenta beside the
+pseudo-gradient (``averaging.engine.mixing``). In fp16 that is 4 bytes a parameter each way, about
+8x an int4 round; at 150M parameters on 50 Mbit/s links it decides whether a group's all-reduce
+fits a round (docs/scale.md). The members' anchors are close to each other (a few outer steps
+apart), so only the low-order part of each value differs between them: a member sends its value's
+residue modulo ``q`` on a grid of ``q / 256`` (one byte), and whoever holds a value within ``q / 2``
+of it recovers the rest from its own (the nearest point of the sender's residue class).
+
+The grid, per fingerprint chunk (``group_lattice``): every member and every reducer derives it from
+the same signed claims of the round (``averaging.math.fingerprints``), so nobody sends it and
+nobody can choose it alone. Half the range is the largest of
+- ``RANGE_STEPS`` x the members' median claimed step on the chunk (the RMS of their last averaged
+  pseudo-gradient): honest members of a group lie a few steps apart (1.7-2.0 on a real 8-peer run,
+  docs/scale.md), and a value's per-coordinate tail runs a few times its chunk's RMS;
+- ``RANGE_SPREAD`` x the largest distance the claims estimate between two members that are not far
+  (``far_members``), for groups whose members lie farther apart than the steps say (a peer that
+  folded several rounds);
+- ``MIN_HALF_RANGE``, so a grid exists before anyone averaged (every anchor is then the run's
+  initial one: the claims say they are equal).
+The grid step is then a 128th of half the range: at least ``RANGE_STEPS / 128`` = 0.25 of a step,
+so a member's value lands within 0.125 of a step of the group's mean (RMS 0.072, uniform rounding).
+
+The round: each member turns its state into residues (``to_residues_``); a reducer unwraps every
+sender's residues against a reference it holds (its own part, or a near member's when it is far
+itself: ``reference_part``), averages them with the usual robust rule (CenteredClip is translation
+invariant), and returns the mean's residue, the same byte for every member; every member unwraps
+that against its own residue (``wrap``: the delta to its own value) and rebuilds its value on the
+grid (``from_residues_``). Right while the group's values lie within ``q / 2`` of each other,
+coordinate by coordinate; a far member's do not (its anchor may be anywhere), so it cannot decode
+the group's state: it takes the group's state by a download instead (``averaging.engine.round``).
+A coordinate that unwraps near the edge of the range (``EDGE``) is counted: a range too narrow for
+the group's spread shows there (``edge_values``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from averaging.math.fingerprints import AnchorClaim, Fingerprint, rms_difference
+
+LEVELS = 256
+HALF = LEVELS // 2
+RANGE_STEPS = 32.0
+RANGE_SPREAD = 8.0
+MIN_HALF_RANGE = 1e-5
+EDGE = 0.75 * HALF  # an unwrapped offset beyond this from the reference is counted (``edge_values``)
+
+
+@dataclass(frozen=True, slots=True)
+class Lattice:
+    """A group's grid for the extra vector ``[anchor | momentum]``: the grid step of each chunk."""
+
+    numel: int  # values of the anchor (and of the momentum)
+    chunk_len: int
+    anchor_steps: torch.Tensor  # float64 [chunks]
+    momentum_steps: torch.Tensor  # float64 [chunks]
+
+    def spans(self) -> Iterator[tuple[int, int, float]]:
+        """(start, stop, grid step) over the extra vector, chunk by chunk: the anchor's, then the momentum's."""
+        for offset, steps in ((0, self.anchor_steps), (self.numel, self.momentum_steps)):
+            for c, step in enumerate(steps.tolist()):
+                start = c * self.chunk_len
+                yield offset + start, offset + min(self.numel, start + self.chunk_len), step
+
+
+def _half_ranges(fingerprints: Sequence[Fingerprint | None], steps: torch.Tensor, far: Sequence[bool]) -> torch.Tensor:
+    """Half the range per chunk: the steps' share, the near members' largest pairwise distance's, the floor."""
+    near = [fp for fp, f in zip(fingerprints, far) if fp is not None and not f]
+    spread = torch.zeros_like(steps)
+    for i, a in enumerate(near):
+        for b in near[i + 1:]:
+            spread = torch.maximum(spread, rms_difference(a, b))
+    return torch.clamp(torch.maximum(RANGE_STEPS * steps, RANGE_SPREAD * spread), min=MIN_HALF_RANGE)
+
+
+def group_lattice(claims: Sequence[AnchorClaim], momenta: Sequence[Fingerprint | None],
+                  far: Sequence[bool]) -> Lattice:
+    """The grid every member of a group derives from the group's claims (``claims[i]``, the
+    momentum fingerprint ``momenta[i]`` a claim carries, and whether that member is far)."""
+    assert claims and len(claims) == len(momenta) == len(far)
+    first = claims[0].fingerprint
+    steps = torch.stack([c.scale for c in claims]).median(dim=0).values.to(torch.float64)
+    anchor = _half_ranges([c.fingerprint for c in claims], steps, far)
+    momentum = _half_ranges(momenta, steps, far) if any(m is not None for m in momenta) else anchor
+    return Lattice(numel=first.numel, chunk_len=first.chunk_len, anchor_steps=anchor / HALF,
+                   momentum_steps=momentum / HALF)
+
+
+def wrap(delta: torch.Tensor) -> torch.Tensor:
+    """A difference of residues as the offset in [-128, 128) it stands for."""
+    return torch.remainder(delta + HALF, LEVELS) - HALF
+
+
+def unwrap(part: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``part``'s residues as the values nearest ``reference``'s (both in grid units)."""
+    return reference + wrap(part - reference)
+
+
+def reference_part(parts: dict[int, torch.Tensor], *, own: int | None, far: frozenset[int]) -> torch.Tensor | None:
+    """What a reducer unwraps a part's residues against: its own part, unless it is far itself (or
+    sent none), then the first near sender's; None if every sender is far."""
+    if own is not None and own in parts and own not in far:
+        return parts[own]
+    return next((parts[s] for s in sorted(parts) if s not in far), None)
+
+
+def edge_values(unwrapped: torch.Tensor, reference: torch.Tensor) -> int:
+    """How many values unwrapped beyond ``EDGE`` from the reference (overflow suspects)."""
+    return int(((unwrapped - reference).abs() > EDGE).sum())
+
+
+@torch.no_grad()
+def to_residues_(extra: torch.Tensor, lattice: Lattice) -> None:
+    """Our state (``extra``, flat ``[anchor | momentum]``) replaced, in place, by its residues: the
+    nearest grid point's index modulo 256 (float64 on the way: indices of fine grids exceed fp32's
+    exact integers)."""
+    for start, stop, step in lattice.spans():
+        extra[start:stop] = torch.remainder((extra[start:stop].double() / step).round_(), LEVELS)
+
+
+@torch.no_grad()
+def from_residues_(extra: torch.Tensor, raw: torch.Tensor, lattice: Lattice) -> None:
+    """After the all-reduce: ``extra`` holds our residue plus the wrapped offset to the group's mean
+    (where a reducer's share never arrived: our residue, offset 0); ``raw`` our state before
+    ``to_residues_``. Writes the group's mean on the grid into ``extra``, in place."""
+    for start, stop, step in lattice.spans():
+        index = (raw[start:stop].double() / step).round_()
+        offset = wrap(extra[start:stop].double() - torch.remainder(index, LEVELS))
+        extra[start:stop] = (index + offset) * step
+
+
+def on_grid(values: torch.Tensor, lattice: Lattice) -> torch.Tensor:
+    """``values`` (flat ``[anchor | momentum]``) rounded to the group's grid: what a member's state
+    contributes to the mean (tests and the simulation)."""
+    out = values.clone()
+    for start, stop, step in lattice.spans():
+        out[start:stop] = ((values[start:stop].double() / step).round_() * step).float()
+    return out

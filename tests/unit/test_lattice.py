@@ -1,0 +1,193 @@
+"""The lattice code of a sub-group's state (``averaging.math.lattice``) on tensors alone: the lat8
+bytes, the grid a group derives from its claims, and a whole group's round (residues out, a
+reducer's unwrap and mean, the mean's residue back, every member's decode) without a network; then
+``RobustPartReducer`` unwrapping real lattice parts, and the round engine's far member."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from averaging.math import codecs, lattice
+from averaging.math.fingerprints import AnchorClaim, chunk_length, fingerprint, rms_difference
+from averaging.math.robust import RobustConfig
+from averaging.math.wire import LATTICE_CODE, WireFormat, mix_code, state_compression_problem
+from averaging.network.hivemind import codecs as hivemind_codecs
+from averaging.network.hivemind.allreduce import RobustPartReducer
+from protocols.messages import MessageError
+
+NUMEL = 3 * 4093 + 100  # a short last chunk
+
+
+def test_lat8_bytes_hold_residues_and_any_byte_decodes():
+    values = torch.tensor([0.0, 1.4, 255.0, 256.0, -1.0, 300.6, -257.0])
+    data = codecs.encode(values, "lat8")
+    assert len(data) == codecs.HEADER.size + values.numel() and codecs.bytes_per_value("lat8") == 1.0
+    assert codecs.decode(data, max_numel=10).tolist() == [0.0, 1.0, 255.0, 0.0, 255.0, 45.0, 255.0]
+    assert torch.equal(codecs.quantize(values, "lat8"), codecs.decode(data, max_numel=10))
+    every = codecs.encode(torch.arange(256.0), "lat8")
+    assert codecs.decode(every, max_numel=256).tolist() == list(range(256))
+    forged = bytearray(data)
+    forged[12:16] = (3).to_bytes(4, "little", signed=True)  # an exponent: lat8 has none
+    with pytest.raises(MessageError, match="exponent"):
+        codecs.decode(bytes(forged), max_numel=10)
+    with pytest.raises(ValueError, match="NaN"):
+        codecs.encode(torch.tensor([float("nan")]), "lat8")
+    assert hivemind_codecs.wire_type("lat8", "lat8") == 7918
+
+
+def test_the_lattice_code_is_chosen_only_where_the_mean_comes_back_the_same_for_everyone():
+    int4, fp16 = WireFormat.of("int4"), WireFormat.of("fp16")
+    assert mix_code(int4, with_inner_state=False, requested=LATTICE_CODE) == LATTICE_CODE
+    assert mix_code(int4, with_inner_state=False) == "fp16"  # "auto" is unchanged
+    assert state_compression_problem(int4, with_inner_state=False, requested=LATTICE_CODE) is None
+    assert "int8/int4" in state_compression_problem(fp16, with_inner_state=False, requested=LATTICE_CODE)
+    assert "average_inner_state" in state_compression_problem(int4, with_inner_state=True, requested=LATTICE_CODE)
+    assert "one of" in state_compression_problem(int4, with_inner_state=False, requested="int4")
+
+
+def members(seed: int, count: int, *, spread: float, far: int | None = None, far_by: float = 0.0):
+    """Anchors around weights of 0.05, ``spread`` (RMS) from them, one member ``far_by``; momenta of
+    a step; each member's claimed step 1e-3 on every chunk."""
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(NUMEL, generator=generator) * 0.05
+    states = []
+    for i in range(count):
+        anchor = base + torch.randn(NUMEL, generator=generator) * (far_by if i == far else spread)
+        states.append(torch.cat([anchor, torch.randn(NUMEL, generator=generator) * 1e-3]))
+    chunks = -(-NUMEL // chunk_length(NUMEL))
+    claims = [AnchorClaim(fingerprint(s[:NUMEL]), torch.full((chunks,), 1e-3, dtype=torch.float64), 1) for s in states]
+    momenta = [fingerprint(s[NUMEL:]) for s in states]
+    return states, claims, momenta
+
+
+def group_round(states: list[torch.Tensor], grid: lattice.Lattice, *, reducer: int = 0,
+                far: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+    """A whole group's round on tensors: residues out, one reducer's unwrap and mean (its own part as
+    the reference, or a near member's if it is far), the mean's lat8 bytes back, every member's decode."""
+    sent = [s.clone() for s in states]
+    for s in sent:
+        lattice.to_residues_(s, grid)
+    parts = dict(enumerate(sent))
+    reference = lattice.reference_part(parts, own=reducer, far=far)
+    near = [lattice.unwrap(p, reference) for i, p in parts.items() if i not in far]
+    back = codecs.decode(codecs.encode(torch.stack(near).mean(0), "lat8"), max_numel=2 * NUMEL)
+    outs = []
+    for own, residues in zip(states, sent):
+        out = residues + lattice.wrap(back - residues)  # the member's container: its delta, wrapped
+        lattice.from_residues_(out, own, grid)
+        outs.append(out)
+    return outs
+
+
+def steps_per_value(grid: lattice.Lattice) -> torch.Tensor:
+    out = torch.empty(2 * grid.numel, dtype=torch.float64)
+    for start, stop, step in grid.spans():
+        out[start:stop] = step
+    return out
+
+
+def test_a_group_ends_with_the_same_bytes_within_a_grid_step_of_its_mean():
+    states, claims, momenta = members(1, 4, spread=3e-3)  # anchors ~3 steps apart
+    grid = lattice.group_lattice(claims, momenta, [False] * 4)
+    # half the range: the larger of 32 claimed steps and 8x the largest estimated distance
+    distance = max(float(rms_difference(a.fingerprint, b.fingerprint).max()) for a in claims for b in claims)
+    assert float(grid.anchor_steps.max()) * lattice.HALF == pytest.approx(max(32e-3, 8 * distance))
+    assert float(grid.momentum_steps.max()) * lattice.HALF == pytest.approx(32e-3)  # momenta ~1.4 steps apart
+    for reducer in (0, 3):
+        outs = group_round(states, grid, reducer=reducer)
+        assert all(torch.equal(out, outs[0]) for out in outs)  # one state for the whole group
+        mean = torch.stack(states).double().mean(0)
+        # each member's value rounded to the grid (half a step), the mean's residue rounded (half a step)
+        assert bool(((outs[0].double() - mean).abs() <= steps_per_value(grid) * (1 + 1e-6)).all())
+    assert lattice.edge_values(torch.zeros(3), torch.tensor([0.0, 97.0, -50.0])) == 1
+
+
+def test_a_far_member_widens_nothing_and_a_far_reducer_unwraps_against_a_near_member():
+    states, claims, momenta = members(2, 4, spread=1e-3, far=3, far_by=0.1)  # 100 steps off
+    far = [False, False, False, True]
+    grid = lattice.group_lattice(claims, momenta, far)
+    assert float(grid.anchor_steps.max()) * lattice.HALF == pytest.approx(32e-3)  # the near members' range
+    everyone = lattice.group_lattice(claims, momenta, [False] * 4)
+    assert float(everyone.anchor_steps.max()) > 20 * float(grid.anchor_steps.max())  # what it would cost
+    outs = group_round(states, grid, reducer=3, far=frozenset({3}))
+    near_mean = torch.stack(states[:3]).double().mean(0)
+    for out in outs[:3]:
+        assert torch.equal(out, outs[0])
+        assert bool(((out.double() - near_mean).abs() <= steps_per_value(grid) * (1 + 1e-6)).all())
+    # the far member's decode is wrong by whole ranges: it must not take it (it downloads instead)
+    assert float((outs[3].double() - near_mean).abs().max()) > 0.1
+
+
+def test_the_reducer_unwraps_lattice_parts_before_judging_them():
+    shapes = (torch.Size([64]), torch.Size([64]))
+    generator = torch.Generator().manual_seed(4)
+    values = [200.0 + torch.randn(64, generator=generator) * 20 for _ in range(3)]  # near 200: wraps past 255
+    residues = [torch.remainder(v.round(), 256) for v in values]
+    parts = [[torch.zeros(64), r] for r in residues]  # part 0: the pseudo-gradient's, part 1: the state's
+
+    async def main():
+        reducer = RobustPartReducer(shapes, 3, config=RobustConfig(), local_sender_index=0, refuse=lambda *a: None,
+                                    return_code="int4", extra_parts=[False, True], extra_code="lat8")
+        results = await asyncio.gather(*(reducer.accumulate_part(s, p, parts[s][p], weight=1.0)
+                                         for s in range(3) for p in range(2)))
+        return reducer, results
+
+    reducer, results = asyncio.run(main())
+    expected = torch.remainder(torch.stack([v.round() for v in values]).mean(0).round(), 256)
+    assert torch.equal(results[1], expected)  # the mean's residue, not the mean of residues
+    assert torch.equal(codecs.decode(reducer.returns[1], max_numel=64), expected)
+    naive = torch.remainder(torch.stack(residues).mean(0).round(), 256)
+    assert not torch.equal(naive, expected)  # (the residues did wrap)
+    assert reducer.edge_values == 0 and not reducer.clipped
+
+
+def test_a_far_member_of_a_lattice_round_takes_the_groups_step_and_re_syncs_from_the_near_members():
+    """``conclude_mixed(lattice=True)``: a member far from its group by the claims cannot decode the
+    group's lattice-coded state (its averager kept its own), so it applies the group's step to its
+    own state and asks for a re-sync from the near members; a near member takes the group's state
+    as with fp16, and without the lattice code the far member takes it too."""
+    from averaging.engine.round import conclude_mixed
+    from averaging.math.flat import FlatLayout
+    from averaging.math.outer_step import OuterConfig
+    from averaging.network.interface import AverageOutcome
+    from averaging.state.shared_state import SharedState
+    from averaging.state.verdict import Applied
+
+    numel, round = 4093 * 4, 5
+    generator = torch.Generator().manual_seed(6)
+    base = torch.randn(numel, generator=generator) * 0.05
+    step = torch.randn(numel, generator=generator) * 1e-3
+    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
+    outer = OuterConfig(lr=0.7, momentum=0.9, nesterov=True)
+
+    def member(spread: float) -> SharedState:
+        state = SharedState(layout, base + torch.randn(numel, generator=generator) * spread, outer)
+        state.apply(step, round=round - 1)
+        return state
+
+    def conclude(i: int, *, lattice_code: bool):
+        states = [member(1e-3) for _ in range(3)] + [member(0.1)]
+        gathered = {f"m{j}": s.claim_message(round=round, with_momentum=True).encode() for j, s in enumerate(states)}
+        outcome = AverageOutcome(ok=True, group=tuple(gathered), gathered=gathered)
+        mixed = torch.cat([torch.stack([s.anchor for s in states[:3]]).mean(0),
+                           torch.stack([s.momentum for s in states[:3]]).mean(0)])
+        if i == 3 and lattice_code:
+            mixed = torch.cat([states[3].anchor, states[3].momentum])  # what its averager kept
+        before = states[i].anchor.clone()
+        conclusion = conclude_mixed(states[i], outcome, step.clone(), round=round, averaged=step.clone(), mixed=mixed,
+                                    self_id=f"m{i}", lattice=lattice_code)
+        return conclusion, states[i], before, mixed
+
+    conclusion, state, before, _ = conclude(3, lattice_code=True)
+    assert conclusion.applied == Applied.AVERAGED and conclusion.resync is not None
+    assert conclusion.resync.donors == ["m0", "m1", "m2"] and conclusion.resync.reference is None
+    assert float((state.anchor - before).abs().max()) < 0.01  # its own anchor, one step on (not the group's)
+    for i, lattice_code in ((0, True), (3, False)):
+        conclusion, state, before, mixed = conclude(i, lattice_code=lattice_code)
+        assert conclusion.applied == Applied.AVERAGED and conclusion.resync is None, conclusion.error
+        # the group's state, one step on (a step moves a weight by well under 0.01)
+        assert float((state.anchor - mixed[:numel]).abs().max()) < 0.01
+    assert float((state.anchor - before).abs().max()) > 0.1  # the far member was pulled in without the code
