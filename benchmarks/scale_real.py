@@ -1,7 +1,7 @@
 """Real many-peer runs on this machine: N ``shoal run`` peers on loopback (issue 32).
 
     .venv/bin/python benchmarks/scale_real.py [--peers 4,8,12,16] [--rounds 12] [--round-seconds 10] \\
-        [--demand 0.8] [--throttle-clock wall|cpu] [--churn K] [--bootstraps K] [--group-size G] [--compression CODE] [--append]
+        [--demand 0.8] [--throttle-clock wall|cpu] [--churn K] [--bootstraps K] [--group-size G] [--compression CODE] [--state-compression lat8] [--append]
     .venv/bin/python benchmarks/scale_real.py --report-only [--findings FILE]
 
 The results file holds 4, 8, 12 and 16 peers at the defaults; the same at ``--demand 0.4
@@ -277,7 +277,8 @@ class Run:
                     + ("-cpuclock" if args.throttle_clock == "cpu" else "")
                     + (f"-boot{args.bootstraps}" if args.bootstraps > 1 else "")
                     + (f"-g{args.group_size}" if args.group_size else "")
-                    + (f"-{args.compression}" if args.compression else ""))
+                    + (f"-{args.compression}" if args.compression else "")
+                    + (f"-state-{args.state_compression}" if args.state_compression else ""))
         run_id = f"scale-{self.key.replace('.', 'p')}-{uuid.uuid4().hex[:6]}"  # a run id has no dots
         self.swarm = LocalSwarm(root / self.key, run_id=run_id, cwd=REPO,
                                 env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
@@ -286,6 +287,8 @@ class Run:
             text = CONFIG.read_text()
             if args.group_size:
                 text = text.replace("[averaging]\n", f"[averaging]\ntarget_group_size = {args.group_size}\n", 1)
+            if args.state_compression:
+                text = text.replace("[averaging]\n", f'[averaging]\nstate_compression = "{args.state_compression}"\n', 1)
             if args.compression:
                 text, found = re.subn(r'(?m)^compression = "[a-z0-9]+"', f'compression = "{args.compression}"', text)
                 assert found == 1, "tiny.toml's averaging.compression line moved"
@@ -883,6 +886,8 @@ def main() -> int:
                         help="averaging.target_group_size: sub-groups of about this size (0: one group)")
     parser.add_argument("--compression", default="",
                         help="averaging.compression instead of tiny.toml's fp16 (int4: shoal's default)")
+    parser.add_argument("--state-compression", default="",
+                        help="sub-groups: averaging.state_compression (lat8: the lattice code; needs --compression int4)")
     parser.add_argument("--warmup-timeout", type=float, default=180.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--append", action="store_true", help="keep the runs already in the results json")

@@ -18,9 +18,15 @@ nobody can choose it alone. Half the range is the largest of
   (``far_members``), for groups whose members lie farther apart than the steps say (a peer that
   folded several rounds);
 - ``MIN_HALF_RANGE``, so a grid exists before anyone averaged (every anchor is then the run's
-  initial one: the claims say they are equal).
+  initial one: the claims say they are equal);
+and at most ``RANGE_CAP_STEPS`` x that median step: the distances are the members' own word, and
+in a group of two (where nobody can be told far) a liar claiming a distant anchor would otherwise
+make the grid as coarse as it likes and round its partner's state away. Capped, a lie costs at
+most two steps of precision; a group whose honest members lie farther apart than the cap overflows
+on some values (counted: ``edge_values``), each then off by up to half the range, not more.
 The grid step is then a 128th of half the range: at least ``RANGE_STEPS / 128`` = 0.25 of a step,
-so a member's value lands within 0.125 of a step of the group's mean (RMS 0.072, uniform rounding).
+so a member's value lands within 0.125 of a step of its own send and within a step of the group's
+mean (half a step at the send, half at the return).
 
 The round: each member turns its state into residues (``to_residues_``); a reducer unwraps every
 sender's residues against a reference it holds (its own part, or a near member's when it is far
@@ -47,6 +53,7 @@ LEVELS = 256
 HALF = LEVELS // 2
 RANGE_STEPS = 32.0
 RANGE_SPREAD = 8.0
+RANGE_CAP_STEPS = 256.0
 MIN_HALF_RANGE = 1e-5
 EDGE = 0.75 * HALF  # an unwrapped offset beyond this from the reference is counted (``edge_values``)
 
@@ -69,13 +76,15 @@ class Lattice:
 
 
 def _half_ranges(fingerprints: Sequence[Fingerprint | None], steps: torch.Tensor, far: Sequence[bool]) -> torch.Tensor:
-    """Half the range per chunk: the steps' share, the near members' largest pairwise distance's, the floor."""
+    """Half the range per chunk: the steps' share, the near members' largest pairwise distance's, the
+    floor; at most the cap (in steps; never below the floor)."""
     near = [fp for fp, f in zip(fingerprints, far) if fp is not None and not f]
     spread = torch.zeros_like(steps)
     for i, a in enumerate(near):
         for b in near[i + 1:]:
             spread = torch.maximum(spread, rms_difference(a, b))
-    return torch.clamp(torch.maximum(RANGE_STEPS * steps, RANGE_SPREAD * spread), min=MIN_HALF_RANGE)
+    half = torch.maximum(RANGE_STEPS * steps, RANGE_SPREAD * spread)
+    return torch.minimum(half, RANGE_CAP_STEPS * steps).clamp(min=MIN_HALF_RANGE)
 
 
 def group_lattice(claims: Sequence[AnchorClaim], momenta: Sequence[Fingerprint | None],
@@ -84,6 +93,7 @@ def group_lattice(claims: Sequence[AnchorClaim], momenta: Sequence[Fingerprint |
     momentum fingerprint ``momenta[i]`` a claim carries, and whether that member is far)."""
     assert claims and len(claims) == len(momenta) == len(far)
     first = claims[0].fingerprint
+    # the lower median: in a group of two the smaller claim, which a liar cannot raise
     steps = torch.stack([c.scale for c in claims]).median(dim=0).values.to(torch.float64)
     anchor = _half_ranges([c.fingerprint for c in claims], steps, far)
     momentum = _half_ranges(momenta, steps, far) if any(m is not None for m in momenta) else anchor

@@ -111,7 +111,8 @@ def test_a_far_member_widens_nothing_and_a_far_reducer_unwraps_against_a_near_me
     grid = lattice.group_lattice(claims, momenta, far)
     assert float(grid.anchor_steps.max()) * lattice.HALF == pytest.approx(32e-3)  # the near members' range
     everyone = lattice.group_lattice(claims, momenta, [False] * 4)
-    assert float(everyone.anchor_steps.max()) > 20 * float(grid.anchor_steps.max())  # what it would cost
+    # counted in, it would widen the grid to the cap: 8x coarser for everyone
+    assert float(everyone.anchor_steps.max()) == pytest.approx(lattice.RANGE_CAP_STEPS * 1e-3 / lattice.HALF)
     outs = group_round(states, grid, reducer=3, far=frozenset({3}))
     near_mean = torch.stack(states[:3]).double().mean(0)
     for out in outs[:3]:
@@ -191,3 +192,15 @@ def test_a_far_member_of_a_lattice_round_takes_the_groups_step_and_re_syncs_from
         # the group's state, one step on (a step moves a weight by well under 0.01)
         assert float((state.anchor - mixed[:numel]).abs().max()) < 0.01
     assert float((state.anchor - before).abs().max()) > 0.1  # the far member was pulled in without the code
+
+
+def test_a_liar_in_a_pair_cannot_make_the_grid_coarse():
+    """In a group of two nobody is far, so the grid takes the pair's claimed distance; a liar that
+    claims an anchor far off (and a huge step) gets the grid only as coarse as ``RANGE_CAP_STEPS``
+    of the smaller claimed step: two steps, not a grid that rounds its partner's weights to 0."""
+    states, claims, momenta = members(5, 2, spread=1e-3)
+    liar = AnchorClaim(fingerprint(states[1][:NUMEL] + 1e3), claims[1].scale * 1e6, 1)
+    grid = lattice.group_lattice([claims[0], liar], momenta, [False, False])
+    assert float(grid.anchor_steps.max()) == pytest.approx(lattice.RANGE_CAP_STEPS * 1e-3 / lattice.HALF)
+    outs = group_round(states, grid)
+    assert float((outs[0] - states[0]).abs().max()) < 1e-2  # its partner's state moved a few steps at most
