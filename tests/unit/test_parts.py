@@ -55,7 +55,7 @@ def test_the_averager_runs_each_all_reduce_with_the_hosts_latest_timeouts(monkey
 
     monkeypatch.setattr(hivemind_averager, "AllReduceRunner", Runner)
     averager = types.SimpleNamespace(_part_timeouts=torch.zeros(2, dtype=torch.float64), _p2p=None, prefix="p",
-                                     _robust=None, _far_state_numel=0)
+                                     _robust=None, _far_state_numel=0, _lattice=False)
     group = GroupInfo(group_id=b"g" * 8, peer_ids=(PeerID(b"a"),), gathered=(b"",))
     configured = dict(sender_timeout=24.0, reducer_timeout=30.0)
 

@@ -45,6 +45,7 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
+from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, azip
@@ -326,6 +327,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         common = dict(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
                       ordered_peer_ids=group_info.peer_ids, **kwargs)
         peers, claims, momenta = self._group_claims(group_info) if self._far_state_numel else ([], [], [])
+        if self._lattice and not claims:  # every member sees the same claims: all of us refuse alike
+            raise AllreduceException("no member's claim decodes, so the group's lattice grid is unknown")
         far = far_members(claims)
         if self._robust is None:
             runner = AllReduceRunner(**common)
