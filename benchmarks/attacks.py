@@ -3,12 +3,13 @@
 the same length, all in one run.
 
     .venv/bin/python benchmarks/attacks.py [--rounds 12] [--round-seconds 5] [--throttle 4] [--only clean,flip]
+        [--peers 4] [--group-size 0] [--out benchmarks/results/attacks]
 
 For each scenario the honest peers must stay alive (exit 0), stay on schedule (train every round,
 average in most), never adopt the attacker's state (their final anchors agree with each other and
 the eval loss stays near the clean run's), and name the attacker in their logs. Scenarios:
 
-- ``clean``: four honest peers, robust aggregation (``centered_clip``, the default): the reference.
+- ``clean``: four honest peers (``--peers``), robust aggregation (``centered_clip``, the default): the reference.
 - ``clean-mean``: the same with ``averaging.aggregation = "mean"`` (hivemind's weighted mean, with
   shoal's part checks): what robust aggregation costs a clean run, in all-reduce time and eval loss.
 - ``clean-unsigned``: the same as ``clean`` with every peer's claims unsigned and unchecked
@@ -22,6 +23,19 @@ the eval loss stays near the clean run's), and name the attacker in their logs. 
   values of 1e6) and ``sybil`` (a member publishing five more identities' records claiming a day of
   sync lateness). In the two donor scenarios a fourth honest peer (``late``) starts ``--late-rounds``
   rounds after the others and must download the swarm's state.
+- hostile_node's ``far-state`` and ``fake-state``, for sub-groups (``--group-size``): a member whose
+  anchor in its groups' all-reduce is its own x 10, claimed too (``far-state``: the far-member rule
+  must give it weight 0) or under an honest claim (``fake-state``: CenteredClip on the state's parts
+  must bound it). Counted from the honest peers' logs: the groups in which they found it far, the
+  groups whose reducers clipped its parts, and the rounds whose group state their check refused.
+
+``--peers N`` (default 4) runs N - 1 honest peers beside the attacker (N honest in the clean runs, of
+which the first N - 1 are measured), ``--group-size G`` sets ``averaging.target_group_size`` (sub-groups;
+0: one group of everybody). Throttle the peers so that N / throttle stays about one core (6 peers:
+``--throttle 6``) and write a run with another shape elsewhere than the default results:
+
+    .venv/bin/python benchmarks/attacks.py --peers 6 --group-size 3 --throttle 6 \
+        --only clean,far-state,fake-state --out benchmarks/results/attacks_far_state
 
 Loopback, no link caps (the attacks are about content, not bandwidth); every peer throttled so
 that the swarm's training needs about one of the machine's cores. The final eval loss is each
@@ -58,7 +72,7 @@ from node.observe.metrics import read_metrics  # noqa: E402
 from tests.integration.hostile_peer import ATTACKS  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "attacks"
-HONEST = 3
+HONEST = 3  # the default shape's honest peers (--peers 4)
 CLEAN = ("clean", "clean-mean", "clean-unsigned", "three-honest")
 # What each attack does, and what it did before shoal's defences, with the issue that fixed it.
 WHAT = {
@@ -83,8 +97,19 @@ WHAT = {
     "sybil": ("publishes 5 more identities' records: sync lateness 86400 s, 1000 steps ahead",
               "5 of the 9 lateness figures each peer read: its sync period would be 17,280 rounds, no averaging "
               "(issue 29)"),
+    "far-state": ("sub-groups: claims and sends its anchor x10 in the state it averages",
+                  "not run before; the far-member rule (issue 32) gives its state weight 0"),
+    "fake-state": ("sub-groups: sends its anchor x10 in the state it averages, under an honest claim",
+                   "not run before; CenteredClip on the state's parts bounds it (issue 32)"),
 }
-HOSTILE = (*ATTACKS, "hijack", "forged-leader", "donor-scale", "donor-momentum", "sybil")  # hostile_node's modes
+HOSTILE = (*ATTACKS, "hijack", "forged-leader", "donor-scale", "donor-momentum", "sybil", "far-state",
+           "fake-state")  # hostile_node's modes
+STATE_ATTACKS = ("far-state", "fake-state")
+# What the honest peers' logs say about a member's state in sub-group rounds (averaging.network.hivemind.allreduce,
+# averaging.engine.mixing.state_problem).
+FAR_LINE = "are far from the others'"
+CLIPPED_LINE = "clipped outlying parts of"
+REFUSED_STATE = "than the members' claims allow"
 LATE = ("donor-scale", "donor-momentum")  # scenarios with a late honest joiner
 
 
@@ -102,6 +127,9 @@ def run_scenario(name: str, args, root: Path, evaluator: Evaluator) -> dict:
                  "round.seconds": args.round_seconds, "train.seed": 0, "train.eval_every_rounds": 10**6,
                  "train.checkpoint_every_rounds": 10**6,
                  "averaging.aggregation": "mean" if kind == "clean-mean" else "centered_clip"}
+    if args.group_size:
+        overrides["averaging.target_group_size"] = args.group_size
+    honest_count = args.peers - 1
     config = write_config(args.config, root / f"{folder}.toml", overrides)
     swarm = LocalSwarm(root / folder, run_id=f"attacks-{folder}-{uuid.uuid4().hex[:6]}", cwd=REPO)
     entry = None
@@ -121,9 +149,10 @@ def run_scenario(name: str, args, root: Path, evaluator: Evaluator) -> dict:
             # the same moment can both organise it, and then a third refuses to choose).
             peers = [start("honest-0", honest_program)]
             peers[0].wait_for_address(timeout=180)
-            peers += [start(f"honest-{i}", honest_program) for i in range(1, HONEST)]
+            peers += [start(f"honest-{i}", honest_program) for i in range(1, honest_count)]
             if kind != "three-honest":
-                peers.append(start("attacker", [*node, attack]) if attack else start("honest-3", honest_program))
+                peers.append(start("attacker", [*node, attack]) if attack else
+                             start(f"honest-{honest_count}", honest_program))
             for peer in peers:
                 peer.wait_for_address(timeout=180)
             if kind in LATE:  # a joiner, once the swarm has taken a few outer steps
@@ -135,7 +164,7 @@ def run_scenario(name: str, args, root: Path, evaluator: Evaluator) -> dict:
         swarm.kill_all()
         if entry is not None:
             kill_process_group(entry.proc)
-    honest = [p for p in peers if p.name.startswith("honest-")][:HONEST]
+    honest = [p for p in peers if p.name.startswith("honest-")][:honest_count]
     watched = honest + [p for p in peers if p.name == "late"]  # the honest peers whose state is checked
     attacker = next((p for p in peers if p.name == "attacker"), None)
     attacker_id = _peer_id(attacker.maddrs) if attacker else None
@@ -195,7 +224,21 @@ def run_scenario(name: str, args, root: Path, evaluator: Evaluator) -> dict:
         "attacker_state_used": sum(1 for log in logs.values() for line in log.splitlines()
                                    if attacker_id and "assembled from" in line and attacker_id in line),
         "attacker_exit": codes.get("attacker"),
+        # Sub-group state (far-state / fake-state): per honest peer, groups whose reducers found a member
+        # far (and found the attacker far), groups whose reducers clipped the attacker's parts, and
+        # rounds whose group state its own check refused (the round folded).
+        "far_flags": {n: _lines(log, FAR_LINE) for n, log in logs.items()},
+        "far_flags_attacker": {n: _lines(log, FAR_LINE, attacker_id) for n, log in logs.items()} if attacker_id else {},
+        "clipped_attacker": {n: _lines(log, CLIPPED_LINE, attacker_id) for n, log in logs.items()} if attacker_id else {},
+        "state_refused": {n: sum(REFUSED_STATE in (r.get("error") or "") for r in recs) for n, recs in records.items()},
+        "group_sizes": sorted({len(r.get("group") or []) for recs in records.values() for r in recs
+                               if r.get("applied") == "averaged"}),
     }
+
+
+def _lines(log: str, marker: str, peer: str | None = "") -> int:
+    """Lines of ``log`` with ``marker`` (and ``peer``'s id, when given)."""
+    return sum(marker in line and (peer or "") in line for line in log.splitlines())
 
 
 def _join_s(records: list[dict], started: float) -> float | None:
@@ -299,8 +342,8 @@ def _cost_of_checks(runs: dict[str, dict]) -> list[str]:
     if not rows:
         return []
     lines = ["", "## What the checks cost a clean run", "",
-             "Join: from a peer's start to the end of its first averaged round (median over the four peers, all "
-             "started at once). The all-reduce's median is over every averaged round of the three honest peers. "
+             "Join: from a peer's start to the end of its first averaged round (median over the peers started at "
+             "once). The all-reduce's median is over every averaged round of the measured honest peers. "
              f"The last rows are the clean runs before issue 29's defences (results at {BEFORE_ISSUE_29['commit']}).",
              "", "| run | signed claims | median all-reduce (s) | median join (s) | honest tokens | final eval |",
              "|---|---|---|---|---|---|"]
@@ -312,6 +355,34 @@ def _cost_of_checks(runs: dict[str, dict]) -> list[str]:
                      f"| {_number(_mean(run['final_eval'].values()), '.4f')} |")
     for name, seconds in BEFORE_ISSUE_29["median_allreduce_s"].items():
         lines.append(f"| {name} at {BEFORE_ISSUE_29['commit']} | no (before issue 29) | {seconds:.3f} | - | - | - |")
+    return lines
+
+
+def _sub_groups(runs: dict[str, dict]) -> list[str]:
+    """What the far-member rule, CenteredClip and the members' check did in the sub-group runs."""
+    rows = [(n, r) for n, r in runs.items() if "far_flags" in r and (base(n) in STATE_ATTACKS or base(n) in CLEAN)]
+    if not any(base(n) in STATE_ATTACKS for n, _ in rows):
+        return []
+    lines = ["", "## Sub-group state attacks", "",
+             "Per honest peer, from its log: groups whose reducers found a member's claimed anchor far "
+             f"(`{FAR_LINE}`; the attacker's, of them), groups whose reducers clipped the attacker's parts "
+             f"(`{CLIPPED_LINE}`, one line per reducer and group, pseudo-gradient parts included), and rounds whose "
+             f"group state its own check refused (`state_problem`: `{REFUSED_STATE}`; the round folded). "
+             "Group sizes: of the honest peers' averaged rounds.", "",
+             "| run | far flags (the attacker's) | attacker's parts clipped | states refused "
+             "| rounds trained / averaged | attacker in groups | group sizes | final eval |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, run in rows:
+        peers = _peers(run)
+        far = " / ".join(f"{run['far_flags'].get(n, 0)} ({run['far_flags_attacker'].get(n, 0)})"
+                         if run["attacker"] else str(run["far_flags"].get(n, 0)) for n in peers)
+        clipped = " / ".join(str(run["clipped_attacker"].get(n, 0)) for n in peers) if run["attacker"] else "-"
+        refused = " / ".join(str(run["state_refused"].get(n, 0)) for n in peers)
+        trained = " / ".join(f"{run['rounds_trained'][n]}/{run['averaged'][n]}" for n in peers)
+        in_groups = " / ".join(str(run["attacker_in_group"][n]) for n in peers) if run["attacker_in_group"] else "-"
+        sizes = ", ".join(map(str, run.get("group_sizes") or [])) or "-"
+        lines.append(f"| {name} | {far} | {clipped} | {refused} | {trained} | {in_groups} | {sizes} "
+                     f"| {_number(_mean(run['final_eval'].values()), '.4f')} |")
     return lines
 
 
@@ -341,6 +412,12 @@ def _what_they_did(name: str, run: dict) -> str:
         return f"sync period 1: {out} rounds out for it, {averaged} of {sum(run['rounds_trained'].values())} rounds averaged"
     if kind == "hijack":
         return f"kept in groups, outvoted; {resyncs}, {run['attacker_state_used']} states with its slices"
+    if kind in STATE_ATTACKS:
+        flagged = sum(run["far_flags_attacker"].values())
+        clipped = sum(run["clipped_attacker"].values())
+        refused = sum(run["state_refused"].values())
+        return (f"found far in {flagged} groups (honest peers' reducers, summed), its parts clipped in {clipped}, "
+                f"{refused} group states refused by the members' check")
     return f"named by {len(run['attacker_named_in'])} of {peers}, banned {run['robust'].get('bans', 0)} times; {resyncs}"
 
 
@@ -370,15 +447,18 @@ def report(results: dict) -> str:
     cleans = [c for c in (_mean(r["final_eval"].values()) for n, r in runs.items() if base(n) == "clean")
               if c is not None]
     clean = _mean(cleans)
+    honest = results.get("peers", HONEST + 1) - 1
+    group_size = results.get("group_size", 0)
+    groups = f", sub-groups of about {group_size} (`averaging.target_group_size`)" if group_size else ""
     lines = [
-        "# Attacks on a training swarm: 3 honest peers and 1 hostile peer, against a clean run",
+        f"# Attacks on a training swarm: {honest} honest peers and 1 hostile peer, against a clean run",
         "",
         f"Command: `{results['command']}` ({results['started']} to {results['ended']} UTC).",
         "",
         f"Each run: {results['rounds']} rounds of {results['round_seconds']} s, `benchmarks/configs/learning.toml` "
-        f"(the tiny model), every peer throttle {results['throttle']}, loopback, through a `shoal bootstrap` entry "
+        f"(the tiny model){groups}, every peer throttle {results['throttle']}, loopback, through a `shoal bootstrap` entry "
         "peer: one honest peer organises the run, the others start together once it has. Honest peers: default "
-        "robust aggregation (`centered_clip`, ban 10 rounds; signed claims, but in `clean-unsigned`). In the donor scenarios a fourth honest peer, `late`, "
+        "robust aggregation (`centered_clip`, ban 10 rounds; signed claims, but in `clean-unsigned`). In the donor scenarios one more honest peer, `late`, "
         f"starts {results.get('late_rounds', 4):g} rounds after the others (listed last where a cell has one value per "
         "honest peer). Final eval: each honest peer's final checkpoint on the same held-out batches "
         "(mean over the honest peers); vs clean: against the mean of the `clean` runs "
@@ -435,6 +515,7 @@ def report(results: dict) -> str:
     lines += _at_equal_tokens(runs)
     lines += _issue_29(runs)
     lines += _cost_of_checks(runs)
+    lines += _sub_groups(runs)
     lines += _summary(runs, clean)
     lines += ["", "CPU (cores used by the swarm / the whole machine, of 2): "
               + "; ".join(f"{r['scenario']} {r['cpu']['own_cores']:.2f} / {r['cpu']['machine_busy_cores']:.2f}"
@@ -453,22 +534,34 @@ def main() -> int:
     parser.add_argument("--throttle", type=float, default=4.0)
     parser.add_argument("--late-rounds", type=float, default=4.0,
                         help="how many rounds after the others the donor scenarios' joiner starts")
-    parser.add_argument("--only", type=lambda s: s.split(","), default=[*CLEAN, *HOSTILE, "clean#2", "clean-unsigned#2"],
+    parser.add_argument("--only", type=lambda s: s.split(","), default=None,
                         help="scenarios in order; NAME#K repeats one (default: every scenario, clean and "
-                             "clean-unsigned twice)")
+                             "clean-unsigned twice; the sub-group ones only with --group-size)")
+    parser.add_argument("--peers", type=int, default=HONEST + 1,
+                        help="peers of a run: N - 1 honest and the attacker (N honest in the clean runs)")
+    parser.add_argument("--group-size", type=int, default=0,
+                        help="averaging.target_group_size (sub-groups; 0: one group of everybody)")
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results path, without .md/.json")
     parser.add_argument("--report-only", action="store_true", help="redraw the table from the .json")
     args = parser.parse_args()
+    if args.only is None:
+        args.only = [*CLEAN, *(h for h in HOSTILE if h not in STATE_ATTACKS or args.group_size), "clean#2",
+                     "clean-unsigned#2"]
     if args.report_only:
         write(json.loads(args.out.with_suffix(".json").read_text()), args.out)
         return 0
     unknown = {base(n) for n in args.only} - set(CLEAN) - set(HOSTILE)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}: choose from {', '.join([*CLEAN, *HOSTILE])}")
+    if args.peers < 3 or args.group_size < 0 or args.group_size == 1:
+        parser.error("--peers must be at least 3 and --group-size 0 or at least 2")
+    if {base(n) for n in args.only} & set(STATE_ATTACKS) and not args.group_size:
+        parser.error(f"{' and '.join(STATE_ATTACKS)} attack sub-group rounds: give --group-size")
     evaluator = Evaluator(args.config)
     results = {"command": "benchmarks/attacks.py " + " ".join(sys.argv[1:]), "rounds": args.rounds,
-               "round_seconds": args.round_seconds, "throttle": args.throttle, "late_rounds": args.late_rounds, "runs": [],
+               "round_seconds": args.round_seconds, "throttle": args.throttle, "late_rounds": args.late_rounds,
+               "peers": args.peers, "group_size": args.group_size, "runs": [],
                "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M")}
     root = Path(f"/tmp/shoal-attacks-{uuid.uuid4().hex[:6]}")
     root.mkdir(parents=True)

@@ -170,6 +170,17 @@ class AnchorClaim:
 # that run's last round; 16 flagged none (a second run).
 FAR_FACTOR = 4.0
 FAR_STEPS = 16.0
+# ...and only beyond this share of the members' anchors' own RMS on that chunk. Why: in a small
+# group, members from one earlier group hold the same anchor, so the median member's distance is
+# often 0 (groups of 3 drawn from 2 earlier groups always hold such a pair; groups of 4 often), and
+# the bar is then the 16 steps alone, which honest members crossed on real runs where a chunk's
+# claimed step was small next to how far the earlier groups had drifted apart (an 8-peer run in
+# groups of 4: one honest member flagged in each group of the last three rounds, the flagged ones
+# taking the others' state, anchors 0.92 relative apart at the end, scale_real_lattice.md's fp16
+# run; attacks_far_state.md's clean run in groups of 3 likewise). Honest members of real runs lay
+# 0.05-0.13 of the weights' RMS apart (scale_real_*.md, max pairwise); a stranger's made-up anchor or
+# a peer back from a checkpoint long out of date is far more than half of it away.
+FAR_RELATIVE = 0.5
 
 
 def far_members(claims: list[AnchorClaim]) -> list[bool]:
@@ -178,7 +189,9 @@ def far_members(claims: list[AnchorClaim]) -> list[bool]:
 
     Member ``i``'s distance is the median over the others of the claims' estimated RMS difference,
     per chunk; it is far where some chunk's exceeds ``FAR_FACTOR`` x the median member's distance
-    plus ``FAR_STEPS`` x the median claimed step (``scale``). Why: the group's mean state is checked
+    plus ``FAR_STEPS`` x the median claimed step (``scale``), and ``FAR_RELATIVE`` x the median
+    member's anchor RMS there (``anchor_rms``: a fingerprint estimates its own vector's norm too).
+    Why: the group's mean state is checked
     against the farthest claimed distance (``averaging.engine.mixing.state_problem``), so a member
     claiming a far anchor (a stranger, or a peer back from an old checkpoint) would widen that bound
     for everybody, and its anchor would pull the mean; with weight 0 it pulls nothing and the bound
@@ -193,8 +206,16 @@ def far_members(claims: list[AnchorClaim]) -> list[bool]:
     own = distances.median(dim=1).values  # [n, chunks]: the lower median, robust to far others
     typical = own.median(dim=0).values
     step = torch.stack([c.scale for c in claims]).median(dim=0).values
-    bound = FAR_FACTOR * typical + FAR_STEPS * step + DEFAULT_ABS_TOL  # (+ float32 noise, as ``agree``)
+    size = torch.stack([anchor_rms(c.fingerprint) for c in claims]).median(dim=0).values
+    bound = torch.maximum(FAR_FACTOR * typical + FAR_STEPS * step, FAR_RELATIVE * size) \
+        + DEFAULT_ABS_TOL  # (+ float32 noise, as ``agree``)
     return [bool((own[i] > bound).any()) for i in range(n)]
+
+
+def anchor_rms(fp: Fingerprint) -> torch.Tensor:
+    """The RMS of the fingerprinted vector on each chunk, estimated from its own projections
+    (``E[(s . x)^2] = ||x||^2``, as ``rms_difference``)."""
+    return (fp.projections.square().mean(dim=1) / fp.chunk_sizes()).sqrt()
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,17 @@ processes it forks), before the node starts.
   ``SYBILS`` identities of its own making, each claiming ``sync_late_s = 86400`` (the most a record
   may claim), 1,000 more outer steps than the attacker's and 1e6 tokens/s. Those identities never
   average.
+- ``far-state`` / ``fake-state`` (sub-groups, ``averaging.target_group_size``): a member whose
+  state, as it rides its groups' all-reduce (``averaging.engine.mixing``), is poisoned: the anchor
+  it packs into the extra vector is its own x ``POISON_FACTOR`` (10; the momentum and the
+  pseudo-gradient stay honest). ``far-state`` claims that anchor too (the fingerprint attached to
+  its rounds' matchmaking; rounds done and scale stay true), so its claim is far from the others'
+  and the far-member rule (``averaging.math.fingerprints.far_members``) must give its state
+  weight 0 in every reducer. ``fake-state`` keeps its claims honest, so nobody can tell it apart
+  before the all-reduce: the reducers' CenteredClip on the extra tensor's parts (around their
+  median, no work scaling) must bound its pull, and the members' ``state_problem`` check bounds
+  what is left. Its parts stay under ``max_norm_ratio`` (30x) of the others', so no norm check
+  refuses them. The state it serves to joiners is its true one.
 - ``unsigned``: not hostile: an honest node whose claims travel unsigned and unchecked (the
   backend gets no signer, as in the tests on bare hivemind DHTs), for the cost of signed claims on
   a clean run. Every peer of such a run must be one: a leader that checks claims refuses an
@@ -38,6 +49,8 @@ import sys
 import torch
 from hivemind.proto import averaging_pb2
 
+from averaging.engine import round as round_engine
+from averaging.engine.mixing import pack_state
 from averaging.math.fingerprints import AnchorClaim, encode_claim, fingerprint
 from averaging.network.hivemind import matchmaking as shoal_matchmaking
 from averaging.network.hivemind.averager import ShoalAverager
@@ -49,15 +62,18 @@ from node.library.run_record import DhtDirectory
 from protocols import progress, swarm_time
 from protocols.identity import PeerKey
 from protocols.keys import peers_key
+from protocols.messages import ClaimMessage
 from protocols.records import ShoalRecordValidator
 from protocols.signed_claims import PUBLIC_KEY_FIELD, SIGNATURE_FIELD
 from tests.integration.hostile_peer import ATTACK, ATTACKS, HostileBackend
 
-MODES = (*ATTACKS, "hijack", "forged-leader", "donor-scale", "donor-momentum", "sybil", "unsigned")
+MODES = (*ATTACKS, "hijack", "forged-leader", "donor-scale", "donor-momentum", "sybil", "far-state", "fake-state",
+         "unsigned")
 LEAD_BY_S = 0.5  # how much earlier than the others the forged leader declares its search's end
 SYBILS = 5  # identities the Sybil publishes records for (the audit's five)
 HUGE_SCALE = 1e300
 HUGE_MOMENTUM = 1e6
+POISON_FACTOR = 10.0  # far-state / fake-state: the anchor sent in a sub-group round is ours x this
 
 
 # -- hijack: a consistent lie about the anchor -------------------------------------------------------
@@ -203,6 +219,38 @@ def publish_sybil_records(count: int) -> None:
     DhtDirectory.publish_progress = publish_progress
 
 
+# -- far-state / fake-state: a poisoned state in sub-group rounds ------------------------------------
+def poisoned_anchor(anchor: torch.Tensor) -> torch.Tensor:
+    """The anchor a ``far-state`` or ``fake-state`` member sends (and ``far-state`` claims)."""
+    return anchor * POISON_FACTOR
+
+
+def send_poisoned_state(*, claim_it: bool) -> None:
+    """Patch the round engine's ``pack_state`` (the name ``averaging.engine.round`` calls) so the
+    anchor we pack into a sub-group round's extra vector is ``poisoned_anchor``; with ``claim_it``,
+    ``SharedState.claim_message`` too (the claim attached to matchmaking, signed as any), so the
+    group sees that anchor in our claim. Our own state, and the claim ``state_problem`` checks the
+    group's mean against, stay true."""
+    round_engine.pack_state = poisoned_pack_state
+    if claim_it:
+        SharedState.claim_message = poisoned_claim_message
+
+
+def poisoned_pack_state(state: SharedState, out: torch.Tensor) -> None:
+    """``mixing.pack_state``, with ``poisoned_anchor`` in place of our anchor."""
+    pack_state(state, out)
+    out[:state.layout.numel] = poisoned_anchor(out[:state.layout.numel])
+
+
+def poisoned_claim_message(state: SharedState, *, round: int, with_momentum: bool = False) -> ClaimMessage:
+    """``SharedState.claim_message`` of ``poisoned_anchor``: our true scale, steps and momentum."""
+    with state._lock:
+        honest = state._current_claim()
+        lie = AnchorClaim(fingerprint(poisoned_anchor(state.anchor)), honest.scale.clone(), honest.rounds_done)
+        momentum = fingerprint(state.momentum) if with_momentum else None
+    return encode_claim(lie, round=round, momentum=momentum)
+
+
 # -- unsigned: an honest node without signed claims ---------------------------------------------------
 class UnsignedBackend(HivemindBackend):
     def __init__(self, *args, signer=None, **kwargs):
@@ -225,6 +273,8 @@ def main(argv: list[str]) -> None:
         serve_poisoned_state(mode.removeprefix("donor-"))
     elif mode == "sybil":
         publish_sybil_records(SYBILS)
+    elif mode in ("far-state", "fake-state"):
+        send_poisoned_state(claim_it=mode == "far-state")
     elif mode == "unsigned":
         network.HivemindBackend = UnsignedBackend
     sys.argv = ["shoal", "run", *argv[1:]]

@@ -8,7 +8,12 @@ weighted mean within bf16's precision, its small entries kept, on every member. 
 one round, each group averaging anchors and momenta in fp16 beside an int4 pseudo-gradient; each
 member ends with its own group's mean, the same bytes within a group. In a group of three whose
 claims put one member's anchor far from the others', the reducers leave its anchor and momentum out
-of the mean (``far_members``) and it takes the others'."""
+of the mean (``far_members``) and it takes the others'. A hostile member (tests/integration/
+hostile_node.py's ``fake-state`` and ``far-state``: its anchor x 10 in the extra vector) in a group of
+four: with an honest claim the reducers' CenteredClip keeps the group's state within (clip_ratio +
+1) x the honest members' spread of their mean (the plain mean would move it 16x as far); with a
+claim of that anchor it is far and adds nothing; either way every honest member's ``state_problem``
+takes the group's state."""
 
 from __future__ import annotations
 
@@ -192,3 +197,101 @@ def test_a_member_whose_claimed_anchor_is_far_adds_nothing_to_the_groups_state()
     assert float((everyone - close).abs().max()) > 10 * 2**-10 * float(close.abs().max())  # it would have moved it
     # the pseudo-gradients are averaged over all three, the far member's included
     assert float((vectors[0] - torch.stack(grads).mean(0)).abs().max()) < 0.2 * float(grads[0].abs().max())
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["fake-state", "far-state"])
+def test_a_member_that_sends_a_poisoned_anchor_moves_the_groups_state_a_bounded_way(mode):
+    """hostile_node's ``fake-state`` / ``far-state`` member (its anchor x 10 in the extra vector, its
+    claim honest / of that anchor) in a group with three honest members, on real reducers."""
+    from averaging.engine.mixing import claims_by_peer, far_claims, state_problem, unpack_state
+    from averaging.math.flat import FlatLayout
+    from averaging.math.outer_step import OuterConfig
+    from averaging.state.shared_state import SharedState
+    from tests.integration.hostile_node import poisoned_claim_message, poisoned_pack_state
+
+    wire, numel, peers, attacker = WireFormat.of("int4"), 8_000, 4, 3
+    prefix = f"poison-{uuid.uuid4().hex[:6]}"
+    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
+    generator = torch.Generator().manual_seed(11)
+    step = torch.randn(numel, generator=generator) * 1e-3
+    base = torch.randn(numel, generator=generator) * 0.05
+    states = []
+    for _ in range(peers):  # four anchors about a step apart (the attacker's true one too), each one step taken
+        state = SharedState(layout, base + torch.randn(numel, generator=generator) * 1e-3,
+                            OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
+        state.apply(step, round=1)
+        states.append(state)
+    extras = [torch.cat([s.anchor, s.momentum]) for s in states]
+    poisoned = torch.empty(state_numel := 2 * numel)
+    poisoned_pack_state(states[attacker], poisoned)  # what the hostile node packs: its anchor x 10
+
+    def claim(i: int, round: int):
+        if i == attacker and mode == "far-state":
+            return poisoned_claim_message(states[i], round=round, with_momentum=True)
+        return states[i].claim_message(round=round, with_momentum=True)
+
+    def make(_: int, dht: hivemind.DHT) -> HivemindBackend:
+        return HivemindBackend(dht, numel=numel, prefix=prefix, state_provider=lambda: ({}, []), wire=wire,
+                               min_group_size=peers, extra_numel=state_numel, extra_code=MIX_CODE, mixing=True,
+                               min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0,
+                               robust=RobustConfig(ban_rounds=0))
+
+    grads = [wire.to_send(torch.randn(numel, generator=generator) * 1e-3) for _ in range(peers)]
+    sent = [*extras[:attacker], poisoned]
+    with loopback_averagers(peers, make) as backends:
+        for round in (2, 3, 4):  # a round whose matchmaking or a reducer failed is replayed (docs/hivemind.md)
+            vectors, outs = [g.clone() for g in grads], [e.clone() for e in sent]
+            scheduled = time.time() + 3.0
+            for i, backend in enumerate(backends):
+                backend.prepare(round=round, scheduled_time=scheduled, timeout=20.0, key_bits=group_key_bits(round, 0, 1),
+                                gather=claim(i, round).encode())
+            with ThreadPoolExecutor(peers) as pool:
+                outcomes = list(pool.map(
+                    lambda i, vectors=vectors, outs=outs, round=round: backends[i].average(
+                        vectors[i], weight=1.0, timeout=40.0, round=round, extra=outs[i]), range(peers)))
+            if all(outcome.ok for outcome in outcomes):
+                break
+        robust = [backend.robustness() for backend in backends]
+        ids = [backend.peer_id for backend in backends]
+    assert all(outcome.ok and len(outcome.group) == peers for outcome in outcomes), outcomes
+    assert not any(r.get("refused_parts") for r in robust), robust  # no check refused it: 10x is under 30x
+    honest = torch.stack(extras[:attacker]).double()
+    mean = honest.mean(0)
+    scale = float(mean.abs().max())
+    if mode == "far-state":
+        # its claim is far: weight 0 in every reducer, so the honest members' mean is the group's
+        # state (CenteredClip returns the weighted mean of members none of which lies beyond tau)
+        # within fp16 sends and an fp16 mean, as in the test above
+        for out in outs:
+            assert float((out.double() - mean).abs().max()) <= 2**-10 * scale
+    else:
+        # its claim is honest: no member is far, and each reducer's CenteredClip bounds its part.
+        # Per part p, with B_p the diagonal of the honest members' box (coordinate by coordinate,
+        # max - min): the coordinate median of four parts, one hostile, lies in that box, so it is
+        # within B_p of the honest mean and of each honest part; tau_p (clip_ratio x the median
+        # distance to it, the mean of the 2nd and 3rd smallest of four) is at most clip_ratio x B_p;
+        # and the result lies within tau_p of the median (robust.py: "every clipped part lies within
+        # tau of the centre, so the result does too"). Over all parts: |result - honest mean| <=
+        # (clip_ratio + 1) x B. The reducers see fp16 sends, each value within d = 2**-11 of the
+        # largest honest value of its own (a power-of-two scale per part), and return an fp16 mean:
+        # B moves by 2d a coordinate, the mean by d, the returned result by d.
+        box = float((honest.max(0).values - honest.min(0).values).norm())
+        spread = RobustConfig().clip_ratio + 1
+        rounding = (2 * spread + 2) * 2**-11 * float(honest.abs().max()) * state_numel**0.5
+        bound = spread * box + rounding
+        for out in outs:
+            assert float((out.double() - mean).norm()) <= bound
+        assert sum(r.get("clipped_parts", 0) for r in robust) > 0  # (its parts, among others)
+        # the plain mean (hivemind's rule) would have moved every member over 10x further than that
+        plain = (honest.sum(0) + poisoned.double()) / peers
+        assert float((plain - mean).norm()) > 10 * bound
+    # and every honest member takes the group's state: it is within what the claims allow (state_problem)
+    for i in range(attacker):
+        by_peer = claims_by_peer(states[i], outcomes[i].gathered, round=round)
+        assert len(by_peer) == peers
+        anchor, momentum = unpack_state(outs[i], numel)
+        left_out = far_claims(by_peer, self_id=ids[i])
+        assert left_out == [peer == ids[attacker] and mode == "far-state" for peer in by_peer]
+        assert state_problem(anchor, momentum, states[i], list(by_peer.values()), members=peers,
+                             local_pseudo_grad=grads[i], left_out=left_out) is None

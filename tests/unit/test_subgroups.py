@@ -270,6 +270,33 @@ def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
                          local_pseudo_grad=pg) is None
 
 
+def test_a_member_from_another_earlier_group_is_not_far_when_the_others_share_one_anchor():
+    """Three members from one earlier group hold the same anchor (the median member's distance is 0),
+    the fourth comes from another group 25 claimed steps away on every chunk but a quarter of the
+    weights' RMS: not far (``FAR_RELATIVE``; on the steps alone, 16, it was: real runs flagged such
+    honest members). An anchor 10x the others' still is."""
+    from averaging.math.fingerprints import FAR_RELATIVE, FAR_STEPS
+
+    numel, round, pg_rms = 4093 * 8, 9, 1e-3
+    generator = torch.Generator().manual_seed(12)
+    base = torch.randn(numel, generator=generator) * 0.1
+    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
+    scale = torch.randn(numel, generator=generator) * pg_rms
+
+    def member(anchor: torch.Tensor) -> SharedState:
+        state = SharedState(layout, anchor, OUTER)
+        state.apply(scale, round=round - 1)  # its claim carries a step's scale
+        return state
+
+    shared = base + torch.randn(numel, generator=generator) * pg_rms
+    other = shared + torch.randn(numel, generator=generator) * 25 * pg_rms
+    assert 25 * pg_rms > FAR_STEPS * pg_rms and 25 * pg_rms < FAR_RELATIVE * 0.1 / 1.8  # (estimates run 1.8x high)
+    claims = [member(a).claim() for a in (shared.clone(), shared.clone(), shared.clone(), other)]
+    assert far_members(claims) == [False] * 4
+    claims[3] = member(shared * 10).claim()
+    assert far_members(claims) == [False, False, False, True]
+
+
 def test_a_member_far_from_its_group_is_found_by_everyone_and_widens_nobodys_bound():
     """``far_members`` flags, from the claims alone, a member whose anchor is far from the rest (a
     stranger's, or one back from an old checkpoint); members a step or two apart, groups of two and a
