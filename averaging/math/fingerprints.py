@@ -176,7 +176,7 @@ FAR_STEPS = 16.0
 # the bar is then the 16 steps alone, which honest members crossed on real runs where a chunk's
 # claimed step was small next to how far the earlier groups had drifted apart (an 8-peer run in
 # groups of 4: one honest member flagged in each group of the last three rounds, the flagged ones
-# taking the others' state, anchors 0.92 relative apart at the end, scale_real_lattice.md's fp16
+# taking the others' state, anchors 0.92 relative apart at the end, scale_real_far16.md's fp16
 # run; attacks_far_state.md's clean run in groups of 3 likewise). Honest members of real runs lay
 # 0.05-0.13 of the weights' RMS apart (scale_real_*.md, max pairwise); a stranger's made-up anchor or
 # a peer back from a checkpoint long out of date is far more than half of it away.
