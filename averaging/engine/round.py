@@ -311,7 +311,8 @@ class RoundRunner:
                 return conclusion, False
             logger.warning(f"round {round}: our anchor is far from our group's (its claims), too far to decode the "
                            "group's lattice-coded state; downloading it")
-            return conclusion, self.recovery.resync(round, conclusion.resync, None)
+            # (as any re-sync: a donor that has not applied this round's step yet gets it on top)
+            return conclusion, self.recovery.resync(round, conclusion.resync, usable)
         conclusion = conclude(self.state, outcome, pseudo_grad, round=round, averaged=usable, self_id=self.peer_id,
                               alone=self._alone(), recovery=self.recovery)
         self._report_divergence(round, conclusion.verdict)

@@ -29,6 +29,7 @@ from averaging.math.fingerprints import claim_of, far_members
 from averaging.math.flat import FlatLayout
 from averaging.math.groups import members
 from averaging.math.outer_step import OuterConfig, outer_step_
+from averaging.math.wire import LATTICE_CODE, MIX_CODE
 from averaging.network.interface import AverageOutcome
 from averaging.network.local import LocalBackend, LocalHub
 from averaging.state.shared_state import SharedState
@@ -65,28 +66,32 @@ class Recording(LocalBackend):
                                keep_partial=keep_partial)
 
 
-def make_peers(workers: list[SyncWorker]) -> list[dict]:
+def make_peers(workers: list[SyncWorker], *, plan=None, code: str = MIX_CODE, stale_d: bool = True) -> list[dict]:
+    """The four peers; ``plan(round, peer_id)`` (default: ``GROUPS``), ``code`` the state's code,
+    ``stale_d``: d starts from other weights and a one step ahead."""
     hub = LocalHub()
     schedule = RoundSchedule(start_time=WALL_START, round_seconds=1e3)
     peers = []
     for index, peer_id in enumerate(PEERS):
         with torch.random.fork_rng():
-            torch.manual_seed(0 if peer_id != "d" else 1)  # d starts elsewhere: a stale joiner
+            torch.manual_seed(1 if peer_id == "d" and stale_d else 0)  # d starts elsewhere: a stale joiner
             model = torch.nn.Linear(8, 4)
         layout = FlatLayout.of(model.named_parameters())
         state = SharedState(layout, layout.pack(dict(model.named_parameters()), layout.new_buffer()), OUTER)
-        state.rounds_done = 1 if peer_id == "a" else 0  # a step ahead (a count within the schedule): its groups take it
+        # a step ahead (a count within the schedule): its groups take it
+        state.rounds_done = 1 if peer_id == "a" and stale_d else 0
         clock = FakeClock(WALL_START)
         backend = Recording(hub, peer_id, state.shared_state)
         worker = SyncWorker(backend, allreduce_timeout=5.0, matchmaking_grace=1.0)
         workers.append(worker)
-        plan = lambda round, peer_id=peer_id: (GROUPS[round % 2][peer_id], 2)  # noqa: E731
+        groups = (lambda round, peer_id=peer_id: (GROUPS[round % 2][peer_id], 2)) if plan is None else (  # noqa: E731
+            lambda round, peer_id=peer_id: plan(round, peer_id))
         loop = RoundEngine(state=state, worker=worker, layout=layout,
                            params=lambda model=model: dict(model.named_parameters()),
                            schedule=lambda: schedule,
                            config=LoopConfig(mode="overlap", matchmaking_seconds=0.1, prepare_lead=1e6),
                            peer_id=peer_id, alone=lambda: False, device=torch.device("cpu"), clock=clock,
-                           mixing=Mixing(plan=plan))
+                           mixing=Mixing(plan=groups, code=code))
         peers.append(dict(id=peer_id, model=model, layout=layout, state=state, backend=backend, worker=worker,
                           loop=loop, generator=torch.Generator().manual_seed(10 + index), stats=[], rounds={}))
     return peers
@@ -194,6 +199,41 @@ def test_each_group_averages_its_members_state_and_every_member_ends_with_the_sa
                   for p in PEERS) for r in range(1, rounds + 1)]
     initial = float((by_id["d"]["rounds"][1]["before"][0] - by_id["a"]["rounds"][1]["before"][0]).norm())
     assert spread[0] < initial and spread[-1] < 0.2 * initial, (initial, spread)
+
+
+def test_a_far_member_of_a_lattice_run_downloads_its_groups_state(workers):
+    """With the lattice code (``averaging.state_compression = "lat8"``) a member far from its group
+    cannot decode the group's state: the four average in one group, d's anchor thrown far before the
+    first round (a corrupted or long-stale state), so in round 1 it takes the group's step on its own
+    state, then downloads the state of a, b and c and ends the round holding theirs; they took the
+    group's mean as ever. Its claim for round 2 was made before that download landed (this engine
+    prepares the next round's matchmaking at once), so it may download once more; by round 3 it is
+    near. (The in-process hub averages exactly: the
+    round engine's path is what is tested here; the code itself in tests/unit/test_lattice.py and
+    tests/integration/test_lattice_state.py.)"""
+    peers = make_peers(workers, plan=lambda round, peer_id: (0, 1), code=LATTICE_CODE, stale_d=False)
+    by_id = {p["id"]: p for p in peers}
+    d = by_id["d"]
+    near = torch.cat([d["state"].anchor, d["state"].momentum])  # (a, b and c hold it too)
+    d["state"].anchor.add_(torch.randn(d["layout"].numel, generator=d["generator"]))
+    average = d["backend"].average
+
+    def weight_zero(vector, *, extra=None, **kwargs):
+        # The hub averages every member's state; real reducers give a far member's weight 0: the
+        # group's mean is then the near members', which d's stand-in state leaves it at.
+        if kwargs.get("round") == 1:
+            extra.copy_(near)
+        return average(vector, extra=extra, **kwargs)
+
+    d["backend"].average = weight_zero
+    run(peers, 3)
+    assert d["stats"][0].resynced and not d["stats"][2].resynced
+    assert all(s.applied == "averaged" for p in peers for s in p["stats"])
+    for p in ("a", "b", "c"):
+        assert not any(s.resynced for s in by_id[p]["stats"])
+    for round in (1, 2, 3):
+        assert all(torch.equal(by_id[p]["rounds"][round]["anchor"], by_id["a"]["rounds"][round]["anchor"])
+                   for p in PEERS), round
 
 
 def test_a_joiner_downloads_from_the_members_of_one_group_of_the_last_round():

@@ -128,7 +128,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         """``signed_claims``: every member's gathered claim must be signed by it
         (``protocols.signed_claims``); a leader that relays a forged one is banned.
         ``far_state_numel``: sub-groups, whose extra tensor carries the anchors (of that many values):
-        members whose claimed anchor is far from the rest get weight 0 on it (``far_peers``).
+        members whose claimed anchor is far from the rest get weight 0 on it (``_group_claims``).
         ``lattice``: that tensor (anchor and momentum only) travels as lattice residues
         (``averaging.math.lattice``; its codec is lat8)."""
         self._state_provider = state_provider
@@ -366,17 +366,11 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         if isinstance(runner, RobustAllReduceRunner):  # every reducer's stream has ended by now
             runner.strike_failed_reducers(round=_STEP_ROUND.get(self._ban_list.round))
 
-    def far_peers(self, group_info: GroupInfo) -> list:
-        """With sub-groups, the members whose claimed anchor is far from the rest
-        (``averaging.math.fingerprints.far_members``, from the claims every member gathered, so each
-        reducer and each member's own check find the same ones); a claim we cannot decode counts
-        for nobody."""
-        peers, claims, _ = self._group_claims(group_info)
-        return [peer for peer, far in zip(peers, far_members(claims)) if far]
-
     def _group_claims(self, group_info: GroupInfo) -> tuple[list, list[AnchorClaim], list]:
         """With sub-groups, the members' decodable claims: (peers, claims, momentum fingerprints);
-        empty lists otherwise."""
+        empty lists otherwise. From them every member and every reducer finds the same far members
+        (``averaging.math.fingerprints.far_members``) and the same lattice grid; a claim we cannot
+        decode counts for nobody."""
         if not self._far_state_numel:
             return [], [], []
         numel = self._far_state_numel
