@@ -216,7 +216,7 @@ def _network_rows(grid: Table, s: NodeStatus) -> None:
 
 
 ROBUST_WORDS = {"refused_parts": "parts", "refused_returns": "returned averages", "clipped_parts": "clipped",
-                "bans": "peers banned"}
+                "bans": "peers banned", "lattice_edges": "state values near the lattice's edge"}
 
 
 def robust_summary(counts: dict[str, int]) -> str:

@@ -143,6 +143,11 @@ def test_the_reducer_unwraps_lattice_parts_before_judging_them():
     naive = torch.remainder(torch.stack(residues).mean(0).round(), 256)
     assert not torch.equal(naive, expected)  # (the residues did wrap)
     assert reducer.edge_values == 0 and not reducer.clipped
+    # a sender 110 grid steps from the reducer on 5 values: overflow suspects (beyond 3/4 of half the range)
+    values[2][:5] = values[0][:5] + 110
+    parts[2][1] = torch.remainder(values[2].round(), 256)
+    reducer, _ = asyncio.run(main())
+    assert reducer.edge_values == 5
 
 
 def test_a_far_member_of_a_lattice_round_takes_the_groups_step_and_re_syncs_from_the_near_members():

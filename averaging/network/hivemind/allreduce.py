@@ -73,6 +73,9 @@ class RobustCounters:
         self._refused_returns = mp.Value("q", 0)  # reducers whose returned averages were refused
         self._clipped = mp.Value("q", 0)  # parts clipped or trimmed by the aggregator
         self._bans = mp.Value("q", 0)  # peers put on the ban list
+        # lattice-coded state values a reducer unwrapped near the edge of their range (overflow
+        # suspects: the group's anchors lie farther apart than its grid covers; averaging.math.lattice)
+        self._lattice_edges = mp.Value("q", 0)
         # Senders whose answers this averager is still streaming as a reducer (not a count of
         # refusals: a gauge). A peer about to leave waits for it to reach 0 (``HivemindBackend.shutdown``).
         self._answering = mp.Value("q", 0)
@@ -84,7 +87,8 @@ class RobustCounters:
 
     def snapshot(self) -> dict[str, int]:
         return {"refused_parts": self._refused_parts.value, "refused_returns": self._refused_returns.value,
-                "clipped_parts": self._clipped.value, "bans": self._bans.value}
+                "clipped_parts": self._clipped.value, "bans": self._bans.value,
+                "lattice_edges": self._lattice_edges.value}
 
     @property
     def answering(self) -> int:
@@ -481,6 +485,8 @@ class RobustAllReduceRunner(AllReduceRunner):
             logger.info(f"group {self.group_id.hex()[:8]}: clipped outlying parts of {summary}")
         edge = getattr(self.tensor_part_reducer, "edge_values", 0)
         if edge and not self._future.done():
+            if self.counters is not None:
+                RobustCounters._add(self.counters._lattice_edges, edge)
             logger.warning(f"group {self.group_id.hex()[:8]}: {edge} lattice values unwrapped near the edge of "
                            "their range (the group's anchors may lie farther apart than its grid covers)")
         super().finalize(cancel=cancel, exception=exception)
