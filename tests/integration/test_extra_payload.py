@@ -30,7 +30,7 @@ from averaging.math.groups import group_key_bits
 from averaging.math.robust import RobustConfig
 from averaging.math.wire import MIX_CODE, WireFormat, mix_code
 from averaging.network.hivemind.backend import HivemindBackend
-from tests.integration.averagers import loopback_averagers
+from tests.integration.averagers import group_backends, group_round, loopback_averagers, stepped_states
 
 pytestmark = pytest.mark.integration
 
@@ -150,44 +150,19 @@ def test_sub_groups_meet_apart_and_each_averages_its_members_anchors_in_fp16():
 
 @pytest.mark.timeout(150)
 def test_a_member_whose_claimed_anchor_is_far_adds_nothing_to_the_groups_state():
-    from averaging.math.flat import FlatLayout
-    from averaging.math.outer_step import OuterConfig
-    from averaging.state.shared_state import SharedState
-
     wire, numel, peers = WireFormat.of("int4"), 8_000, 3
-    prefix = f"far-{uuid.uuid4().hex[:6]}"
-    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
     generator = torch.Generator().manual_seed(8)
     step = torch.randn(numel, generator=generator) * 1e-3
     base = torch.randn(numel, generator=generator) * 0.05
-    states = []
-    for i in range(peers):  # two anchors a step apart, the third 40 steps off; each one step taken
-        state = SharedState(layout, base + torch.randn(numel, generator=generator) * 1e-3 + (40 * step if i == 2 else 0),
-                            OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
-        state.apply(step, round=1)
-        states.append(state)
-
-    def make(_: int, dht: hivemind.DHT) -> HivemindBackend:
-        return HivemindBackend(dht, numel=numel, prefix=prefix, state_provider=lambda: ({}, []), wire=wire,
-                               min_group_size=3, extra_numel=2 * numel, extra_code=MIX_CODE, mixing=True,
-                               min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0,
-                               robust=RobustConfig(ban_rounds=0))
-
+    # two anchors a step apart, the third 40 steps off; each one step taken
+    states = stepped_states([base + torch.randn(numel, generator=generator) * 1e-3 + (40 * step if i == 2 else 0)
+                             for i in range(peers)], step)
     grads = [wire.to_send(torch.randn(numel, generator=generator) * 1e-3) for _ in range(peers)]
     extras = [torch.cat([s.anchor, s.momentum]) for s in states]
-    with loopback_averagers(peers, make) as backends:
-        for round in (2, 3, 4):  # a round whose matchmaking or a reducer failed is replayed (docs/hivemind.md)
-            vectors, outs = [g.clone() for g in grads], [e.clone() for e in extras]
-            scheduled = time.time() + 3.0
-            for i, backend in enumerate(backends):
-                backend.prepare(round=round, scheduled_time=scheduled, timeout=20.0, key_bits=group_key_bits(round, 0, 1),
-                                gather=states[i].claim_message(round=round, with_momentum=True).encode())
-            with ThreadPoolExecutor(peers) as pool:
-                outcomes = list(pool.map(
-                    lambda i, vectors=vectors, outs=outs, round=round: backends[i].average(
-                        vectors[i], weight=1.0, timeout=40.0, round=round, extra=outs[i]), range(peers)))
-            if all(outcome.ok for outcome in outcomes):
-                break
+    with group_backends(peers, numel=numel, prefix=f"far-{uuid.uuid4().hex[:6]}", extra_code=MIX_CODE,
+                        wire=wire) as backends:
+        outcomes, vectors, outs, _ = group_round(
+            backends, grads, extras, lambda i, round: states[i].claim_message(round=round, with_momentum=True).encode())
     assert all(outcome.ok and len(outcome.group) == 3 for outcome in outcomes), outcomes
     close = torch.stack(extras[:2]).double().mean(0)  # the two close members' mean: the far one left out
     for out in outs:  # every member, the far one too, ends with it (fp16 sends and returns)
@@ -205,53 +180,28 @@ def test_a_member_that_sends_a_poisoned_anchor_moves_the_groups_state_a_bounded_
     """hostile_node's ``fake-state`` / ``far-state`` member (its anchor x 10 in the extra vector, its
     claim honest / of that anchor) in a group with three honest members, on real reducers."""
     from averaging.engine.mixing import claims_by_peer, far_claims, state_problem, unpack_state
-    from averaging.math.flat import FlatLayout
-    from averaging.math.outer_step import OuterConfig
-    from averaging.state.shared_state import SharedState
     from tests.integration.hostile_node import poisoned_claim_message, poisoned_pack_state
 
     wire, numel, peers, attacker = WireFormat.of("int4"), 8_000, 4, 3
-    prefix = f"poison-{uuid.uuid4().hex[:6]}"
-    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
     generator = torch.Generator().manual_seed(11)
     step = torch.randn(numel, generator=generator) * 1e-3
     base = torch.randn(numel, generator=generator) * 0.05
-    states = []
-    for _ in range(peers):  # four anchors about a step apart (the attacker's true one too), each one step taken
-        state = SharedState(layout, base + torch.randn(numel, generator=generator) * 1e-3,
-                            OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
-        state.apply(step, round=1)
-        states.append(state)
+    # four anchors about a step apart (the attacker's true one too), each one step taken
+    states = stepped_states([base + torch.randn(numel, generator=generator) * 1e-3 for _ in range(peers)], step)
     extras = [torch.cat([s.anchor, s.momentum]) for s in states]
     poisoned = torch.empty(state_numel := 2 * numel)
     poisoned_pack_state(states[attacker], poisoned)  # what the hostile node packs: its anchor x 10
 
-    def claim(i: int, round: int):
+    def claim(i: int, round: int) -> bytes:
         if i == attacker and mode == "far-state":
-            return poisoned_claim_message(states[i], round=round, with_momentum=True)
-        return states[i].claim_message(round=round, with_momentum=True)
-
-    def make(_: int, dht: hivemind.DHT) -> HivemindBackend:
-        return HivemindBackend(dht, numel=numel, prefix=prefix, state_provider=lambda: ({}, []), wire=wire,
-                               min_group_size=peers, extra_numel=state_numel, extra_code=MIX_CODE, mixing=True,
-                               min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0,
-                               robust=RobustConfig(ban_rounds=0))
+            return poisoned_claim_message(states[i], round=round, with_momentum=True).encode()
+        return states[i].claim_message(round=round, with_momentum=True).encode()
 
     grads = [wire.to_send(torch.randn(numel, generator=generator) * 1e-3) for _ in range(peers)]
     sent = [*extras[:attacker], poisoned]
-    with loopback_averagers(peers, make) as backends:
-        for round in (2, 3, 4):  # a round whose matchmaking or a reducer failed is replayed (docs/hivemind.md)
-            vectors, outs = [g.clone() for g in grads], [e.clone() for e in sent]
-            scheduled = time.time() + 3.0
-            for i, backend in enumerate(backends):
-                backend.prepare(round=round, scheduled_time=scheduled, timeout=20.0, key_bits=group_key_bits(round, 0, 1),
-                                gather=claim(i, round).encode())
-            with ThreadPoolExecutor(peers) as pool:
-                outcomes = list(pool.map(
-                    lambda i, vectors=vectors, outs=outs, round=round: backends[i].average(
-                        vectors[i], weight=1.0, timeout=40.0, round=round, extra=outs[i]), range(peers)))
-            if all(outcome.ok for outcome in outcomes):
-                break
+    with group_backends(peers, numel=numel, prefix=f"poison-{uuid.uuid4().hex[:6]}", extra_code=MIX_CODE,
+                        wire=wire) as backends:
+        outcomes, vectors, outs, round = group_round(backends, grads, sent, claim)
         robust = [backend.robustness() for backend in backends]
         ids = [backend.peer_id for backend in backends]
     assert all(outcome.ok and len(outcome.group) == peers for outcome in outcomes), outcomes

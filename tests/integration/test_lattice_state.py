@@ -8,24 +8,15 @@ group's). The pseudo-gradient is averaged over all three as ever."""
 
 from __future__ import annotations
 
-import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
-import hivemind
 import pytest
 import torch
 
 from averaging.math import lattice
 from averaging.math.fingerprints import claim_of, far_members, momentum_of
-from averaging.math.flat import FlatLayout
-from averaging.math.groups import group_key_bits
-from averaging.math.outer_step import OuterConfig
-from averaging.math.robust import RobustConfig
 from averaging.math.wire import LATTICE_CODE, WireFormat
-from averaging.network.hivemind.backend import HivemindBackend
-from averaging.state.shared_state import SharedState
-from tests.integration.averagers import loopback_averagers
+from tests.integration.averagers import group_backends, group_round, stepped_states
 
 pytestmark = pytest.mark.integration
 
@@ -33,40 +24,19 @@ pytestmark = pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_a_group_averages_its_state_in_one_byte_a_value_and_a_far_member_keeps_its_own():
     wire, numel, peers = WireFormat.of("int4"), 8_000, 3
-    prefix = f"lattice-{uuid.uuid4().hex[:6]}"
-    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
     generator = torch.Generator().manual_seed(9)
     step = torch.randn(numel, generator=generator) * 1e-3
     base = torch.randn(numel, generator=generator) * 0.05
-    states = []
-    for i in range(peers):  # two anchors ~2 steps apart, the third ~100 steps off; each one step taken
-        off = torch.randn(numel, generator=generator) * (0.1 if i == 2 else 1e-3)
-        state = SharedState(layout, base + off, OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
-        state.apply(step, round=1)
-        states.append(state)
-
-    def make(_: int, dht: hivemind.DHT) -> HivemindBackend:
-        return HivemindBackend(dht, numel=numel, prefix=prefix, state_provider=lambda: ({}, []), wire=wire,
-                               min_group_size=peers, extra_numel=2 * numel, extra_code=LATTICE_CODE, mixing=True,
-                               min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0,
-                               robust=RobustConfig(ban_rounds=0))
-
+    # two anchors ~2 steps apart, the third ~100 steps off; each one step taken
+    states = stepped_states([base + torch.randn(numel, generator=generator) * (0.1 if i == 2 else 1e-3)
+                             for i in range(peers)], step)
     grads = [wire.to_send(torch.randn(numel, generator=generator) * 1e-3) for _ in range(peers)]
     extras = [torch.cat([s.anchor, s.momentum]) for s in states]
-    with loopback_averagers(peers, make) as backends:
-        for round in (2, 3, 4):  # a round whose matchmaking or a reducer failed is replayed (docs/hivemind.md)
-            vectors, outs = [g.clone() for g in grads], [e.clone() for e in extras]
-            messages = [s.claim_message(round=round, with_momentum=True) for s in states]
-            scheduled = time.time() + 3.0
-            for i, backend in enumerate(backends):
-                backend.prepare(round=round, scheduled_time=scheduled, timeout=20.0, key_bits=group_key_bits(round, 0, 1),
-                                gather=messages[i].encode())
-            with ThreadPoolExecutor(peers) as pool:
-                outcomes = list(pool.map(
-                    lambda i, vectors=vectors, outs=outs, round=round: backends[i].average(
-                        vectors[i], weight=1.0, timeout=40.0, round=round, extra=outs[i]), range(peers)))
-            if all(outcome.ok for outcome in outcomes):
-                break
+    with group_backends(peers, numel=numel, prefix=f"lattice-{uuid.uuid4().hex[:6]}", extra_code=LATTICE_CODE,
+                        wire=wire) as backends:
+        outcomes, vectors, outs, round = group_round(
+            backends, grads, extras, lambda i, round: states[i].claim_message(round=round, with_momentum=True).encode())
+    messages = [s.claim_message(round=round, with_momentum=True) for s in states]
     assert all(outcome.ok and len(outcome.group) == peers for outcome in outcomes), outcomes
     claims = [claim_of(m) for m in messages]
     far = far_members(claims)
