@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from averaging.math import lattice
 from averaging.math.fingerprints import (
     chunk_rms,
     claim_of,
@@ -131,10 +132,10 @@ def far_claims(claims: Mapping[str, ClaimMessage], *, self_id: str) -> list[bool
 
 
 def far_from_group(claims: Mapping[str, ClaimMessage], *, self_id: str) -> list[str] | None:
-    """If we are far from our group by the claims (``far_members``), the members that are not (the
-    donors of the group's state); else None. With the lattice code a far member cannot decode the
-    group's state (``averaging.math.lattice``) and downloads it from them instead."""
-    far = far_members([claim_of(message) for message in claims.values()])
+    """If we are far from our lattice-coded group by the claims (``averaging.math.lattice.far``: as
+    its reducers find), the members that are not (the donors of the group's state); else None. A
+    far member cannot decode the group's state and downloads it from them instead."""
+    far = lattice.far([claim_of(message) for message in claims.values()])
     if not any(f for peer, f in zip(claims, far) if peer == self_id):
         return None
     return [peer for peer, f in zip(claims, far) if not f and peer != self_id]

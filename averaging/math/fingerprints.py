@@ -183,7 +183,7 @@ FAR_STEPS = 16.0
 FAR_RELATIVE = 0.5
 
 
-def far_members(claims: list[AnchorClaim]) -> list[bool]:
+def far_members(claims: list[AnchorClaim], *, within_steps: float | None = None) -> list[bool]:
     """Which members of a sub-group hold an anchor far from the rest, by their claims alone, so
     that every member and every reducer computes the same answer (each sees the same signed claims).
 
@@ -196,7 +196,11 @@ def far_members(claims: list[AnchorClaim]) -> list[bool]:
     claiming a far anchor (a stranger, or a peer back from an old checkpoint) would widen that bound
     for everybody, and its anchor would pull the mean; with weight 0 it pulls nothing and the bound
     is the others'. The medians hold while fewer than half of the others are far; below 3 members
-    nobody can be told apart, and nobody is far."""
+    nobody can be told apart, and nobody is far.
+
+    ``within_steps`` (the lattice code: what its grid can cover, ``averaging.math.lattice``): a
+    member beyond ``FAR_FACTOR`` x the median member's distance and that many claimed steps is far
+    too, however near relative to the weights: such a member could not decode the group's state."""
     n = len(claims)
     if n < 3:
         return [False] * n
@@ -209,6 +213,8 @@ def far_members(claims: list[AnchorClaim]) -> list[bool]:
     size = torch.stack([anchor_rms(c.fingerprint) for c in claims]).median(dim=0).values
     bound = torch.maximum(FAR_FACTOR * typical + FAR_STEPS * step, FAR_RELATIVE * size) \
         + DEFAULT_ABS_TOL  # (+ float32 noise, as ``agree``)
+    if within_steps is not None:
+        bound = torch.minimum(bound, torch.maximum(FAR_FACTOR * typical, within_steps * step) + DEFAULT_ABS_TOL)
     return [bool((own[i] > bound).any()) for i in range(n)]
 
 

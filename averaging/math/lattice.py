@@ -36,6 +36,9 @@ that against its own residue (``wrap``: the delta to its own value) and rebuilds
 grid (``from_residues_``). Right while the group's values lie within ``q / 2`` of each other,
 coordinate by coordinate; a far member's do not (its anchor may be anywhere), so it cannot decode
 the group's state: it takes the group's state by a download instead (``averaging.engine.round``).
+In a lattice-coded group "far" also covers a member more than ``WITHIN_STEPS`` claimed steps from
+the others (``far``): the grid's range saturates there, and such a member, near by the weights'
+measure, would otherwise keep its own state round after round, never pulled in.
 A coordinate that unwraps near the edge of the range (``EDGE``) is counted: a range too narrow for
 the group's spread shows there (``edge_values``).
 """
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from averaging.math.fingerprints import AnchorClaim, Fingerprint, rms_difference
+from averaging.math.fingerprints import AnchorClaim, Fingerprint, far_members, rms_difference
 
 LEVELS = 256
 HALF = LEVELS // 2
@@ -99,6 +102,17 @@ def group_lattice(claims: Sequence[AnchorClaim], momenta: Sequence[Fingerprint |
     momentum = _half_ranges(momenta, steps, far) if any(m is not None for m in momenta) else anchor
     return Lattice(numel=first.numel, chunk_len=first.chunk_len, anchor_steps=anchor / HALF,
                    momentum_steps=momentum / HALF)
+
+
+# A member whose anchor lies farther from the others than the grid can cover (its spread share
+# saturates at the cap: RANGE_CAP_STEPS / RANGE_SPREAD = 32 steps) could not decode the group's
+# state and would hold its own, out of date for good: with the lattice code it counts as far.
+WITHIN_STEPS = RANGE_CAP_STEPS / RANGE_SPREAD
+
+
+def far(claims: Sequence[AnchorClaim]) -> list[bool]:
+    """``fingerprints.far_members`` for a lattice-coded group: far also beyond what the grid covers."""
+    return far_members(list(claims), within_steps=WITHIN_STEPS)
 
 
 def wrap(delta: torch.Tensor) -> torch.Tensor:

@@ -209,3 +209,21 @@ def test_a_liar_in_a_pair_cannot_make_the_grid_coarse():
     assert float(grid.anchor_steps.max()) == pytest.approx(lattice.RANGE_CAP_STEPS * 1e-3 / lattice.HALF)
     outs = group_round(states, grid)
     assert float((outs[0] - states[0]).abs().max()) < 1e-2  # its partner's state moved a few steps at most
+
+
+def test_a_member_beyond_what_the_grid_covers_counts_as_far_in_a_lattice_group():
+    """50 claimed steps from three members that share an anchor, yet a tenth of the weights' RMS:
+    near by ``far_members`` (it would take the fp16 mean), far for the lattice code, whose grid
+    covers 32 steps (``WITHIN_STEPS``): it could not decode the group's state, so it downloads it."""
+    from averaging.math.fingerprints import far_members
+
+    generator = torch.Generator().manual_seed(3)
+    shared = torch.randn(NUMEL, generator=generator) * 0.05
+    step = torch.full((-(-NUMEL // chunk_length(NUMEL)),), 1e-4, dtype=torch.float64)
+    other = shared + torch.randn(NUMEL, generator=generator) * 50e-4
+    claims = [AnchorClaim(fingerprint(a), step, 1) for a in (shared, shared, shared, other)]
+    assert far_members(claims) == [False] * 4  # 0.005 apart: under half the weights' RMS (0.025)
+    assert lattice.far(claims) == [False, False, False, True]
+    assert lattice.WITHIN_STEPS == 32
+    claims[3] = AnchorClaim(fingerprint(shared + torch.randn(NUMEL, generator=generator) * 20e-4), step, 1)
+    assert lattice.far(claims) == [False] * 4  # 20 steps: within the grid

@@ -58,6 +58,7 @@ from averaging.math.fingerprints import (
     far_members,
     momentum_of,
 )
+from averaging.math.lattice import far as lattice_far
 from averaging.math.lattice import from_residues_, group_lattice, to_residues_
 from averaging.math.robust import BanList, RobustConfig, Strikes
 from averaging.network.hivemind import pins
@@ -329,7 +330,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         peers, claims, momenta = self._group_claims(group_info) if self._far_state_numel else ([], [], [])
         if self._lattice and not claims:  # every member sees the same claims: all of us refuse alike
             raise AllreduceException("no member's claim decodes, so the group's lattice grid is unknown")
-        far = far_members(claims)
+        far = lattice_far(claims) if self._lattice else far_members(claims)
         if self._robust is None:
             runner = AllReduceRunner(**common)
         else:
