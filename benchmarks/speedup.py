@@ -77,7 +77,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # harness's own imports
 import torch  # noqa: E402
 
 from averaging.math import codecs, inner_state, lattice, robust  # noqa: E402
-from averaging.math.fingerprints import AnchorClaim, chunk_length, chunk_rms, far_members, fingerprint  # noqa: E402
+from averaging.math.fingerprints import AnchorClaim, chunk_length, chunk_rms, fingerprint  # noqa: E402
 from averaging.math.flat import FlatLayout  # noqa: E402
 from averaging.math.groups import group_count, members  # noqa: E402
 from averaging.math.merge import apply_correction_, eager_jump, landing_correction, merge_correction, stand_in  # noqa: E402
@@ -338,11 +338,11 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
 def _lattice_mean(anchors: list[torch.Tensor], momenta: list[torch.Tensor], scales: list[torch.Tensor],
                   share: list[float]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A group's mean state as the lattice code carries it: the grid from the members' claims
-    (``lattice.group_lattice``; far members weigh nothing in the mean, as in the reducers), each
+    (``lattice.group_lattice``; far members, ``lattice.far``, weigh nothing in the mean, as in the reducers), each
     member's state on it, the weighted mean rounded to it; and how many values lay beyond half the
     range from the mean (they would unwrap a whole range off: counted, not simulated)."""
     claims = [AnchorClaim(fingerprint(a), s, 0) for a, s in zip(anchors, scales)]
-    far = far_members(claims)
+    far = lattice.far(claims)
     grid = lattice.group_lattice(claims, [fingerprint(m) for m in momenta], far)
     states = [torch.cat([a, m]) for a, m in zip(anchors, momenta)]
     near = [(w, s) for w, s, f in zip(share, states, far) if not f] or list(zip(share, states))
