@@ -887,7 +887,8 @@ def main() -> int:
     parser.add_argument("--compression", default="",
                         help="averaging.compression instead of tiny.toml's fp16 (int4: shoal's default)")
     parser.add_argument("--state-compression", default="",
-                        help="sub-groups: averaging.state_compression (lat8: the lattice code; needs --compression int4)")
+                        help="sub-groups: averaging.state_compression (auto/lat8: the lattice code, fp16, fp32; "
+                             "the compact codes need --compression int4 or int8)")
     parser.add_argument("--warmup-timeout", type=float, default=180.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--append", action="store_true", help="keep the runs already in the results json")

@@ -227,9 +227,8 @@ BREAKS = [
     "Rotating sub-groups (`averaging.target_group_size`, docs/scale.md) are the answer, now in the engine: "
     "16 real peers in groups of about 8 averaged in every round with no re-sync (scale_real_subgroups.md).",
     "**Sub-groups cost bytes and are only partly hardened**: the anchors and momenta ride the all-reduce in "
-    "fp16 by default (4 bytes a parameter each way, about 8x an int4 round's payload; fp32 where reducers return "
-    "deltas), or as the 1-byte lattice code with `averaging.state_compression = \"lat8\"` (opt-in: "
-    "scale_real_lattice.md); a lying reducer's share of the anchors and momenta is bounded by the "
+    "the 1-byte lattice code (2 bytes a parameter each way, about 4x an int4 round's payload; fp16 on request; "
+    "fp32 where reducers return deltas: scale_real_lattice.md); a lying reducer's share of the anchors and momenta is bounded by the "
     "members' claims, and a member claiming a far anchor gets weight 0 instead of widening that bound (a close "
     "claim with a far anchor can still fold its group's round: docs/security.md). Groups are balanced cuts "
     "of the live records (16 real peers in groups of 4: exactly 4 every round; the first, hashed rule gave 1 to "

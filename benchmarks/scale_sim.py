@@ -580,8 +580,8 @@ SENSITIVITY = {
     "hashed groups (the first rule)": dict(assign="hashed"),
     "hashed groups, leader cap G (the first simulation)": dict(assign="hashed", leader_slack=1.0),
     "leader cap G": dict(leader_slack=1.0), "leader cap 1.5 G": dict(leader_slack=1.5), "G=32": dict(group_size=32),
-    "anchors fp16 (the engine's default)": dict(anchor_codec="fp16"),
-    "partial kept + anchors fp16 (the engine's default)": dict(salvage_partial=True, anchor_codec="fp16"),
+    "anchors fp16 (state_compression fp16)": dict(anchor_codec="fp16"),
+    "partial kept + anchors fp16 (state_compression fp16)": dict(salvage_partial=True, anchor_codec="fp16"),
     "anchors fp32 (the engine before fp16; delta-return runs)": dict(anchor_codec="fp32"),
     "partial kept + anchors fp32": dict(salvage_partial=True, anchor_codec="fp32"),
     "anchors on 1/4 of the values a round": dict(anchor_slices=4),
@@ -641,8 +641,8 @@ def report(results: dict, args, command: str, minutes: float) -> str:
         "Every figure below is simulated.", "",
         f"Defaults: {s0.params / 1e6:.0f}M parameters; pseudo-gradients in int4 ({bytes_per_value('int4'):.3f} "
         "B/value); sub-groups add the anchor and the outer momentum as an int8 lattice code (1 B/value each, "
-        "the engine's `averaging.state_compression = \"lat8\"`; by default it sends them in fp16 (fp32 where "
-        "reducers return deltas), sensitivity rows below; "
+        "the engine's default; fp16 on request and fp32 where reducers return deltas: sensitivity rows "
+        "below; "
         f"{Scenario(label='', peers=0).bytes_per_param():.2f} B/value in all); rounds of {s0.round_s:.0f} s "
         f"(all-reduce budget {s0.round_s - s0.matchmaking_s:.0f} s); links lognormal, median {s0.link_median:g} "
         f"Mbit/s, sigma {s0.link_sigma}, clipped to 10-200; speeds 1/1.5/2/3; matchmaking miss {s0.miss:.0%} a "

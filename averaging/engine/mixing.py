@@ -13,7 +13,8 @@ differ by design, and a stale anchor is pulled into its next group's mean anyway
 swarm's reunion logic (every round meets peers from other groups).
 
 The all-reduce's extra vector (``HivemindBackend(extra_numel=...)``) is laid out as
-``[anchor | momentum | the inner optimizer's moments, when they ride too]``, in fp16, or in fp32 where
+``[anchor | momentum | the inner optimizer's moments, when they ride too]``, as the lattice code
+(``averaging.math.lattice``: the averager encodes and decodes it) or in fp16, or in fp32 where
 reducers return deltas or the moments ride (``averaging.math.wire.mix_code``). These helpers are
 pure: the round engine drives them.
 """

@@ -68,15 +68,17 @@ EXTRA_CODE = "bf16"
 # member's anchor lands within about 2**-11 of its own size of the group's mean, a few thousandths of
 # the change an outer step makes to a typical weight, and every member takes the same bytes where
 # reducers return the mean itself (int8/int4 returns: the default). bf16 (8 bits) would snap anchors
-# to 2**-9 of their size, coarser than an outer step's change to many of them. The 1-byte lattice
-# code of docs/scale.md is the next step.
+# to 2**-9 of their size, coarser than an outer step's change to many of them. The default is the
+# 1-byte lattice code (``LATTICE_CODE``) where fp16 would do; fp16 stays selectable.
 MIX_CODE = "fp16"
 # Where fp16 would not do: reducers that return deltas (fp16/fp32 payloads) leave each member its own
 # rounding of what it sent (members of a group 2**-12 of a weight apart), and the inner optimizer's
 # moments (``averaging.average_inner_state``) span more binades than fp16 keeps.
 MIX_CODE_EXACT = "fp32"
-# ``averaging.state_compression = "lat8"``: 1 byte a value, residues on a grid the group's claims set
-# (``averaging.math.lattice``); only where fp16 would do (reducers return the mean, no moments ride).
+# ``averaging.state_compression = "auto"`` (the default) or "lat8": 1 byte a value, residues on a grid
+# the group's claims set (``averaging.math.lattice``), where fp16 would do (reducers return the mean,
+# no moments ride). Measured against fp16: the same learning (simulated, 16 peers in groups of 4:
+# eval 1.6073 against 1.6057), 0.56x the all-reduce payload on 8 real peers (docs/scale.md).
 LATTICE_CODE = "lat8"
 STATE_COMPRESSIONS = ("auto", "fp16", "fp32", LATTICE_CODE)
 
@@ -185,13 +187,13 @@ def round_payload(numel: int, group_size: int, *, send_bytes_per_value: float, r
 
 def mix_code(wire: WireFormat, *, with_inner_state: bool, requested: str = "auto") -> str:
     """The code of a sub-group round's extra vector (anchor, momentum and, with ``with_inner_state``,
-    the inner optimizer's moments): ``MIX_CODE`` where reducers return the mean itself and no
-    moments ride, else ``MIX_CODE_EXACT``; ``requested`` (``averaging.state_compression``) picks fp32
-    or the lattice code instead (``state_compression_problem`` says where that is refused)."""
+    the inner optimizer's moments): where reducers return the mean itself and no moments ride, the
+    lattice code (``requested`` "auto" or "lat8") or fp16 ("fp16"); else ``MIX_CODE_EXACT``, fp32
+    (``state_compression_problem`` says where a compact request is refused)."""
     compact = wire.return_code in AVERAGE_RETURN_CODES and not with_inner_state
-    if requested in (LATTICE_CODE, MIX_CODE) and compact:
-        return requested
-    return MIX_CODE if compact and requested == "auto" else MIX_CODE_EXACT
+    if not compact or requested == MIX_CODE_EXACT:
+        return MIX_CODE_EXACT
+    return MIX_CODE if requested == MIX_CODE else LATTICE_CODE
 
 
 def state_compression_problem(wire: WireFormat, *, with_inner_state: bool, requested: str) -> str | None:

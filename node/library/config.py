@@ -57,16 +57,17 @@ class AveragingConfig:
     error_feedback: bool = True  # int codes: what quantization drops re-enters the next round (per peer)
     # 0 = one group of everybody each round (up to 64). Else sub-groups: each round the swarm splits
     # into groups of about this size (8-16 for a large swarm) that change every round, and each
-    # group averages its members' anchors and outer momenta with the pseudo-gradient (in fp16:
-    # 4 bytes a parameter each way more; see state_compression), so anchors agree within a group and
+    # group averages its members' anchors and outer momenta with the pseudo-gradient (2 bytes a
+    # parameter each way more; see state_compression), so anchors agree within a group and
     # converge across groups (averaging.engine.mixing, docs/scale.md). Shared. Only partly hardened
     # against strangers (docs/security.md): prefer private swarms.
     target_group_size: int = 0
-    # Sub-groups: the code of the anchors and momenta on the wire. "auto": fp16 where reducers return
-    # the average (int8/int4) and no inner moments ride, else fp32. "lat8": 1 byte a value, residues
-    # on a grid the group's claims set (averaging.math.lattice): half fp16's bytes, the state lands
-    # within 1/8 of an outer step of the group's mean; a member far from its group downloads the
-    # group's state instead. "fp16"/"fp32" force those. Shared.
+    # Sub-groups: the code of the anchors and momenta on the wire. "auto" (or "lat8"): the 1-byte
+    # lattice code where reducers return the average (int8/int4, the default) and no inner moments
+    # ride, else fp32. Residues on a grid the group's claims set (averaging.math.lattice): half
+    # fp16's bytes, every member's state within a quarter of an outer step of the group's mean; a
+    # member far from its group downloads the group's state instead. "fp16" (the default before
+    # the lattice code: set it to join such a run) and "fp32" force those. Shared.
     state_compression: str = "auto"
     min_group_size: int = 2
     matchmaking_seconds: float = 3.0  # hivemind min_matchmaking_time

@@ -101,7 +101,7 @@ def test_an_extra_vector_is_averaged_in_bf16_beside_the_pseudo_gradient(code):
 @pytest.mark.timeout(150)
 def test_sub_groups_meet_apart_and_each_averages_its_members_anchors_in_fp16():
     wire, numel, peers = WireFormat.of("int4"), 6_000, 4
-    assert mix_code(wire, with_inner_state=False) == MIX_CODE == "fp16"
+    assert mix_code(wire, with_inner_state=False, requested="fp16") == MIX_CODE == "fp16"
     prefix = f"mix-{uuid.uuid4().hex[:6]}"
     weights = (1.0, 3.0, 2.0, 0.5)
     group = (0, 0, 1, 1)

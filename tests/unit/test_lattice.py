@@ -41,7 +41,7 @@ def test_lat8_bytes_hold_residues_and_any_byte_decodes():
 def test_the_lattice_code_is_chosen_only_where_the_mean_comes_back_the_same_for_everyone():
     int4, fp16 = WireFormat.of("int4"), WireFormat.of("fp16")
     assert mix_code(int4, with_inner_state=False, requested=LATTICE_CODE) == LATTICE_CODE
-    assert mix_code(int4, with_inner_state=False) == "fp16"  # "auto" is unchanged
+    assert mix_code(int4, with_inner_state=False) == LATTICE_CODE  # the default ("auto")
     assert state_compression_problem(int4, with_inner_state=False, requested=LATTICE_CODE) is None
     assert "int8/int4" in state_compression_problem(fp16, with_inner_state=False, requested=LATTICE_CODE)
     assert "average_inner_state" in state_compression_problem(int4, with_inner_state=True, requested=LATTICE_CODE)

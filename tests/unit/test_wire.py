@@ -283,19 +283,23 @@ def test_round_payload_counts_sends_and_returns_in_their_codes():
     assert WireFormat.of("int2").send_bytes_per_value() == codecs.bytes_per_value("int2", 256)
 
 
-def test_sub_groups_send_the_state_in_fp16_only_where_every_member_takes_the_same_bytes():
-    """``mix_code``: fp16 (4 bytes a parameter each way instead of 8) where reducers return the mean
-    itself; fp32 where they return deltas (each member would keep its own fp16 rounding) or where
-    the inner optimizer's moments ride (fp16 flushes a second moment's small entries). The code is
-    a manifest field of every sub-group run, so peers that would decode otherwise are refused."""
-    assert mix_code(WireFormat.of("int4"), with_inner_state=False) == "fp16"
-    assert mix_code(WireFormat.of("int8"), with_inner_state=False) == "fp16"
+def test_sub_groups_send_a_compact_state_only_where_every_member_takes_the_same_bytes():
+    """``mix_code``: the lattice code (1 byte a parameter each way; fp16 on request, 2) where
+    reducers return the mean itself; fp32 where they return deltas (each member would keep its own
+    rounding) or where the inner optimizer's moments ride (fp16 flushes a second moment's small
+    entries). The code is a manifest field of every sub-group run, so peers that would decode
+    otherwise are refused."""
+    assert mix_code(WireFormat.of("int4"), with_inner_state=False) == "lat8"
+    assert mix_code(WireFormat.of("int8"), with_inner_state=False) == "lat8"
+    assert mix_code(WireFormat.of("int4"), with_inner_state=False, requested="fp16") == "fp16"
+    assert mix_code(WireFormat.of("int4"), with_inner_state=False, requested="fp32") == "fp32"
     assert mix_code(WireFormat.of("int4", return_compression="fp16"), with_inner_state=False) == "fp32"
     assert mix_code(WireFormat.of("fp16"), with_inner_state=False) == "fp32"
     assert mix_code(WireFormat.of("int4"), with_inner_state=True) == "fp32"
     shared = lambda **kw: sync_shared_fields(outer=OuterConfig(), rounds=RoundConfig(),  # noqa: E731
                                              averaging=AveragingConfig(**kw))
-    assert shared(target_group_size=8)["averaging.state_code"] == "fp16"
+    assert shared(target_group_size=8)["averaging.state_code"] == "lat8"
+    assert shared(target_group_size=8, state_compression="fp16")["averaging.state_code"] == "fp16"
     assert shared(target_group_size=8, average_inner_state=True)["averaging.state_code"] == "fp32"
     assert "averaging.state_code" not in shared()  # one group: no state on the wire
     # An anchor's fp16 round trip under the part's power-of-two scale: within 2**-11 of the part's
