@@ -348,9 +348,7 @@ def _lattice_mean(anchors: list[torch.Tensor], momenta: list[torch.Tensor], scal
     near = [(w, s) for w, s, f in zip(share, states, far) if not f] or list(zip(share, states))
     total = sum(w for w, _ in near)
     mean = lattice.on_grid(sum(w / total * lattice.on_grid(s, grid) for w, s in near), grid)
-    half = torch.empty_like(mean, dtype=torch.float64)
-    for start, stop, step in grid.spans():
-        half[start:stop] = step * lattice.HALF
+    half = grid.steps() * lattice.HALF
     wrong = sum(int(((s.double() - mean.double()).abs() > half).sum()) for (_, s) in near)
     numel = anchors[0].numel()
     return mean[:numel].clone(), mean[numel:].clone(), wrong

@@ -77,6 +77,14 @@ class Lattice:
                 start = c * self.chunk_len
                 yield offset + start, offset + min(self.numel, start + self.chunk_len), step
 
+    def steps(self) -> torch.Tensor:
+        """The grid step of every value of the extra vector (float64 ``[2 * numel]``): what a value's
+        rounding is measured in (the tests' bounds, the simulation's overflow count)."""
+        out = torch.empty(2 * self.numel, dtype=torch.float64)
+        for start, stop, step in self.spans():
+            out[start:stop] = step
+        return out
+
 
 def _half_ranges(fingerprints: Sequence[Fingerprint | None], steps: torch.Tensor, far: Sequence[bool]) -> torch.Tensor:
     """Half the range per chunk: the steps' share, the near members' largest pairwise distance's, the

@@ -42,9 +42,7 @@ def test_a_group_averages_its_state_in_one_byte_a_value_and_a_far_member_keeps_i
     far = far_members(claims)
     assert far == [False, False, True]
     grid = lattice.group_lattice(claims, [momentum_of(m) for m in messages], far)
-    steps = torch.empty(2 * numel, dtype=torch.float64)
-    for start, stop, size in grid.spans():
-        steps[start:stop] = size
+    steps = grid.steps()
     near = torch.stack(extras[:2]).double().mean(0)
     assert torch.equal(outs[0], outs[1])  # one state for the group's near members: the same bytes
     # each member's value on the grid (half a step), the mean's residue on it (half a step)

@@ -82,13 +82,6 @@ def group_round(states: list[torch.Tensor], grid: lattice.Lattice, *, reducer: i
     return outs
 
 
-def steps_per_value(grid: lattice.Lattice) -> torch.Tensor:
-    out = torch.empty(2 * grid.numel, dtype=torch.float64)
-    for start, stop, step in grid.spans():
-        out[start:stop] = step
-    return out
-
-
 def test_a_group_ends_with_the_same_bytes_within_a_grid_step_of_its_mean():
     states, claims, momenta = members(1, 4, spread=3e-3)  # anchors ~3 steps apart
     grid = lattice.group_lattice(claims, momenta, [False] * 4)
@@ -101,7 +94,7 @@ def test_a_group_ends_with_the_same_bytes_within_a_grid_step_of_its_mean():
         assert all(torch.equal(out, outs[0]) for out in outs)  # one state for the whole group
         mean = torch.stack(states).double().mean(0)
         # each member's value rounded to the grid (half a step), the mean's residue rounded (half a step)
-        assert bool(((outs[0].double() - mean).abs() <= steps_per_value(grid) * (1 + 1e-6)).all())
+        assert bool(((outs[0].double() - mean).abs() <= grid.steps() * (1 + 1e-6)).all())
     assert lattice.edge_values(torch.zeros(3), torch.tensor([0.0, 97.0, -50.0])) == 1
 
 
@@ -117,7 +110,7 @@ def test_a_far_member_widens_nothing_and_a_far_reducer_unwraps_against_a_near_me
     near_mean = torch.stack(states[:3]).double().mean(0)
     for out in outs[:3]:
         assert torch.equal(out, outs[0])
-        assert bool(((out.double() - near_mean).abs() <= steps_per_value(grid) * (1 + 1e-6)).all())
+        assert bool(((out.double() - near_mean).abs() <= grid.steps() * (1 + 1e-6)).all())
     # the far member's decode is wrong by whole ranges: it must not take it (it downloads instead)
     assert float((outs[3].double() - near_mean).abs().max()) > 0.1
 

@@ -226,7 +226,6 @@ class RobustPartReducer(TensorPartReducer):
         self.clipped.update(senders[i] for i in result.clipped)
         return result.value
 
-
     def _unwrap_current(self, senders: list[int]) -> None:
         """Lattice residues as values near a near member's (``lattice.reference_part``), in place."""
         parts = {s: self.contributions[s][0] for s in senders}
