@@ -231,7 +231,13 @@ def test_a_far_member_of_a_lattice_run_downloads_its_groups_state(workers):
     assert all(s.applied == "averaged" for p in peers for s in p["stats"])
     for p in ("a", "b", "c"):
         assert not any(s.resynced for s in by_id[p]["stats"])
-    for round in (1, 2, 3):
+    # Round 1: d holds its donors' state; when it downloaded that before they took the round's mean
+    # (the engine's race: it then applies the group's step itself, as any re-sync), it differs from
+    # theirs by the fp32 rounding of the hub's mean of their identical anchors (seen: 3e-8). From
+    # round 2 the four take one mean: the same bytes.
+    for p in PEERS:
+        assert torch.allclose(by_id[p]["rounds"][1]["anchor"], by_id["a"]["rounds"][1]["anchor"], rtol=0, atol=1e-6), p
+    for round in (2, 3):
         assert all(torch.equal(by_id[p]["rounds"][round]["anchor"], by_id["a"]["rounds"][round]["anchor"])
                    for p in PEERS), round
 
