@@ -33,7 +33,6 @@ from averaging.math import lattice
 from averaging.math.fingerprints import (
     chunk_rms,
     claim_of,
-    far_members,
     fingerprint,
     momentum_of,
     rms_difference,
@@ -121,12 +120,13 @@ def claims_by_peer(state: SharedState, gathered: Mapping[str, Any], *, round: in
     return claims
 
 
-def far_claims(claims: Mapping[str, ClaimMessage], *, self_id: str) -> list[bool]:
+def far_claims(claims: Mapping[str, ClaimMessage], *, self_id: str, lattice_coded: bool = False) -> list[bool]:
     """Per claim (in ``claims``' order), whether the group's mean state leaves that member out
-    (``averaging.math.fingerprints.far_members``: the reducers give its anchor and momentum weight
-    0), so its distance must not widen our bound (``state_problem``'s ``left_out``). If we are far
-    ourselves nothing is left out: the mean is then the others', far from us by our own distance."""
-    far = far_members([claim_of(message) for message in claims.values()])
+    (the run's far rule, ``averaging.math.lattice.left_out``, as the reducers apply it: they give
+    its anchor and momentum weight 0), so its distance must not widen our bound (``state_problem``'s
+    ``left_out``). If we are far ourselves nothing is left out: the mean is then the others', far
+    from us by our own distance."""
+    far = lattice.left_out([claim_of(message) for message in claims.values()], coded=lattice_coded)
     if any(f for peer, f in zip(claims, far) if peer == self_id):
         return [False] * len(far)
     return far

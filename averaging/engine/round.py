@@ -167,7 +167,7 @@ def conclude_mixed(state: SharedState, outcome: AverageOutcome, local_pseudo_gra
             return conclusion
         problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or state_problem(
             anchor, momentum, state, claims, members=len(outcome.group), local_pseudo_grad=local_pseudo_grad,
-            left_out=far_claims(by_peer, self_id=self_id))
+            left_out=far_claims(by_peer, self_id=self_id, lattice_coded=lattice))
         _take(conclusion, problem, lambda: state.mix(
             anchor, momentum, averaged, round=round, rounds_done=group_rounds_done(state, claims, round=round)))
     return _alone_or_fold(conclusion, state, local_pseudo_grad, round=round, alone=alone)

@@ -123,6 +123,14 @@ def far(claims: Sequence[AnchorClaim]) -> list[bool]:
     return far_members(list(claims), within_steps=WITHIN_STEPS)
 
 
+def left_out(claims: Sequence[AnchorClaim], *, coded: bool) -> list[bool]:
+    """The run's far rule: which members a group's reducers give weight 0 in its mean state
+    (``far`` where the state rides the lattice code, ``coded``; else ``far_members``). The
+    reducers and every member's check of the mean must use the same rule: a member the mean left
+    out must not widen the check's bound (``averaging.engine.mixing.state_problem``)."""
+    return far(claims) if coded else far_members(list(claims))
+
+
 def wrap(delta: torch.Tensor) -> torch.Tensor:
     """A difference of residues as the offset in [-128, 128) it stands for."""
     return torch.remainder(delta + HALF, LEVELS) - HALF

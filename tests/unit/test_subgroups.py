@@ -387,3 +387,51 @@ def test_a_member_far_from_its_group_is_found_by_everyone_and_widens_nobodys_bou
     assert "anchor is" in problem(lied)
     by_peer = claims_by_peer(states[0], claims, round=round)
     assert state_problem(lied, momentum, states[0], list(by_peer.values()), members=5, local_pseudo_grad=pg) is None
+
+
+def test_a_lattice_groups_check_leaves_out_whom_its_reducers_left_out():
+    """In a lattice-coded group a member 50 claimed steps from three others (a fortieth of the
+    weights' RMS: near by ``far_members``) is far (``averaging.math.lattice.far``), so its reducers give it
+    weight 0; the near members' check must leave it out too (``far_claims(lattice_coded=True)``, the
+    run's far rule), or its distance widens their bound by 50 steps and covers a reducer's lie."""
+    numel, round, pg_rms = 4093 * 8, 9, 1e-4
+    generator = torch.Generator().manual_seed(21)
+    shared = torch.randn(numel, generator=generator) * 0.2  # a chunk's RMS estimate runs down to ~0.4x
+    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
+    scale = torch.randn(numel, generator=generator) * pg_rms
+
+    def member(offset: float) -> SharedState:
+        state = SharedState(layout, shared + torch.randn(numel, generator=generator) * offset * pg_rms, OUTER)
+        state.apply(scale, round=round - 1)  # its claim carries a step's scale
+        return state
+
+    states = [member(0.5) for _ in range(3)] + [member(50.0)]
+    claims = {f"m{i}": s.claim_message(round=round).encode() for i, s in enumerate(states)}
+    by_peer = claims_by_peer(states[0], claims, round=round)
+    assert far_claims(by_peer, self_id="m0") == [False] * 4
+    assert far_claims(by_peer, self_id="m0", lattice_coded=True) == [False, False, False, True]
+    assert far_claims(by_peer, self_id="m3", lattice_coded=True) == [False] * 4  # its own check: nobody
+    mean = torch.stack([s.anchor for s in states[:3]]).mean(0)
+    momentum = torch.stack([s.momentum for s in states[:3]]).mean(0)
+    pg = torch.randn(numel, generator=generator) * pg_rms
+
+    def problem(anchor, *, lattice_coded: bool):
+        return state_problem(anchor, momentum, states[0], list(by_peer.values()), members=4, local_pseudo_grad=pg,
+                             left_out=far_claims(by_peer, self_id="m0", lattice_coded=lattice_coded))
+
+    assert problem(mean, lattice_coded=True) is None
+    lied = mean.clone()
+    lied[: 4093] += 30 * pg_rms  # one reducer's share moved 30 steps
+    assert "anchor is" in problem(lied, lattice_coded=True)
+    assert problem(lied, lattice_coded=False) is None  # the plain rule's bound: the far member's 50 steps cover it
+    # conclude_mixed applies the run's rule: with the lattice code the lie is refused, without it taken
+    from averaging.engine.round import conclude_mixed
+    from averaging.state.verdict import Applied
+
+    outcome = AverageOutcome(ok=True, group=tuple(claims), gathered=claims)
+    before = states[0].anchor.clone()
+    for lattice_code, applied in ((True, Applied.FOLDED), (False, Applied.AVERAGED)):
+        conclusion = conclude_mixed(states[0], outcome, pg.clone(), round=round, averaged=pg.clone(),
+                                    mixed=torch.cat([lied, momentum]), self_id="m0", lattice=lattice_code)
+        assert conclusion.applied == applied, (lattice_code, conclusion.error)
+        assert torch.equal(states[0].anchor, before) == (applied == Applied.FOLDED)

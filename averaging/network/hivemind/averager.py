@@ -55,11 +55,10 @@ from averaging.math.fingerprints import (
     AnchorClaim,
     chunk_length,
     claim_of,
-    far_members,
     momentum_of,
 )
-from averaging.math.lattice import far as lattice_far
 from averaging.math.lattice import from_residues_, group_lattice, to_residues_
+from averaging.math.lattice import left_out as far_rule
 from averaging.math.robust import BanList, RobustConfig, Strikes
 from averaging.network.hivemind import pins
 from averaging.network.hivemind.allreduce import (
@@ -330,7 +329,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         peers, claims, momenta = self._group_claims(group_info) if self._far_state_numel else ([], [], [])
         if self._lattice and not claims:  # every member sees the same claims: all of us refuse alike
             raise AllreduceException("no member's claim decodes, so the group's lattice grid is unknown")
-        far = lattice_far(claims) if self._lattice else far_members(claims)
+        far = far_rule(claims, coded=self._lattice)
         if self._robust is None:
             runner = AllReduceRunner(**common)
         else:
@@ -370,7 +369,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
     def _group_claims(self, group_info: GroupInfo) -> tuple[list, list[AnchorClaim], list]:
         """With sub-groups, the members' decodable claims: (peers, claims, momentum fingerprints);
         empty lists otherwise. From them every member and every reducer finds the same far members
-        (``averaging.math.fingerprints.far_members``) and the same lattice grid; a claim we cannot
+        (the run's far rule, ``averaging.math.lattice.left_out``) and the same lattice grid; a claim we cannot
         decode counts for nobody."""
         if not self._far_state_numel:
             return [], [], []
