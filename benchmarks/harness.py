@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import cpu_throttle
 import netns
 import psutil
 
@@ -32,11 +33,12 @@ def listen_on(host) -> str:
 
 def start_shoal_peers(swarm: LocalSwarm, config: Path | list[Path], throttles: list[float], hosts, *,
                       extra: tuple[str, ...] = (), initial: list[str] | None = None, timeout: float = 180,
-                      first: int = 0) -> list[LocalPeer]:
+                      first: int = 0, cpu_clock: bool = False) -> list[LocalPeer]:
     """One ``shoal run`` per throttle, peer i on ``hosts[i]`` with ``config`` (or ``config[i]``).
     Without ``initial`` (sync_modes) they join one after the other through the first; with it (an
     entry peer's address) they start all at once, so none trains alone while the others boot.
-    ``first``: the index of the first of them (names and hosts), when others were started before."""
+    ``first``: the index of the first of them (names and hosts), when others were started before.
+    ``cpu_clock``: throttled by each step's CPU time (``cpu_throttle.py``), not ``--throttle``'s wall time."""
     configs = config if isinstance(config, list) else [config] * len(throttles)
     peers = []
     for i, (throttle, config) in enumerate(zip(throttles, configs, strict=True), start=first):
@@ -44,8 +46,11 @@ def start_shoal_peers(swarm: LocalSwarm, config: Path | list[Path], throttles: l
         entry = initial
         if entry is None and i > first:
             entry = [m for m in peers[0].maddrs if (host is None or hosts[first].address in m)][:1]
-        peer = swarm.start(f"peer-{i}", "--throttle", str(throttle), *extra, config=config, initial=entry,
-                           prefix=host.prefix() if host else None, listen=listen_on(host))
+        flags = () if cpu_clock else ("--throttle", str(throttle))
+        peer = swarm.start(f"peer-{i}", *flags, *extra, config=config, initial=entry,
+                           prefix=host.prefix() if host else None, listen=listen_on(host),
+                           program=cpu_throttle.PROGRAM if cpu_clock else None,
+                           env={cpu_throttle.ENV: f"{throttle:g}"} if cpu_clock else None)
         if initial is None:
             peer.wait_for_address(timeout=timeout)
         peers.append(peer)
@@ -75,9 +80,11 @@ def start_entry_peer(root: Path, host) -> tuple[LocalPeer, list[str]]:
 
 
 def run_ddp_ranks(config: Path, throttles: list[float], hosts, out_dir: Path, name: str, *, budget: list[str],
-                  no_sync: bool = False, port: int = 29533, timeout: float = 900) -> dict[str, list[dict]]:
+                  no_sync: bool = False, port: int = 29533, timeout: float = 900,
+                  throttle_clock: str = "calibrated") -> dict[str, list[dict]]:
     """``ddp_baseline.py`` ranks (one per throttle; with ``no_sync`` each trains alone) until the
-    ``budget`` flags (``--budget S`` or ``--tokens N``) are spent; their metrics records per rank."""
+    ``budget`` flags (``--budget S`` or ``--tokens N``) are spent; their metrics records per rank.
+    ``throttle_clock``: its ``--throttle-clock``."""
     master = hosts[0].address if hosts else "127.0.0.1"
     procs, outs = [], []
     try:
@@ -88,7 +95,7 @@ def run_ddp_ranks(config: Path, throttles: list[float], hosts, out_dir: Path, na
                    "GLOO_SOCKET_IFNAME": f"{netns.PREFIX}p{rank}" if hosts else "lo"}
             cmd = [*(hosts[rank].prefix() if hosts else []), sys.executable, str(REPO / "benchmarks" / "ddp_baseline.py"),
                    "--config", str(config), *budget, "--throttle", str(throttle), "--out", str(out)]
-            cmd += ["--no-sync"] if no_sync else []
+            cmd += (["--no-sync"] if no_sync else []) + ["--throttle-clock", throttle_clock]
             with open(out.with_suffix(".log"), "wb") as log:
                 procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=log,
                                               stderr=subprocess.STDOUT))

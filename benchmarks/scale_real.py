@@ -88,19 +88,10 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--as-peer"]:
         logging.getLogger(name).setLevel(logging.DEBUG)
     cpu_throttle = float(os.environ.get("SCALE_REAL_CPU_THROTTLE") or 0)
     if cpu_throttle > 1:  # --throttle-clock cpu: see the module docstring
-        import time
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from cpu_throttle import patch
 
-        from node.training.trainer import Trainer
-
-        inner_step = Trainer.inner_step
-
-        def throttled_step(self, x, y, lr):
-            started = time.thread_time()  # this thread's CPU time: waiting for a core is not counted
-            loss = inner_step(self, x, y, lr)
-            time.sleep((cpu_throttle - 1) * (time.thread_time() - started))
-            return loss
-
-        Trainer.inner_step = throttled_step
+        patch(cpu_throttle)
     sys.argv = ["shoal", "run", *sys.argv[2:]]
     from node.cli import main as shoal_main
 

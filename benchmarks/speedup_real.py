@@ -22,6 +22,14 @@ Per seed, each run alone on the machine:
   which ``speedup.py`` finds costs it), at the same throttle, for the swarm's wall-clock and
   twice it, each with its schedule spanning its own length; the two run side by side.
 
+``--throttle-clock`` is how a throttle stretches a step, the same rule for the swarm's peers and the
+lone runs: ``wall`` (the default) by the step's wall time, as ``shoal run --throttle`` does; ``cpu``
+by its thread CPU time (``cpu_throttle.py``), so a step slowed by waiting for one of this machine's
+two cores, which four peers, their daemons and two lone runs share, is not stretched by the whole
+factor: the closer stand-in for peers on machines of their own. (Files before the flag stretched the
+lone runs by a fixed calibration of forward and backward, ~8% faster than a lone ``shoal run`` at
+throttle 2.5: their reports say so.)
+
 ``--set section.field=value`` (repeatable) changes the config of every run, swarm and alone alike
 (e.g. ``inner.optimizer=muon``: the lone peer then trains with Muon too). ``--variant`` (repeatable,
 ``;`` between settings) adds a swarm run per outer setting with those changes to the swarm alone,
@@ -117,9 +125,11 @@ def run_swarm(seed: int, outer: tuple[float, float], args, hosts, root: Path, ev
             # then start at once. All four started at once can both organise (two run keys: the one
             # that finds both refuses to guess, and exits), as seed 1 of the 5 s rounds run did.
             extra = ("--max-rounds", str(args.rounds))
-            peers = start_shoal_peers(swarm, [evaluating], throttles[:1], hosts, extra=extra, initial=address)
+            cpu_clock = args.throttle_clock == "cpu"
+            peers = start_shoal_peers(swarm, [evaluating], throttles[:1], hosts, extra=extra, initial=address,
+                                      cpu_clock=cpu_clock)
             peers += start_shoal_peers(swarm, [silent] * (len(throttles) - 1), throttles[1:], hosts, extra=extra,
-                                       initial=address, first=1)
+                                       initial=address, first=1, cpu_clock=cpu_clock)
             codes = [p.wait(timeout=args.rounds * args.round_seconds + 240) for p in peers]
     finally:
         swarm.kill_all()
@@ -151,7 +161,8 @@ def run_alone(seed: int, args, root: Path) -> dict[str, dict]:
             "inner.total_rounds": float(rounds), "inner.warmup_rounds": 0.1 * rounds,
             "round.seconds": args.round_seconds, "train.seed": seed, **dict(args.set)})
         recs = run_ddp_ranks(config, [args.throttle], None, root, name, budget=["--budget", str(rounds * args.round_seconds)],
-                             no_sync=True, port=29700 + rounds + seed, timeout=rounds * args.round_seconds * 3 + 300)
+                             no_sync=True, port=29700 + rounds + seed, timeout=rounds * args.round_seconds * 3 + 300,
+                             throttle_clock=args.throttle_clock)
         points = [r for r in recs.get("peer-0", []) if r.get("event") == "round"]
         results[key] = {"kind": key, "seed": seed, "rounds": rounds, "tokens": points[-1]["tokens"] if points else 0,
                         "final_eval": points[-1]["eval_loss"] if points else None,
@@ -179,6 +190,16 @@ def times_fastest(loss: float | None, alone_r: float | None, alone_2r: float | N
     return f"{2 ** ((alone_r - loss) / (alone_r - alone_2r)):.2f}x"
 
 
+# How a run's throttle stretched a step (``--throttle-clock``; files before it: ``calibrated``).
+THROTTLE_CLOCKS = {
+    "calibrated": "each swarm step stretched by its wall time (shoal run --throttle), a lone step by a fixed "
+                  "calibration of forward and backward (ddp_baseline.py's rule then: ~8% more steps)",
+    "wall": "every step, swarm and alone, stretched by its own wall time (shoal run --throttle's rule)",
+    "cpu": "every step, swarm and alone, stretched by its thread CPU time (cpu_throttle.py: a wait for a core "
+           "is not multiplied)",
+}
+
+
 def report(results: dict) -> str:
     meta, runs = results["meta"], results["runs"]
     link = (f"links capped at {meta['mbit']:g} Mbit/s (tc tbf, network namespaces)" if meta["capped"]
@@ -188,7 +209,7 @@ def report(results: dict) -> str:
         f"Command: `{meta['command']}` ({meta['started']} to {meta.get('ended', 'unfinished')}).", "",
         f"Model: {meta['parameters']:,} parameters ({meta['config']}); {link}; throttles "
         f"{', '.join(f'{t:g}' for t in meta['throttles'])} (speeds 1 : {' : '.join(f'{s:g}' for s in meta['spread'][1:])} slower), "
-        f"one torch thread each; {meta['rounds']} rounds of {meta['round_seconds']:g} s (R); overlap mode, "
+        f"one torch thread each, {THROTTLE_CLOCKS[meta.get('throttle_clock', 'calibrated')]}; {meta['rounds']} rounds of {meta['round_seconds']:g} s (R); overlap mode, "
         f"int4, the node's default averaging{' (unless a row names a variant)' if meta.get('variants') else ''}; "
         f"seeds {meta['seeds']}"
         + (f"; every run with {', '.join(f'{k} = {v}' for k, v in meta['set'].items())}" if meta.get("set") else "")
@@ -205,7 +226,9 @@ def report(results: dict) -> str:
         ratios = [times_fastest(per.get(key), per.get("alone R"), per.get("alone 2R")) for per in by_seed.values()]
         lines.append(f"| {key} | {spread(values)} | {' / '.join('-' if v is None else f'{v:.4f}' for v in values)} | "
                      f"{'-' if key.startswith('alone') else ' / '.join(ratios)} |")
+    alone = [f"{key} {run['tokens']:,}" for key, run in runs.items() if run["kind"] != "swarm"]
     lines += ["", "Target: a swarm after R rounds below its fastest member alone after 2R (\"> 2x\").", "",
+              f"Tokens trained alone: {'; '.join(alone)}.", "",
               "| swarm run | peer | throttle | first round | inner steps / round | tokens | rounds by outcome |",
               "|---|---|---|---|---|---|---|"]
     for key, run in runs.items():
@@ -233,6 +256,9 @@ def main() -> int:
     parser.add_argument("--throttle", type=float, default=2.5, help="the fastest peer's throttle")
     parser.add_argument("--spread", type=lambda s: [float(x) for x in s.split(":")], default=[1.0, 1.5, 2.0, 3.0])
     parser.add_argument("--mbit", type=float, default=10.0)
+    parser.add_argument("--throttle-clock", choices=("wall", "cpu"), default="wall",
+                        help="stretch every step, swarm and alone alike, by its wall time (shoal run --throttle) "
+                             "or its CPU time (cpu_throttle.py: waits for a core are not multiplied)")
     parser.add_argument("--outer", type=outer_settings, default=outer_settings("0.7:0.9,1.0:0.5"),
                         help="outer lr:momentum settings, one swarm run each per seed")
     parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
@@ -260,7 +286,7 @@ def main() -> int:
         "command": " ".join([".venv/bin/python", "benchmarks/speedup_real.py", *sys.argv[1:]]),
         "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "rounds": args.rounds,
         "round_seconds": args.round_seconds, "seeds": seeds, "throttles": [args.throttle * s for s in args.spread],
-        "spread": args.spread, "mbit": args.mbit, "capped": capped, "config": args.config.name,
+        "spread": args.spread, "mbit": args.mbit, "capped": capped, "throttle_clock": args.throttle_clock, "config": args.config.name,
         "parameters": count_parameters(evaluator.trainer.model), "outer": args.outer,
         "set": dict(args.set), "variants": [variant_label(v) for v in args.variant]}, "runs": {}, "failed": {}}
     root = Path(tempfile.mkdtemp(prefix="shoal-speedup-"))
