@@ -170,7 +170,7 @@ class AnchorClaim:
 # that run's last round; 16 flagged none (a second run).
 FAR_FACTOR = 4.0
 FAR_STEPS = 16.0
-# ...and only beyond this share of the members' anchors' own RMS on that chunk. Why: in a small
+# ...and only beyond this share of the members' anchors' own RMS, over the whole anchor. Why: in a small
 # group, members from one earlier group hold the same anchor, so the median member's distance is
 # often 0 (groups of 3 drawn from 2 earlier groups always hold such a pair; groups of 4 often), and
 # the bar is then the 16 steps alone, which honest members crossed on real runs where a chunk's
@@ -189,8 +189,9 @@ def far_members(claims: list[AnchorClaim], *, within_steps: float | None = None)
 
     Member ``i``'s distance is the median over the others of the claims' estimated RMS difference,
     per chunk; it is far where some chunk's exceeds ``FAR_FACTOR`` x the median member's distance
-    plus ``FAR_STEPS`` x the median claimed step (``scale``), and ``FAR_RELATIVE`` x the median
-    member's anchor RMS there (``anchor_rms``: a fingerprint estimates its own vector's norm too).
+    plus ``FAR_STEPS`` x the median claimed step (``scale``), and its distance over the whole anchor
+    exceeds ``FAR_RELATIVE`` x the median member's anchor RMS (``anchor_rms``: a fingerprint
+    estimates its own vector's norm too; pooled over the chunks, ``pooled_rms``).
     Why: the group's mean state is checked
     against the farthest claimed distance (``averaging.engine.mixing.state_problem``), so a member
     claiming a far anchor (a stranger, or a peer back from an old checkpoint) would widen that bound
@@ -211,11 +212,23 @@ def far_members(claims: list[AnchorClaim], *, within_steps: float | None = None)
     typical = own.median(dim=0).values
     step = torch.stack([c.scale for c in claims]).median(dim=0).values
     size = torch.stack([anchor_rms(c.fingerprint) for c in claims]).median(dim=0).values
-    bound = torch.maximum(FAR_FACTOR * typical + FAR_STEPS * step, FAR_RELATIVE * size) \
-        + DEFAULT_ABS_TOL  # (+ float32 noise, as ``agree``)
+    # The relative test pools the chunks: a chunk's estimates come from 4 projections each, so the
+    # ratio of a chunk's distance to its size scatters several-fold and its largest over 64 chunks
+    # flagged honest members a tenth of the weights' RMS apart in a fifth of draws (a quarter of the
+    # bar); pooled over every chunk the estimates hold within ~10%.
+    weights = claims[0].fingerprint.chunk_sizes()
+    relative = pooled_rms(own, weights) / pooled_rms(size, weights).clamp_min(DEFAULT_ABS_TOL)  # [n]
+    bound = FAR_FACTOR * typical + FAR_STEPS * step + DEFAULT_ABS_TOL  # (+ float32 noise, as ``agree``)
+    far = [bool((own[i] > bound).any()) and float(relative[i]) > FAR_RELATIVE for i in range(n)]
     if within_steps is not None:
-        bound = torch.minimum(bound, torch.maximum(FAR_FACTOR * typical, within_steps * step) + DEFAULT_ABS_TOL)
-    return [bool((own[i] > bound).any()) for i in range(n)]
+        grid = torch.maximum(FAR_FACTOR * typical, within_steps * step) + DEFAULT_ABS_TOL
+        far = [f or bool((own[i] > grid).any()) for i, f in enumerate(far)]
+    return far
+
+
+def pooled_rms(per_chunk: torch.Tensor, chunk_sizes: torch.Tensor) -> torch.Tensor:
+    """The RMS over a whole vector from its chunks' RMS (the last dimension), each chunk weighted by its size."""
+    return ((per_chunk.square() * chunk_sizes).sum(dim=-1) / chunk_sizes.sum()).sqrt()
 
 
 def anchor_rms(fp: Fingerprint) -> torch.Tensor:
