@@ -8,8 +8,8 @@ demand at 1/N of a core without multiplying the waits: the closer stand-in for N
 
     python benchmarks/cpu_throttle.py [shoal run options]   # with SHOAL_CPU_THROTTLE=N in the env
 
-runs ``shoal run`` so throttled (the sleep counts as compute, as ``--throttle``'s does); ``patch``
-does it in-process (``scale_real.py --as-peer``). ``ddp_baseline.py --throttle-clock cpu`` applies
+runs ``shoal run`` so throttled (the sleep counts as compute, as ``--throttle``'s does); so does
+``scale_real.py --as-peer`` (``run_shoal``), with hivemind's logs at DEBUG. ``ddp_baseline.py --throttle-clock cpu`` applies
 the same rule to the lone and DDP baselines.
 """
 
@@ -38,12 +38,13 @@ def patch(throttle: float) -> None:
     Trainer.inner_step = throttled_step
 
 
-def main() -> None:
+def run_shoal(args: list[str]) -> None:
+    """``shoal run args``, throttled by CPU time when ``ENV`` in our environment says so (> 1)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     throttle = float(os.environ.get(ENV) or 0)
     if throttle > 1:
         patch(throttle)
-    sys.argv = ["shoal", "run", *sys.argv[1:]]
+    sys.argv = ["shoal", "run", *args]
     from node.cli import main as shoal_main
 
     shoal_main()
@@ -52,4 +53,4 @@ def main() -> None:
 PROGRAM = [sys.executable, str(Path(__file__).resolve())]  # a ``LocalSwarm.start`` program
 
 if __name__ == "__main__":
-    main()
+    run_shoal(sys.argv[1:])

@@ -133,10 +133,9 @@ def main() -> int:
             for group in optimizer.param_groups:
                 group["lr"] = inner_lr(config.inner, progress)
         step(sync=True)
-        if args.throttle > 1:
-            own = clock() - c0  # this step's own time, on the chosen clock
-            time.sleep((args.throttle - 1) * (compute_per_step / args.throttle if args.throttle_clock == "calibrated"
-                                              else own))
+        if args.throttle > 1:  # stretch by the calibrated compute, or by this step's own time on the chosen clock
+            stretched = compute_per_step / args.throttle if args.throttle_clock == "calibrated" else clock() - c0
+            time.sleep((args.throttle - 1) * stretched)
         steps, tokens = steps + 1, tokens + batch_tokens
         measured += time.perf_counter() - t0
         now = time.time()

@@ -81,21 +81,12 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--as-peer"]:
     # groups assemble; why a reducer's or a sender's stream failed, when each all-reduce ended, and
     # an answer a stream handler could not send); the CLI's logging set-up quiets the "hivemind"
     # logger, not these children's own levels.
-    from pathlib import Path
+    # --throttle-clock cpu (see the module docstring): cpu_throttle's variable in our environment.
+    from cpu_throttle import run_shoal
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     for name in ("hivemind.averaging.matchmaking", "hivemind.averaging.allreduce", "hivemind.p2p.p2p_daemon"):
         logging.getLogger(name).setLevel(logging.DEBUG)
-    cpu_throttle = float(os.environ.get("SCALE_REAL_CPU_THROTTLE") or 0)
-    if cpu_throttle > 1:  # --throttle-clock cpu: see the module docstring
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from cpu_throttle import patch
-
-        patch(cpu_throttle)
-    sys.argv = ["shoal", "run", *sys.argv[2:]]
-    from node.cli import main as shoal_main
-
-    shoal_main()
+    run_shoal(sys.argv[2:])
     raise SystemExit(0)
 
 import argparse  # noqa: E402
@@ -120,6 +111,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import cpu_throttle  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 from harness import BusyTimeline, CpuMeter, start_entry_peer, write_results  # noqa: E402
@@ -300,7 +292,7 @@ class Run:
         throttle = () if cpu else ("--throttle", f"{self.throttle:g}")
         peer = self.swarm.start(name, *throttle, "--round-seconds", f"{self.args.round_seconds:g}",
                                 config=self.config, initial=self.address, program=PEER_PROGRAM,
-                                env={"SCALE_REAL_CPU_THROTTLE": f"{self.throttle:g}"} if cpu else None)
+                                env={cpu_throttle.ENV: f"{self.throttle:g}"} if cpu else None)
         member = Member(peer, launched, initial)
         self.members.append(member)
         self.sampler.members.append(member)

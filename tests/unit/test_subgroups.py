@@ -415,7 +415,7 @@ def test_a_lattice_groups_check_leaves_out_whom_its_reducers_left_out():
     run's far rule), or its distance widens their bound by 50 steps and covers a reducer's lie."""
     numel, round, pg_rms = 4093 * 8, 9, 1e-4
     generator = torch.Generator().manual_seed(21)
-    shared = torch.randn(numel, generator=generator) * 0.2  # a chunk's RMS estimate runs down to ~0.4x
+    shared = torch.randn(numel, generator=generator) * 0.2  # the member 50 steps off: 0.005, a fortieth of it
     layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
     scale = torch.randn(numel, generator=generator) * pg_rms
 
