@@ -3,7 +3,7 @@
 Four layers; each imports only the ones below it (``tests/unit/test_layers.py`` enforces it)::
 
     engine/    the round engine: the training-thread loop, the join/stay-out policy, the worker's
-               round as phases, recovery, the clock, stats
+               round frame and its two kinds (whole swarm, sub-groups), recovery, the clock, stats
     network/   the one seam to the network: the interface, an in-process fake, the state-slice
                scheduler; network/hivemind/ holds every hivemind-facing piece and is the only
                place in averaging/ that imports hivemind
@@ -12,44 +12,31 @@ Four layers; each imports only the ones below it (``tests/unit/test_layers.py`` 
     math/      pure functions on tensors (torch and protocols only): flat buffers, outer step,
                merge, codecs, wire format and error feedback, robust aggregation, fingerprints
 
-One overlap round, step by step (nothing going wrong):
+One overlap round, top to bottom (a file per step; the round's own two files read end to end):
 
 ====================================================  =========================================
 step                                                  where
 ====================================================  =========================================
-inner step done: ``after_step``                       engine/loop.py ``RoundEngine``
-``prepare_lead`` before the deadline: join or stay    engine/policy.py ``JoinPolicy.decide``
+inner step done: ``after_step``; join or stay out     engine/loop.py ``RoundEngine``,
+                                                      engine/policy.py ``JoinPolicy.decide``
 matchmaking with our claim (the prepare lane)         engine/round.py ``RoundRunner.prepare``
-  the claim: a fingerprint of the anchor              state/shared_state.py, math/fingerprints.py
-  hivemind's averaging step                           network/hivemind/backend.py ``prepare``
-the deadline: snapshot, hand over (``begin_sync``)    engine/loop.py, engine/worker.py
-exchange: pseudo-gradient, quantize, all-reduce       engine/round.py ``_exchange``;
-                                                      math/outer_step.py, math/wire.py,
-                                                      math/codecs.py; network/hivemind/backend.py
-  inside the averager process                         network/hivemind/averager.py, allreduce.py
-                                                      (robust rules: math/robust.py),
-                                                      matchmaking.py, codecs.py, parts.py
-judge: the group's claims -> a ``Verdict``            state/verdict.py ``judge``
-recover: catch up, apply the step, re-sync            engine/round.py ``conclude``,
-                                                      engine/recover.py; state/accept.py
-                                                      (``check_average``), state/shared_state.py
-account: error feedback, merge correction, bytes      engine/round.py ``_account``;
-                                                      math/wire.py, math/merge.py
+the deadline: snapshot, one ``RoundJob`` handed over  engine/loop.py ``begin_sync``
+pseudo-gradient, codec, all-reduce                    engine/round.py ``RoundRunner.run``;
+                                                      network/hivemind/backend.py (the averager
+                                                      process: averager.py, allreduce.py)
+group formed -> anchor moved, by kind of round:       engine/kind.py (the protocol)
+  the whole swarm: judge, catch up, step, re-sync,    engine/whole_swarm.py
+  account, partial rounds, a split's reunion
+  sub-groups: far members, check, mix, account        engine/subgroups.py
+the weight carried into the next contribution         engine/round.py ``carried_weight``
 merge at a later step boundary (``try_merge``)        engine/loop.py; math/merge.py
-  (``average_inner_state``: the moments, too)         engine/inner_sync.py, math/inner_state.py
 the round's record                                    engine/stats.py ``RoundStats``
 ====================================================  =========================================
 
 Off the happy path: a peer that missed steps replays them (``Verdict.catch_up`` ->
-``Recovery.catch_up`` -> ``SharedState.catch_up``, steps served by ``network/hivemind/serving.py``
-and fetched by ``fetching.py``); one that cannot re-syncs (``Recovery.resync`` ->
-``network/slices.py``, each slice checked by ``state/accept.py``). A joiner's first download is
-``RoundEngine.initial_sync``.
-
-Sub-groups (``averaging.target_group_size``): the prepare lane meets our group of the round under
-its own key (``engine/mixing.py`` ``Mixing.key_bits``, math/groups.py), the exchange carries the
-anchor and momentum in the extra vector, and ``engine/round.py`` ``conclude_mixed`` takes the
-group's state and step in place of judge and recover (``SharedState.mix``).
+``Recovery.catch_up``, steps served by ``network/hivemind/serving.py`` and fetched by
+``fetching.py``); one that cannot re-syncs (``Recovery.resync`` -> ``network/slices.py``, each slice
+checked by ``state/accept.py``). A joiner's first download is ``RoundEngine.initial_sync``.
 
 Words, one per concept:
 

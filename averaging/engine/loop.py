@@ -38,14 +38,16 @@ import torch
 from averaging.engine.clock import SYSTEM_CLOCK, Clock
 from averaging.engine.config import LoopConfig, SyncMode
 from averaging.engine.inner_sync import InnerStateSync
-from averaging.engine.mixing import Mixing
 from averaging.engine.policy import MAX_OUTSTANDING, JoinPolicy, Outstanding
-from averaging.engine.recover import download_horizon, newest_round
-from averaging.engine.round import RoundRunner, SyncResult
+from averaging.engine.recover import Recovery, download_horizon, newest_round
+from averaging.engine.round import RoundJob, RoundRunner, SyncResult
 from averaging.engine.stats import RoundStats, StepTimer, Window
+from averaging.engine.subgroups import Mixing, SubGroups
+from averaging.engine.whole_swarm import WholeSwarm
 from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
 from averaging.math.merge import apply_correction_
+from averaging.math.outer_step import OuterConfig
 from averaging.math.wire import WireFormat
 from averaging.network.interface import Progress
 from averaging.state import accept
@@ -72,20 +74,27 @@ class RoundEngine:
                  config: LoopConfig, peer_id: str, alone: Callable[[], bool], device: torch.device,
                  clock: Clock = SYSTEM_CLOCK, wire: WireFormat | None = None, client_mode: bool = False,
                  swarm_lateness: Callable[[], Sequence[float]] | None = None,
-                 inner_state: InnerStateSync | None = None, mixing: Mixing | None = None):
+                 inner_state: InnerStateSync | None = None, mixing: Mixing | None = None,
+                 outer: OuterConfig | None = None):
         """``inner_state``: average the inner optimizer's moments with every round (its backend was
         built with ``extra_numel = inner_state.numel``; ``averaging.engine.inner_sync``). ``mixing``:
-        sub-group rounds (``averaging.engine.mixing``; the backend's extra vector then starts with
-        the anchor and momentum: ``mixing.state_numel``)."""
+        sub-group rounds (``averaging.engine.subgroups``; the backend's extra vector then starts with
+        the anchor and momentum: ``subgroups.state_numel``), else whole-swarm rounds. ``outer``: the
+        outer step's settings (default: the shared state's, which applies the steps)."""
         self.state, self.worker, self.layout = state, worker, layout
         self._params, self._schedule, self.config = params, schedule, config
         self.peer_id, self.device = peer_id, device
         self.clock = clock  # read on both threads (see Clock)
         self.policy = JoinPolicy(config, schedule, swarm_lateness)
-        self.runner = RoundRunner(state=state, worker=worker, layout=layout, config=config, schedule=schedule,
-                                  clock=clock, wire=wire or WireFormat(), client_mode=client_mode,
-                                  peer_id=peer_id, alone=alone,
-                                  extra_numel=inner_state.numel if inner_state is not None else 0, mixing=mixing)
+        wire = wire or WireFormat()
+        recovery = Recovery(state=state, backend=worker.backend, schedule=schedule, clock=clock,
+                            download_timeout=config.download_timeout)
+        common = dict(state=state, outer=outer or state.config, wire=wire, recovery=recovery, peer_id=peer_id,
+                      alone=alone)
+        kind = SubGroups(mixing=mixing, **common) if mixing is not None else WholeSwarm(**common)
+        self.runner = RoundRunner(kind=kind, state=state, worker=worker, layout=layout, config=config,
+                                  schedule=schedule, clock=clock, wire=wire, client_mode=client_mode,
+                                  extra_numel=inner_state.numel if inner_state is not None else 0)
         self.inner_state = inner_state
         # Per buffer slot: the moments at the round's end and the group's mean of them.
         self._host_moments: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
@@ -120,6 +129,11 @@ class RoundEngine:
     def outstanding(self) -> list[tuple[int, Future]]:
         """The rounds whose sync has not been merged yet, oldest first, with their jobs."""
         return [(job.window.round, job.future) for job in self._jobs]
+
+    @property
+    def group_count(self) -> int | None:
+        """Sub-groups: the group count of the last round we prepared (our progress record's); else None."""
+        return self.runner.kind.group_count
 
     @property
     def sync_period(self) -> int:
@@ -250,8 +264,10 @@ class RoundEngine:
         # A sync still in flight has a correction this snapshot does not contain yet.
         pending = self._host_correction[self._jobs[-1].slot] if self._jobs else None
         tokens, self._folded_tokens = window.tokens + self._folded_tokens, 0
-        future = self.worker.submit(self.runner.run, window.round, tokens, event, self._host_params[slot],
-                                    self._host_correction[slot], pending, prepared, moments)
+        job = RoundJob(round=window.round, tokens=tokens, snapshot=self._host_params[slot],
+                       correction_out=self._host_correction[slot], event=event, pending_correction=pending,
+                       prepared=prepared, moments=moments)
+        future = self.worker.submit(self.runner.run, job)
         self._jobs.append(_Job(window, future, slot, steps_at_snapshot=self._steps))
         jumped = self._report_jumped(window, next_round)
         if blocking:

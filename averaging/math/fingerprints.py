@@ -193,7 +193,7 @@ def far_members(claims: list[AnchorClaim], *, within_steps: float | None = None)
     exceeds ``FAR_RELATIVE`` x the median member's anchor RMS (``anchor_rms``: a fingerprint
     estimates its own vector's norm too; pooled over the chunks, ``pooled_rms``).
     Why: the group's mean state is checked
-    against the farthest claimed distance (``averaging.engine.mixing.state_problem``), so a member
+    against the farthest claimed distance (``averaging.engine.subgroups.state_problem``), so a member
     claiming a far anchor (a stranger, or a peer back from an old checkpoint) would widen that bound
     for everybody, and its anchor would pull the mean; with weight 0 it pulls nothing and the bound
     is the others'. The medians hold while fewer than half of the others are far; below 3 members

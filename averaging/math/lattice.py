@@ -1,7 +1,7 @@
 """The 1-byte lattice code of a sub-group's state: anchors and momenta as residues on a shared grid.
 
 Why: with sub-groups every all-reduce carries the members' anchors and outer momenta beside the
-pseudo-gradient (``averaging.engine.mixing``). In fp16 that is 4 bytes a parameter each way, about
+pseudo-gradient (``averaging.engine.subgroups``). In fp16 that is 4 bytes a parameter each way, about
 8x an int4 round; at 150M parameters on 50 Mbit/s links it decides whether a group's all-reduce
 fits a round (docs/scale.md). The members' anchors are close to each other (a few outer steps
 apart), so only the low-order part of each value differs between them: a member sends its value's
@@ -127,7 +127,7 @@ def left_out(claims: Sequence[AnchorClaim], *, coded: bool) -> list[bool]:
     """The run's far rule: which members a group's reducers give weight 0 in its mean state
     (``far`` where the state rides the lattice code, ``coded``; else ``far_members``). The
     reducers and every member's check of the mean must use the same rule: a member the mean left
-    out must not widen the check's bound (``averaging.engine.mixing.state_problem``)."""
+    out must not widen the check's bound (``averaging.engine.subgroups.state_problem``)."""
     return far(claims) if coded else far_members(list(claims))
 
 

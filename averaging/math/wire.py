@@ -62,7 +62,7 @@ STATE_BYTES_PER_VALUE = 4  # the shared state is stored and downloaded as fp32
 # An extra vector averaged beside the pseudo-gradient (the inner optimizer's moments) goes both ways
 # in bf16: fp32's range (an Adam second moment spans tens of binades, which fp16 flushes to zero).
 EXTRA_CODE = "bf16"
-# With sub-groups (``averaging.engine.mixing``) the anchors and outer momenta ride the all-reduce too
+# With sub-groups (``averaging.engine.subgroups``) the anchors and outer momenta ride the all-reduce too
 # (``mix_code`` picks their code). In fp16, 4 bytes a parameter each way: 11 significant bits under a
 # power-of-two scale per part (values down to 2**-28 of a part's largest keep them all), so a
 # member's anchor lands within about 2**-11 of its own size of the group's mean, a few thousandths of

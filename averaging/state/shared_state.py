@@ -120,7 +120,7 @@ class SharedState:
 
     def mix(self, anchor: torch.Tensor, momentum: torch.Tensor, pseudo_grad: torch.Tensor, *, round: int,
             rounds_done: int) -> None:
-        """A sub-group round (``averaging.engine.mixing``): take the group's mean anchor and outer
+        """A sub-group round (``averaging.engine.subgroups``): take the group's mean anchor and outer
         momentum at the group's step count (``rounds_done``: the most any member claimed), then
         apply the group's step, in one change (a donor's reader never sees half of it). Every member
         of the group ends with the same state. Such a step cannot be replayed by a peer that lacks

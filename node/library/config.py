@@ -59,7 +59,7 @@ class AveragingConfig:
     # into groups of about this size (8-16 for a large swarm) that change every round, and each
     # group averages its members' anchors and outer momenta with the pseudo-gradient (2 bytes a
     # parameter each way more; see state_compression), so anchors agree within a group and
-    # converge across groups (averaging.engine.mixing, docs/scale.md). Shared. Only partly hardened
+    # converge across groups (averaging.engine.subgroups, docs/scale.md). Shared. Only partly hardened
     # against strangers (docs/security.md): prefer private swarms.
     target_group_size: int = 0
     # Sub-groups: the code of the anchors and momenta on the wire. "auto" (or "lat8"): the 1-byte

@@ -6,7 +6,7 @@ hivemind's leaders stop gathering there, so a larger swarm splits each round int
 Those apply different averages, and shoal's consistency check, which expects one anchor for the
 whole swarm, then sends members of the smaller groups to re-sync to the others' anchor (simulated
 at 256 peers: 46-60% of members a round; docs/scale.md). Sub-groups (``averaging.target_group_size``
-of 8-16: ``averaging.engine.mixing``) are the design for such swarms; a peer says so once, when it
+of 8-16: ``averaging.engine.subgroups``) are the design for such swarms; a peer says so once, when it
 first sees the swarm cross the cap (and again if it crosses again after shrinking).
 """
 

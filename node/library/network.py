@@ -38,7 +38,7 @@ class Network(Protocol):
                 share_state: bool = True, extra_numel: int = 0, extra_code: str = EXTRA_CODE) -> AveragingBackend:
         """The averaging backend (created once, before our own threads start); ``extra_numel``: a
         second vector averaged with every round, in ``extra_code`` (the inner optimizer's moments;
-        with sub-groups the anchor and momentum before them: ``averaging.engine.mixing``)."""
+        with sub-groups the anchor and momentum before them: ``averaging.engine.subgroups``)."""
 
     def pids(self) -> list[int | None]:
         """Processes this network started (and whose descendants must not outlive us)."""

@@ -24,8 +24,8 @@ import torch
 from averaging.engine.config import LoopConfig
 from averaging.engine.inner_sync import InnerStateSync
 from averaging.engine.loop import RoundEngine
-from averaging.engine.mixing import Mixing, one_group, state_numel
 from averaging.engine.stats import RoundStats, Traffic
+from averaging.engine.subgroups import Mixing, one_group, state_numel
 from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
 from averaging.math.groups import agreed_group_count, group_among
@@ -221,7 +221,7 @@ class DiLoCoSwarm:
         """The averager (hivemind forks it: before our own threads, and before CUDA if the caller
         allows), the sync worker, the peer monitor and the round engine."""
         avg = self.averaging
-        # Sub-groups (averaging.engine.mixing): the anchor and momentum ride every all-reduce, ahead
+        # Sub-groups (averaging.engine.subgroups): the anchor and momentum ride every all-reduce, ahead
         # of the inner optimizer's moments when those ride too.
         code = mix_code(avg.wire, with_inner_state=avg.average_inner_state, requested=avg.state_compression)
         mixing = self._mixing = Mixing(plan=self._group_plan, code=code) if avg.target_group_size else None
@@ -392,7 +392,7 @@ class DiLoCoSwarm:
     @property
     def group_count(self) -> int | None:
         """With sub-groups: how many groups our last prepared round split into; None without them."""
-        return self._loop.runner.group_count if self._mixing is not None else None
+        return self._loop.group_count
 
     @property
     def peer_count(self) -> int:

@@ -23,7 +23,7 @@ processes it forks), before the node starts.
   may claim), 1,000 more outer steps than the attacker's and 1e6 tokens/s. Those identities never
   average.
 - ``far-state`` / ``fake-state`` (sub-groups, ``averaging.target_group_size``): a member whose
-  state, as it rides its groups' all-reduce (``averaging.engine.mixing``), is poisoned: the anchor
+  state, as it rides its groups' all-reduce (``averaging.engine.subgroups``), is poisoned: the anchor
   it packs into the extra vector is its own x ``POISON_FACTOR`` (10; the momentum and the
   pseudo-gradient stay honest). ``far-state`` claims that anchor too (the fingerprint attached to
   its rounds' matchmaking; rounds done and scale stay true), so its claim is far from the others'
@@ -49,8 +49,8 @@ import sys
 import torch
 from hivemind.proto import averaging_pb2
 
-from averaging.engine import round as round_engine
-from averaging.engine.mixing import pack_state
+from averaging.engine import subgroups
+from averaging.engine.subgroups import pack_state
 from averaging.math.fingerprints import AnchorClaim, encode_claim, fingerprint
 from averaging.network.hivemind import matchmaking as shoal_matchmaking
 from averaging.network.hivemind.averager import ShoalAverager
@@ -226,18 +226,18 @@ def poisoned_anchor(anchor: torch.Tensor) -> torch.Tensor:
 
 
 def send_poisoned_state(*, claim_it: bool) -> None:
-    """Patch the round engine's ``pack_state`` (the name ``averaging.engine.round`` calls) so the
+    """Patch the round engine's ``pack_state`` (the name ``SubGroups.pack`` calls) so the
     anchor we pack into a sub-group round's extra vector is ``poisoned_anchor``; with ``claim_it``,
     ``SharedState.claim_message`` too (the claim attached to matchmaking, signed as any), so the
     group sees that anchor in our claim. Our own state, and the claim ``state_problem`` checks the
     group's mean against, stay true."""
-    round_engine.pack_state = poisoned_pack_state
+    subgroups.pack_state = poisoned_pack_state
     if claim_it:
         SharedState.claim_message = poisoned_claim_message
 
 
 def poisoned_pack_state(state: SharedState, out: torch.Tensor) -> None:
-    """``mixing.pack_state``, with ``poisoned_anchor`` in place of our anchor."""
+    """``subgroups.pack_state``, with ``poisoned_anchor`` in place of our anchor."""
     pack_state(state, out)
     out[:state.layout.numel] = poisoned_anchor(out[:state.layout.numel])
 

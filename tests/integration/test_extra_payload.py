@@ -4,7 +4,7 @@ three real ``HivemindBackend``s on loopback, as nodes run them, average an int4 
 vector shaped like an Adam second moment (positive, spanning 40 binades). The pseudo-gradient ends
 as the one-tensor path leaves it (the same average on every member); the extra vector ends at the
 weighted mean within bf16's precision, its small entries kept, on every member. And sub-groups
-(``averaging.engine.mixing``): four backends meet as two groups of two under their groups' keys in
+(``averaging.engine.subgroups``): four backends meet as two groups of two under their groups' keys in
 one round, each group averaging anchors and momenta in fp16 beside an int4 pseudo-gradient; each
 member ends with its own group's mean, the same bytes within a group. In a group of three whose
 claims put one member's anchor far from the others', the reducers leave its anchor and momentum out
@@ -179,7 +179,7 @@ def test_a_member_whose_claimed_anchor_is_far_adds_nothing_to_the_groups_state()
 def test_a_member_that_sends_a_poisoned_anchor_moves_the_groups_state_a_bounded_way(mode):
     """hostile_node's ``fake-state`` / ``far-state`` member (its anchor x 10 in the extra vector, its
     claim honest / of that anchor) in a group with three honest members, on real reducers."""
-    from averaging.engine.mixing import claims_by_peer, far_claims, state_problem, unpack_state
+    from averaging.engine.subgroups import claims_by_peer, far_claims, state_problem, unpack_state
     from tests.integration.hostile_node import poisoned_claim_message, poisoned_pack_state
 
     wire, numel, peers, attacker = WireFormat.of("int4"), 8_000, 4, 3
@@ -244,4 +244,4 @@ def test_a_member_that_sends_a_poisoned_anchor_moves_the_groups_state_a_bounded_
         left_out = far_claims(by_peer, self_id=ids[i])
         assert left_out == [peer == ids[attacker] and mode == "far-state" for peer in by_peer]
         assert state_problem(anchor, momentum, states[i], list(by_peer.values()), members=peers,
-                             local_pseudo_grad=grads[i], left_out=left_out) is None
+                             local_pseudo_grad=grads[i], mu=states[i].config.momentum, left_out=left_out) is None

@@ -219,7 +219,7 @@ def test_a_reducer_that_ends_its_streams_early_is_struck_then_banned():
                 backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round},
                                 timeout=5 if backend is backends[HONEST] and banned else 30)
             results = [vector.clone() for vector in vectors]
-            # Member 0 keeps a partial result, as sub-groups do (averaging.engine.mixing)
+            # Member 0 keeps a partial result, as sub-groups do (averaging.engine.subgroups)
             futures = [pool.submit(backend.average, result, weight=1.0, timeout=60, keep_partial=i == 0)
                        for i, (backend, result) in enumerate(zip(backends, results))]
             outcomes = [future.result(timeout=90) for future in futures]

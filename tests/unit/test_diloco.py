@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from averaging.engine.recover import Recovery
-from averaging.engine.round import conclude
+from averaging.engine.whole_swarm import conclude
 from averaging.math.fingerprints import SIGN_PERIOD
 from averaging.math.flat import FlatLayout
 from averaging.math.outer_step import OuterConfig, outer_step_

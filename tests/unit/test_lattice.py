@@ -144,11 +144,11 @@ def test_the_reducer_unwraps_lattice_parts_before_judging_them():
 
 
 def test_a_far_member_of_a_lattice_round_takes_the_groups_step_and_re_syncs_from_the_near_members():
-    """``conclude_mixed(lattice=True)``: a member far from its group by the claims cannot decode the
+    """``subgroups.conclude(lattice=True)``: a member far from its group by the claims cannot decode the
     group's lattice-coded state (its averager kept its own), so it applies the group's step to its
     own state and asks for a re-sync from the near members; a near member takes the group's state
     as with fp16, and without the lattice code the far member takes it too."""
-    from averaging.engine.round import conclude_mixed
+    from averaging.engine.subgroups import conclude as conclude_mixed
     from averaging.math.flat import FlatLayout
     from averaging.math.outer_step import OuterConfig
     from averaging.network.interface import AverageOutcome
@@ -176,7 +176,7 @@ def test_a_far_member_of_a_lattice_round_takes_the_groups_step_and_re_syncs_from
         if i == 3 and lattice_code:
             mixed = torch.cat([states[3].anchor, states[3].momentum])  # what its averager kept
         before = states[i].anchor.clone()
-        conclusion = conclude_mixed(states[i], outcome, step.clone(), round=round, averaged=step.clone(), mixed=mixed,
+        conclusion = conclude_mixed(states[i], outcome, step.clone(), round=round, mu=outer.momentum, averaged=step.clone(), mixed=mixed,
                                     self_id=f"m{i}", lattice=lattice_code)
         return conclusion, states[i], before, mixed
 

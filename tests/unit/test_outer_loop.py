@@ -800,7 +800,7 @@ def test_a_resyncs_retry_accepts_the_rounds_its_donor_reached_during_the_failed_
         return None if state is None or state.metadata["round"] > max_round else state
 
     peer.backend.download_state = like_hivemind
-    assert peer.loop.runner.recovery.resync(3, Resync([donor.id], reference), step)
+    assert peer.loop.runner.kind.recovery.resync(3, Resync([donor.id], reference), step)
     assert attempts[:2] == [9, 14]
     assert torch.equal(peer.state.anchor, donor.state.anchor) and peer.state.last_round == 10
 
@@ -825,7 +825,7 @@ def test_a_resync_whose_donor_stepped_twice_during_the_download_stops_instead_of
 
     peer.backend.download_state = slow
     anchor = peer.state.anchor.clone()
-    assert not peer.loop.runner.recovery.resync(3, Resync([donor.id], reference), None)
+    assert not peer.loop.runner.kind.recovery.resync(3, Resync([donor.id], reference), None)
     assert len(attempts) == 1
     assert torch.equal(peer.state.anchor, anchor) and peer.state.rounds_done == 0  # nothing adopted
 

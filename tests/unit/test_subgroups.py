@@ -1,4 +1,4 @@
-"""Sub-group rounds in the round engine (``averaging.engine.mixing``): four peers on threads over one
+"""Sub-group rounds in the round engine (``averaging.engine.subgroups``): four peers on threads over one
 LocalHub, split each round into two groups of two that change every round. Each group averages its
 members' anchors and momenta with the pseudo-gradient: every member ends the round with the same
 state, the exact outer step of the group's means, and no verdict, catch-up or re-sync runs although
@@ -15,7 +15,7 @@ import torch
 
 from averaging.engine.config import LoopConfig
 from averaging.engine.loop import RoundEngine
-from averaging.engine.mixing import (
+from averaging.engine.subgroups import (
     Mixing,
     claims_by_peer,
     far_claims,
@@ -193,7 +193,7 @@ def test_each_group_averages_its_members_state_and_every_member_ends_with_the_sa
     for peer in peers:
         assert [s.applied for s in peer["stats"]] == ["averaged"] * rounds
         assert all(s.group_size == 2 and not s.resynced and not s.diverged for s in peer["stats"])
-        assert peer["loop"].runner.group_count == 2
+        assert peer["loop"].group_count == 2
     # d started elsewhere; the groups' means pulled it in: the spread across the swarm shrinks round by round
     spread = [max(float((by_id[p]["rounds"][r]["anchor"] - by_id["a"]["rounds"][r]["anchor"]).norm())
                   for p in PEERS) for r in range(1, rounds + 1)]
@@ -270,7 +270,7 @@ def test_the_group_takes_the_most_steps_a_member_claims_within_the_schedule():
 
 
 def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
-    """``mixing.state_problem``: an honest mean (any convex mix of the members' anchors, CenteredClip's
+    """``subgroups.state_problem``: an honest mean (any convex mix of the members' anchors, CenteredClip's
     included) passes, also for a member whose own anchor is far behind (a stale member widens the
     bound); a reducer's answer that moves one chunk of the anchor, or the momentum, further than
     the members' claims allow is refused, naming the chunk."""
@@ -290,7 +290,7 @@ def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
 
     def problem(anchor, momentum, state=ours, gathered=gathered):
         return state_problem(anchor, momentum, state, list(claims_by_peer(state, gathered, round=round).values()),
-                             members=4, local_pseudo_grad=pg)
+                             members=4, local_pseudo_grad=pg, mu=OUTER.momentum)
 
     mean_momentum = torch.stack([s.momentum for s in states]).mean(0)
     weights = torch.tensor([1.0, 3.0, 0.5, 2.0])
@@ -313,7 +313,7 @@ def test_the_groups_mean_state_is_bounded_by_what_the_members_claims_allow():
     stale_gathered = {**gathered, "m0": stale.claim_message(round=round).encode()}
     assert state_problem(torch.stack([stale.anchor, *anchors[1:]]).mean(0), mean_momentum, stale,
                          list(claims_by_peer(stale, stale_gathered, round=round).values()), members=4,
-                         local_pseudo_grad=pg) is None
+                         local_pseudo_grad=pg, mu=OUTER.momentum) is None
 
 
 def test_a_member_from_another_earlier_group_is_not_far_when_the_others_share_one_anchor():
@@ -396,7 +396,7 @@ def test_a_member_far_from_its_group_is_found_by_everyone_and_widens_nobodys_bou
 
     def problem(anchor, ours=states[0], self_id="m0"):
         by_peer = claims_by_peer(ours, claims, round=round)
-        return state_problem(anchor, momentum, ours, list(by_peer.values()), members=5, local_pseudo_grad=pg,
+        return state_problem(anchor, momentum, ours, list(by_peer.values()), members=5, local_pseudo_grad=pg, mu=OUTER.momentum,
                              left_out=far_claims(by_peer, self_id=self_id))
 
     assert problem(mean) is None
@@ -405,7 +405,7 @@ def test_a_member_far_from_its_group_is_found_by_everyone_and_widens_nobodys_bou
     lied[: 4093] += 20 * pg_rms  # a reducer's share moved 20 steps: within what the far claim allowed
     assert "anchor is" in problem(lied)
     by_peer = claims_by_peer(states[0], claims, round=round)
-    assert state_problem(lied, momentum, states[0], list(by_peer.values()), members=5, local_pseudo_grad=pg) is None
+    assert state_problem(lied, momentum, states[0], list(by_peer.values()), members=5, local_pseudo_grad=pg, mu=OUTER.momentum) is None
 
 
 def test_a_lattice_groups_check_leaves_out_whom_its_reducers_left_out():
@@ -435,7 +435,7 @@ def test_a_lattice_groups_check_leaves_out_whom_its_reducers_left_out():
     pg = torch.randn(numel, generator=generator) * pg_rms
 
     def problem(anchor, *, lattice_coded: bool):
-        return state_problem(anchor, momentum, states[0], list(by_peer.values()), members=4, local_pseudo_grad=pg,
+        return state_problem(anchor, momentum, states[0], list(by_peer.values()), members=4, local_pseudo_grad=pg, mu=OUTER.momentum,
                              left_out=far_claims(by_peer, self_id="m0", lattice_coded=lattice_coded))
 
     assert problem(mean, lattice_coded=True) is None
@@ -443,14 +443,14 @@ def test_a_lattice_groups_check_leaves_out_whom_its_reducers_left_out():
     lied[: 4093] += 30 * pg_rms  # one reducer's share moved 30 steps
     assert "anchor is" in problem(lied, lattice_coded=True)
     assert problem(lied, lattice_coded=False) is None  # the plain rule's bound: the far member's 50 steps cover it
-    # conclude_mixed applies the run's rule: with the lattice code the lie is refused, without it taken
-    from averaging.engine.round import conclude_mixed
+    # subgroups.conclude applies the run's rule: with the lattice code the lie is refused, without it taken
+    from averaging.engine.subgroups import conclude as conclude_mixed
     from averaging.state.verdict import Applied
 
     outcome = AverageOutcome(ok=True, group=tuple(claims), gathered=claims)
     before = states[0].anchor.clone()
     for lattice_code, applied in ((True, Applied.FOLDED), (False, Applied.AVERAGED)):
-        conclusion = conclude_mixed(states[0], outcome, pg.clone(), round=round, averaged=pg.clone(),
+        conclusion = conclude_mixed(states[0], outcome, pg.clone(), round=round, mu=OUTER.momentum, averaged=pg.clone(),
                                     mixed=torch.cat([lied, momentum]), self_id="m0", lattice=lattice_code)
         assert conclusion.applied == applied, (lattice_code, conclusion.error)
         assert torch.equal(states[0].anchor, before) == (applied == Applied.FOLDED)

@@ -262,7 +262,7 @@ class CheckedPartContainer(TensorPartContainer):
             if residues and part.shape == own.shape:
                 # A residue's delta is the offset it stands for; the check below then sees shape and
                 # finiteness (norms of residues say little: the members check the state they rebuild,
-                # ``mixing.state_problem``).
+                # ``subgroups.state_problem``).
                 part = lattice.wrap(part)
             problem = None if peer_index in self.distrusted else robust.check_returned(
                 part, own, max_norm_ratio=self.max_norm_ratio)

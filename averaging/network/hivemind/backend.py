@@ -114,7 +114,7 @@ class HivemindBackend:
         (``average(extra=...)``), in bf16 and judged without work scaling: the inner optimizer's
         moments. Every member of a run must agree on it (the parts are cut from both tensors).
         ``extra_code``: that vector's codec both ways (``averaging.math.wire.mix_code``'s when it
-        carries anchors: ``averaging.engine.mixing``). ``mixing``: it does (sub-groups), so the
+        carries anchors: ``averaging.engine.subgroups``). ``mixing``: it does (sub-groups), so the
         reducers give a member whose claimed anchor is far from the rest weight 0 on it
         (``averaging.math.fingerprints.far_members``)."""
         if signer is not None and signer.peer_id != str(dht.peer_id):
@@ -275,7 +275,7 @@ class HivemindBackend:
         # a peer banned this round must not win a tie.
         gathered_by_peer = {peer: data for peer, data in gathered_by_peer.items() if peer not in distrusted}
         if missing and keep_partial and missing <= KEEP_PARTIAL_MAX:
-            # Sub-groups (averaging.engine.mixing): our own values stand for the share that never
+            # Sub-groups (averaging.engine.subgroups): our own values stand for the share that never
             # arrived (hivemind keeps them there), as if we had been alone for those coordinates;
             # the next rounds' groups mix them like any other difference.
             logger.info(f"round {round}: kept a partial all-reduce: {missing:.1%} of the average never arrived "

@@ -1,22 +1,25 @@
-"""Sub-group rounds: each round the swarm splits into groups of about ``averaging.target_group_size``
-that change every round (Moshpit SGD, arXiv:2103.03239), and each group averages its members'
-anchors and outer momenta beside the pseudo-gradient.
+"""The sub-group round: groups that change every round, each mixing its members' state.
 
-Why the state rides along: groups apply different averages, so "every peer holds the same anchor"
-cannot hold. Averaging pseudo-gradients alone lets groups drift apart for good (simulated: 7.6 x a
-pseudo-gradient's RMS apart, against 1.0 with anchors averaged; docs/scale.md). With the state
-averaged, the invariant is: **every member of a group holds the same anchor right after the
-group's round** (the reducers return the same bytes to every member, and the members apply the
-same step), and anchors across groups converge at the rate ``benchmarks/scale_sim.py`` measures.
-What that replaces: the consistency verdict's catch-up and re-sync (anchors of different groups
-differ by design, and a stale anchor is pulled into its next group's mean anyway), and the split
-swarm's reunion logic (every round meets peers from other groups).
+Each round the swarm splits into groups of about ``averaging.target_group_size`` (Moshpit SGD,
+arXiv:2103.03239), and each group averages its members' anchors and outer momenta beside the
+pseudo-gradient: averaging pseudo-gradients alone would let groups drift apart for good. The
+invariant: **every member of a group holds the same anchor right after the group's round** (the
+reducers return the same bytes to every member, and the members apply the same step); anchors
+across groups converge. This replaces the whole swarm's verdict (anchors of different groups differ
+by design) and its reunion logic (every round meets peers of other groups).
 
-The all-reduce's extra vector (``HivemindBackend(extra_numel=...)``) is laid out as
-``[anchor | momentum | the inner optimizer's moments, when they ride too]``, as the lattice code
-(``averaging.math.lattice``: the averager encodes and decodes it) or in fp16, or in fp32 where
-reducers return deltas or the moments ride (``averaging.math.wire.mix_code``). These helpers are
-pure: the round engine drives them.
+From "group formed" to "anchor moved" (``SubGroups.end``):
+
+1. the group's claims (signed, attached to matchmaking) say who is **far** from the rest: the
+   reducers gave its state weight 0; in a lattice-coded group it could not decode the mean either;
+2. **check** the average and the group's mean state against what the claims allow (``state_problem``);
+3. **mix**: take the group's state and apply its step (``SharedState.mix``); a far member of a
+   lattice-coded group applies the step to its own state and **re-syncs** from the near members;
+4. **account**: what the new anchor holds of our work, and the merge correction. A partial or
+   failed round folds: our stale anchor and the folded work offset each other in our next group.
+
+The extra vector is laid out as ``[anchor | momentum | the inner optimizer's moments, when they
+ride]``, in the run's state code (``averaging.math.wire.mix_code``: the lattice code, fp16 or fp32).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any
 
 import torch
 
+from averaging.engine.kind import RoundConclusion, RoundEnding, account, alone_or_fold, take
+from averaging.engine.recover import Recovery
 from averaging.math import lattice
 from averaging.math.fingerprints import (
     chunk_rms,
@@ -38,8 +43,12 @@ from averaging.math.fingerprints import (
     rms_difference,
 )
 from averaging.math.groups import balanced_groups, group_key_bits
-from averaging.math.wire import MIX_CODE
+from averaging.math.outer_step import OuterConfig
+from averaging.math.wire import LATTICE_CODE, MIX_CODE, WireFormat
+from averaging.network.interface import AverageOutcome
+from averaging.state.accept import check_average
 from averaging.state.shared_state import SharedState
+from averaging.state.verdict import Applied, Resync
 from protocols.messages import ClaimMessage, MessageError
 
 logger = logging.getLogger(__name__)
@@ -143,7 +152,7 @@ def far_from_group(claims: Mapping[str, ClaimMessage], *, self_id: str) -> list[
 
 
 def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedState,
-                  claims: list[ClaimMessage], *, members: int, local_pseudo_grad: torch.Tensor,
+                  claims: list[ClaimMessage], *, members: int, local_pseudo_grad: torch.Tensor, mu: float,
                   left_out: list[bool] | None = None) -> str | None:
     """Why the group's mean state must not be taken, or None.
 
@@ -156,7 +165,8 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
     fingerprint chunk: ``RMS(mean - ours) <= ESTIMATE_SLACK x sqrt(n) x D + STEP_SLACK x step``, with
     ``D`` estimated from the claims, and the momentum likewise from the momentum fingerprints the
     members' claims carry (``SharedState.claim_message(with_momentum=True)``); when a member's claim
-    lacks one, only by how far momenta can honestly lie apart (``1 / (1 - mu)`` steps). A member far
+    lacks one, only by how far momenta can honestly lie apart (``1 / (1 - mu)`` steps, ``mu`` the
+    outer momentum). A member far
     from the rest (``left_out``, from ``far_claims``) is not in the mean and does not count in ``D``;
     a stale member that is not that far widens ``D`` for everyone (its anchor is in the mean); a
     reducer that lies gains at most that bound on its share. Non-finite values are refused first."""
@@ -181,7 +191,7 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
     if momenta_claimed >= members:  # every member claimed its momentum: bounded like the anchor
         allowed_momentum = spread * farthest_momentum + STEP_SLACK * step + state.abs_tol
     else:  # bounded by how far momenta can honestly differ: loose
-        allowed_momentum = (allowed + step) / max(1.0 - state.config.momentum, 0.05)
+        allowed_momentum = (allowed + step) / max(1.0 - mu, 0.05)
     for name, mean, own, bound in (("anchor", anchor, state.anchor, allowed),
                                    ("momentum", momentum, state.momentum, allowed_momentum)):
         off = chunk_rms(mean - own, ours.chunk_len)
@@ -198,3 +208,77 @@ def group_rounds_done(state: SharedState, claims: list[ClaimMessage], *, round: 
     state, so that they serve one state to joiners (a download compares step counts). An inflated
     claim moves only this count, which no rule of the math reads."""
     return max([state.rounds_done, *(m.rounds_done for m in claims if m.rounds_done <= round)])
+
+
+def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: torch.Tensor, *, round: int, mu: float,
+             averaged: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
+             alone: bool = False, self_id: str = "", lattice: bool = False) -> RoundConclusion:
+    """Check and mix: if the round succeeded and both the average and the group's mean state
+    (``mixed``: the extra vector's head) are usable, take the group's state and apply its step, so
+    every member ends with the same anchor; otherwise our own step if alone, else the work folds.
+
+    ``lattice``: the state rode the lattice code, which a member far from its group cannot decode
+    (its averager kept our own state): such a member applies the group's step to its own state and
+    re-syncs from the near members (``resync``, no reference claim: they hold one state after the
+    round, and the download's donors must agree)."""
+    conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=max(1, len(outcome.group)), error=outcome.error)
+    if outcome.ok and averaged is not None and mixed is not None:
+        conclusion.group_size = len(outcome.group)
+        anchor, momentum = unpack_state(mixed, state.layout.numel)
+        by_peer = claims_by_peer(state, outcome.gathered, round=round)
+        claims = list(by_peer.values())
+        donors = far_from_group(by_peer, self_id=self_id) if lattice else None
+        if donors:
+            take(conclusion, check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms),
+                 lambda: state.apply(averaged, round=round))
+            conclusion.resync = Resync(donors=donors, reference=None)
+            return conclusion
+        problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or state_problem(
+            anchor, momentum, state, claims, members=len(outcome.group), local_pseudo_grad=local_pseudo_grad, mu=mu,
+            left_out=far_claims(by_peer, self_id=self_id, lattice_coded=lattice))
+        take(conclusion, problem, lambda: state.mix(
+            anchor, momentum, averaged, round=round, rounds_done=group_rounds_done(state, claims, round=round)))
+    return alone_or_fold(conclusion, state, local_pseudo_grad, round=round, alone=alone)
+
+
+class SubGroups:
+    """The sub-group kind of round (``averaging.engine.kind.RoundKind``); worker thread only."""
+
+    keep_partial = True  # our own values stand in for a missing share: the next groups mix them
+
+    def __init__(self, *, mixing: Mixing, state: SharedState, outer: OuterConfig, wire: WireFormat,
+                 recovery: Recovery, peer_id: str, alone: Callable[[], bool]):
+        self.mixing, self.state, self.outer, self.wire, self.recovery = mixing, state, outer, wire, recovery
+        self.peer_id, self._alone = peer_id, alone
+        self.state_numel = state_numel(state.layout.numel)
+        self.extra_code = mixing.code
+        self.group_count: int | None = None  # the count of the last round we prepared (our progress record's)
+
+    def key_bits(self, round: int) -> str | None:
+        bits, _, self.group_count = self.mixing.key_bits(round)
+        return bits
+
+    def claim(self, round: int) -> dict:
+        return self.state.claim_message(round=round, with_momentum=True).encode()
+
+    def pack(self, extra: torch.Tensor) -> None:
+        pack_state(self.state, extra)
+
+    def end(self, round: int, outcome: AverageOutcome, *, pseudo_grad: torch.Tensor, sent: torch.Tensor,
+            averaged: torch.Tensor, extra: torch.Tensor | None, weight: float,
+            correction_out: torch.Tensor) -> RoundEnding:
+        old_anchor = self.state.anchor.clone()
+        usable = averaged if outcome.ok else None
+        conclusion = conclude(self.state, outcome, pseudo_grad, round=round, mu=self.outer.momentum, averaged=usable,
+                              mixed=extra if outcome.ok else None, alone=self._alone(), self_id=self.peer_id,
+                              lattice=self.mixing.code == LATTICE_CODE)
+        resynced = False
+        if conclusion.resync is not None:
+            logger.warning(f"round {round}: our anchor is far from our group's (its claims), too far to decode the "
+                           "group's lattice-coded state; downloading it")
+            # (as any re-sync: a donor that has not applied this round's step yet gets it on top)
+            resynced = self.recovery.resync(round, conclusion.resync, usable)
+        accounted, correction = account(self.state, conclusion, pseudo_grad=pseudo_grad, sent=sent,
+                                        old_anchor=old_anchor, in_group_step=False,
+                                        error_feedback=self.wire.error_feedback, out=correction_out)
+        return RoundEnding(conclusion, correction, reached=accounted is not None, resynced=resynced)
