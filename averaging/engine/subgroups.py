@@ -34,7 +34,6 @@ import torch
 
 from averaging.engine.kind import RoundConclusion, RoundEnding, account, alone_or_fold, take
 from averaging.engine.recover import Recovery
-from averaging.math import lattice
 from averaging.math.fingerprints import (
     chunk_rms,
     claim_of,
@@ -129,26 +128,23 @@ def claims_by_peer(state: SharedState, gathered: Mapping[str, Any], *, round: in
     return claims
 
 
-def far_claims(claims: Mapping[str, ClaimMessage], *, self_id: str, lattice_coded: bool = False) -> list[bool]:
-    """Per claim (in ``claims``' order), whether the group's mean state leaves that member out
-    (the run's far rule, ``averaging.math.lattice.left_out``, as the reducers apply it: they give
-    its anchor and momentum weight 0), so its distance must not widen our bound (``state_problem``'s
-    ``left_out``). If we are far ourselves nothing is left out: the mean is then the others', far
-    from us by our own distance."""
-    far = lattice.left_out([claim_of(message) for message in claims.values()], coded=lattice_coded)
-    if any(f for peer, f in zip(claims, far) if peer == self_id):
-        return [False] * len(far)
-    return far
+def left_out(claims: Mapping[str, ClaimMessage], far: frozenset[str], *, self_id: str) -> list[bool]:
+    """Per claim (in ``claims``' order), whether the group's mean state leaves that member out (the
+    group view's ``far``: its reducers gave it weight 0), so its distance must not widen our bound
+    (``state_problem``). If we are far ourselves nothing is left out: the mean is then the others',
+    far from us by our own distance."""
+    if self_id in far:
+        return [False] * len(claims)
+    return [peer in far for peer in claims]
 
 
-def far_from_group(claims: Mapping[str, ClaimMessage], *, self_id: str) -> list[str] | None:
-    """If we are far from our lattice-coded group by the claims (``averaging.math.lattice.far``: as
-    its reducers find), the members that are not (the donors of the group's state); else None. A
-    far member cannot decode the group's state and downloads it from them instead."""
-    far = lattice.far([claim_of(message) for message in claims.values()])
-    if not any(f for peer, f in zip(claims, far) if peer == self_id):
+def donors_if_far(claims: Mapping[str, ClaimMessage], far: frozenset[str], *, self_id: str) -> list[str] | None:
+    """If we are far from our lattice-coded group (its view's ``far``), the members that are not
+    (the donors of the group's state); else None. A far member cannot decode the group's state and
+    downloads it from them instead."""
+    if self_id not in far:
         return None
-    return [peer for peer, f in zip(claims, far) if not f and peer != self_id]
+    return [peer for peer in claims if peer not in far and peer != self_id]
 
 
 def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedState,
@@ -167,7 +163,7 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
     members' claims carry (``SharedState.claim_message(with_momentum=True)``); when a member's claim
     lacks one, only by how far momenta can honestly lie apart (``1 / (1 - mu)`` steps, ``mu`` the
     outer momentum). A member far
-    from the rest (``left_out``, from ``far_claims``) is not in the mean and does not count in ``D``;
+    from the rest (``left_out``, from the group's view) is not in the mean and does not count in ``D``;
     a stale member that is not that far widens ``D`` for everyone (its anchor is in the mean); a
     reducer that lies gains at most that bound on its share. Non-finite values are refused first."""
     if not bool(torch.isfinite(anchor).all()) or not bool(torch.isfinite(momentum).all()):
@@ -227,7 +223,8 @@ def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: tor
         anchor, momentum = unpack_state(mixed, state.layout.numel)
         by_peer = claims_by_peer(state, outcome.gathered, round=round)
         claims = list(by_peer.values())
-        donors = far_from_group(by_peer, self_id=self_id) if lattice else None
+        far = outcome.far or frozenset()  # the group view's, as its reducers found it
+        donors = donors_if_far(by_peer, far, self_id=self_id) if lattice else None
         if donors:
             take(conclusion, check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms),
                  lambda: state.apply(averaged, round=round))
@@ -235,7 +232,7 @@ def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: tor
             return conclusion
         problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or state_problem(
             anchor, momentum, state, claims, members=len(outcome.group), local_pseudo_grad=local_pseudo_grad, mu=mu,
-            left_out=far_claims(by_peer, self_id=self_id, lattice_coded=lattice))
+            left_out=left_out(by_peer, far, self_id=self_id))
         take(conclusion, problem, lambda: state.mix(
             anchor, momentum, averaged, round=round, rounds_done=group_rounds_done(state, claims, round=round)))
     return alone_or_fold(conclusion, state, local_pseudo_grad, round=round, alone=alone)

@@ -44,6 +44,9 @@ class AverageOutcome:
     # ``error`` (the round record's) starts with PARTIAL_ERROR. With ``keep_partial`` (sub-groups,
     # where members' anchors differ anyway) it is ok, and this says how much of it is our own.
     partial: float = 0.0
+    # Sub-groups: the members the group's view found far (``averaging.math.group_view``), as its
+    # reducers did; None where the backend formed no view (whole-swarm rounds).
+    far: frozenset[str] | None = None
 
 
 class AveragingBackend(Protocol):

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from averaging.math.group_view import decode_claims, group_view
 from averaging.math.wire import returned
 from averaging.network.interface import AverageOutcome, Progress
 from averaging.state.served import AppliedUpdate, CheckSlice, DownloadedState
@@ -95,8 +96,13 @@ class LocalHub:
 
 class LocalBackend:
     def __init__(self, hub: LocalHub, peer_id: str, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
-                 update_provider: Callable[[int], AppliedUpdate | None] | None = None):
+                 update_provider: Callable[[int], AppliedUpdate | None] | None = None, *,
+                 far_state_numel: int = 0, lattice: bool = False):
+        """``far_state_numel``: sub-groups, whose members' claims describe anchors of that many values:
+        each round's outcome carries the group's view of who is far (``averaging.math.group_view``),
+        as ``HivemindBackend``'s does (the hub's mean still counts every member exactly)."""
         self.hub, self.peer_id = hub, peer_id
+        self._far_state_numel, self._lattice = far_state_numel, lattice
         self._state_provider = state_provider
         hub.state_providers[peer_id] = state_provider
         if update_provider is not None:
@@ -134,8 +140,10 @@ class LocalBackend:
         vector.copy_(mean)
         if extra is not None:
             extra.copy_(extra_mean)
+        far = group_view(decode_claims(gathered, numel=self._far_state_numel), lattice_coded=self._lattice).far \
+            if self._far_state_numel else None
         return AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered,
-                              sync_s=time.perf_counter() - started)
+                              sync_s=time.perf_counter() - started, far=far)
 
     def share_state(self, allowed: bool) -> None:
         if allowed:

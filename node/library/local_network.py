@@ -21,6 +21,7 @@ from typing import Any
 import base58
 from hivemind.p2p import PeerID
 
+from averaging.math.wire import LATTICE_CODE
 from averaging.network.interface import AveragingBackend, StateProvider, UpdateProvider
 from averaging.network.local import LocalBackend, LocalHub
 from node.library.config import AveragingConfig
@@ -126,7 +127,10 @@ class LocalNetwork:
         wire = averaging.wire
         if wire.quantized:  # reducers return deltas in the return code: each member ends slightly apart
             self.hub.averaging.return_code = wire.return_code
-        backend = LocalBackend(self.hub.averaging, self.peer_id, state_provider, update_provider)
+        mixing = bool(averaging.target_group_size)  # sub-groups: the extra vector leads with the anchors
+        backend = LocalBackend(self.hub.averaging, self.peer_id, state_provider, update_provider,
+                               far_state_numel=numel if mixing and extra_numel else 0,
+                               lattice=mixing and extra_code == LATTICE_CODE)
         backend.share_state(share_state)
         return backend
 

@@ -23,7 +23,7 @@ from hivemind.compression import serialization
 from averaging.math import codecs
 from averaging.math.robust import RobustConfig
 from averaging.network.hivemind import codecs as hivemind_codecs
-from averaging.network.hivemind.averager import PARTIAL_KEY, ShoalAverager
+from averaging.network.hivemind.averager import ShoalAverager
 from averaging.network.hivemind.codecs import ReturnCodec, ShoalCodec
 from averaging.network.hivemind.parts import balanced_part_size
 from tests.integration.averagers import loopback_averagers
@@ -132,7 +132,7 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
                 # shoal's averager, as a node runs it (average returns need its runner). A plain
                 # DecentralizedAverager for the fp16-return case failed in CI: a part arrived before
                 # its group was registered (hivemind refuses it: docs/hivemind.md), and that result,
-                # missing a share, could not be told from a whole one (PARTIAL_KEY is shoal's).
+                # missing a share, could not be told from a whole one (GroupResult.partial is shoal's).
                 # No bans: a retried round (below) must not start with a peer refused in the first.
                 averagers[name].append(ShoalAverager(
                     averaged_tensors=[vector.clone()], dht=dht, prefix=f"{prefix}-{name}", start=True,
@@ -148,7 +148,7 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
                 controls = [averager.step(weight=weight, wait=False, timeout=15)
                             for averager, weight in zip(averagers[name], WEIGHTS)]
                 groups = [_group_or_none(control) for control in controls]
-                if all(groups) and not any(PARTIAL_KEY in group for group in groups):
+                if all(groups) and not any(group.partial for group in groups):
                     break
                 # A partial result (a reducer's share never arrived: docs/limitations.md; seen
                 # once in CI) is not applied by shoal and the round is replayed: so here, from what
@@ -158,7 +158,7 @@ def test_int4_and_int8_allreduce_through_registered_codecs(monkeypatch):
                 for averager, vector in zip(averagers[name], to_send[name]):
                     with averager.get_tensors() as (tensor,):
                         tensor.copy_(vector)
-            assert all(group is not None and len(group) == PEERS for group in groups), groups
+            assert all(group is not None and len(group.gathered) == PEERS for group in groups), groups
             results = []
             for averager in averagers[name]:
                 with averager.get_tensors() as (tensor,):

@@ -150,6 +150,7 @@ def test_a_far_member_of_a_lattice_round_takes_the_groups_step_and_re_syncs_from
     as with fp16, and without the lattice code the far member takes it too."""
     from averaging.engine.subgroups import conclude as conclude_mixed
     from averaging.math.flat import FlatLayout
+    from averaging.math.group_view import decode_claims, group_view
     from averaging.math.outer_step import OuterConfig
     from averaging.network.interface import AverageOutcome
     from averaging.state.shared_state import SharedState
@@ -170,14 +171,15 @@ def test_a_far_member_of_a_lattice_round_takes_the_groups_step_and_re_syncs_from
     def conclude(i: int, *, lattice_code: bool):
         states = [member(1e-3) for _ in range(3)] + [member(0.1)]
         gathered = {f"m{j}": s.claim_message(round=round, with_momentum=True).encode() for j, s in enumerate(states)}
-        outcome = AverageOutcome(ok=True, group=tuple(gathered), gathered=gathered)
+        view = group_view(decode_claims(gathered, numel=numel), lattice_coded=lattice_code)
+        outcome = AverageOutcome(ok=True, group=tuple(gathered), gathered=gathered, far=view.far)
         mixed = torch.cat([torch.stack([s.anchor for s in states[:3]]).mean(0),
                            torch.stack([s.momentum for s in states[:3]]).mean(0)])
         if i == 3 and lattice_code:
             mixed = torch.cat([states[3].anchor, states[3].momentum])  # what its averager kept
         before = states[i].anchor.clone()
-        conclusion = conclude_mixed(states[i], outcome, step.clone(), round=round, mu=outer.momentum, averaged=step.clone(), mixed=mixed,
-                                    self_id=f"m{i}", lattice=lattice_code)
+        conclusion = conclude_mixed(states[i], outcome, step.clone(), round=round, mu=outer.momentum,
+                                    averaged=step.clone(), mixed=mixed, self_id=f"m{i}", lattice=lattice_code)
         return conclusion, states[i], before, mixed
 
     conclusion, state, before, _ = conclude(3, lattice_code=True)

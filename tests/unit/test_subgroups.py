@@ -18,8 +18,8 @@ from averaging.engine.loop import RoundEngine
 from averaging.engine.subgroups import (
     Mixing,
     claims_by_peer,
-    far_claims,
     group_rounds_done,
+    left_out,
     one_group,
     state_numel,
     state_problem,
@@ -27,6 +27,7 @@ from averaging.engine.subgroups import (
 from averaging.engine.worker import SyncWorker
 from averaging.math.fingerprints import AnchorClaim, claim_of, far_members, fingerprint
 from averaging.math.flat import FlatLayout
+from averaging.math.group_view import group_view
 from averaging.math.groups import members
 from averaging.math.outer_step import OuterConfig, outer_step_
 from averaging.math.wire import LATTICE_CODE, MIX_CODE
@@ -66,6 +67,11 @@ class Recording(LocalBackend):
                                keep_partial=keep_partial)
 
 
+
+def far_claims(by_peer, *, self_id: str, lattice_coded: bool = False) -> list[bool]:
+    """Whom a member's check leaves out: the group view's far members (as its reducers find them)."""
+    return left_out(by_peer, group_view(by_peer, lattice_coded=lattice_coded).far, self_id=self_id)
+
 def make_peers(workers: list[SyncWorker], *, plan=None, code: str = MIX_CODE, stale_d: bool = True) -> list[dict]:
     """The four peers; ``plan(round, peer_id)`` (default: ``GROUPS``), ``code`` the state's code,
     ``stale_d``: d starts from other weights and a one step ahead."""
@@ -81,7 +87,8 @@ def make_peers(workers: list[SyncWorker], *, plan=None, code: str = MIX_CODE, st
         # a step ahead (a count within the schedule): its groups take it
         state.rounds_done = 1 if peer_id == "a" and stale_d else 0
         clock = FakeClock(WALL_START)
-        backend = Recording(hub, peer_id, state.shared_state)
+        backend = Recording(hub, peer_id, state.shared_state, far_state_numel=layout.numel,
+                            lattice=code == LATTICE_CODE)
         worker = SyncWorker(backend, allreduce_timeout=5.0, matchmaking_grace=1.0)
         workers.append(worker)
         groups = (lambda round, peer_id=peer_id: (GROUPS[round % 2][peer_id], 2)) if plan is None else (  # noqa: E731
@@ -447,9 +454,10 @@ def test_a_lattice_groups_check_leaves_out_whom_its_reducers_left_out():
     from averaging.engine.subgroups import conclude as conclude_mixed
     from averaging.state.verdict import Applied
 
-    outcome = AverageOutcome(ok=True, group=tuple(claims), gathered=claims)
     before = states[0].anchor.clone()
     for lattice_code, applied in ((True, Applied.FOLDED), (False, Applied.AVERAGED)):
+        outcome = AverageOutcome(ok=True, group=tuple(claims), gathered=claims,
+                                 far=group_view(by_peer, lattice_coded=lattice_code).far)
         conclusion = conclude_mixed(states[0], outcome, pg.clone(), round=round, mu=OUTER.momentum, averaged=pg.clone(),
                                     mixed=torch.cat([lied, momentum]), self_id="m0", lattice=lattice_code)
         assert conclusion.applied == applied, (lattice_code, conclusion.error)

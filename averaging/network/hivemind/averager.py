@@ -37,6 +37,7 @@ import logging
 import threading
 import typing
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,15 +51,8 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
-from averaging.math.fingerprints import (
-    NUM_PROJECTIONS,
-    AnchorClaim,
-    chunk_length,
-    claim_of,
-    momentum_of,
-)
-from averaging.math.lattice import from_residues_, group_lattice, to_residues_
-from averaging.math.lattice import left_out as far_rule
+from averaging.math.group_view import GroupView, decode_claims, group_view
+from averaging.math.lattice import from_residues_, to_residues_
 from averaging.math.robust import BanList, RobustConfig, Strikes
 from averaging.network.hivemind import pins
 from averaging.network.hivemind.allreduce import (
@@ -78,25 +72,29 @@ from averaging.network.hivemind.serving import StateServing
 from averaging.network.interface import StateProvider, UpdateProvider
 from protocols import swarm_time
 from protocols.admission import admitted, make_proof
-from protocols.messages import ClaimMessage
 
 logger = logging.getLogger(__name__)
 
 ASSEMBLY_LATENCY_S = 0.5  # a leader's group message to its followers, beyond request_timeout
 ENDED_GROUPS_KEPT = 256  # group ids of finished steps remembered (parts for them are refused at once)
 STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
-# The key under which the averager process adds, to a step's gathered reports, the fraction of the
-# average that did not arrive (a reducer failed: ``ShoalAverager._aggregate_with_group``). Not a
-# peer id (those are base58 multihashes), so no member's report can collide with it.
-PARTIAL_KEY = "shoal:partial"
-# Likewise: the members on our ban list when the all-reduce ended (refused in it, or before). Their
-# reports are dropped before the consistency check: a peer we just refused must not win a tie.
-DISTRUSTED_KEY = "shoal:distrusted"
 # The ban list's round at the start of the step whose all-reduce runs in this task. With the prepare
 # lane, round r+1's step (which counts a round) can start while round r's all-reduce still runs:
 # round r's failures must be struck in round r. Each step runs in a task of its own, so the value
 # set in ``_step`` is seen by its all-reduce only.
 _STEP_ROUND: contextvars.ContextVar[int] = contextvars.ContextVar("shoal_step_round")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupResult:
+    """What the averager process hands the host for one step (the result of hivemind's ``StepControl``)."""
+
+    gathered: dict[str, Any]  # each member's gathered report (its claim), raw, by peer id
+    partial: float = 0.0  # fraction of the average that never arrived (a reducer failed)
+    # Members on our ban list when the all-reduce ended (refused in it, or before): their reports
+    # are dropped before the consistency check, so a peer we just refused cannot win a tie.
+    distrusted: frozenset[str] = frozenset()
+    far: frozenset[str] | None = None  # sub-groups: the group view's far members (None: no view)
 
 
 def leader_group_cap(target_group_size: int | None, robust: RobustConfig | None) -> int | None:
@@ -164,8 +162,10 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         # How long a part for a group we do not know may wait while we look for one (registration_wait).
         self._unknown_group_wait = kwargs.get("request_timeout", 3.0)  # (3.0: hivemind's default)
         self.robust_counters = RobustCounters()
-        # Averager process: the fraction of the average each running group failed to deliver.
+        # Averager process: the fraction of the average each running group failed to deliver, and
+        # each running group's view (sub-groups).
         self._partial: dict[bytes, float] = {}
+        self._views: dict[bytes, GroupView] = {}
         # Averager process: groups our steps matched that will not run (any more), oldest first.
         self._ended_groups: dict[bytes, None] = {}
         self._max_group_size = leader_group_cap(kwargs.get("target_group_size"), robust) or 2**31
@@ -307,14 +307,13 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         try:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
+            # (a partial result: hivemind kept our local values where a reducer failed)
             missing = self._partial.pop(group_info.group_id, 0.0)
-        # A partial result (hivemind keeps our local values where a reducer failed) would move our
-        # anchor somewhere no other member's is: the host must not apply it (``HivemindBackend.average``).
-        if missing > 0:
-            gathered = {**gathered, PARTIAL_KEY: missing}
-        distrusted = [str(peer) for peer in group_info.peer_ids
-                      if peer != self.peer_id and self._ban_list.is_banned(str(peer))]
-        return {**gathered, DISTRUSTED_KEY: distrusted} if distrusted else gathered
+            view = self._views.pop(group_info.group_id, None)
+        distrusted = frozenset(str(peer) for peer in group_info.peer_ids
+                               if peer != self.peer_id and self._ban_list.is_banned(str(peer)))
+        return GroupResult(gathered={str(peer): data for peer, data in gathered.items()}, partial=missing,
+                           distrusted=distrusted, far=view.far if view is not None else None)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: bytes | None = None, **kwargs):
@@ -326,21 +325,23 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             kwargs.update(sender_timeout=sender_timeout, reducer_timeout=reducer_timeout)
         common = dict(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
                       ordered_peer_ids=group_info.peer_ids, **kwargs)
-        peers, claims, momenta = self._group_claims(group_info) if self._far_state_numel else ([], [], [])
-        if self._lattice and not claims:  # every member sees the same claims: all of us refuse alike
+        view = self._group_view(group_info) if self._far_state_numel else None  # sub-groups only
+        if view is not None:
+            self._views[group_id] = view
+        if self._lattice and view.lattice is None:  # every member sees the same claims: all of us refuse alike
             raise AllreduceException("no member's claim decodes, so the group's lattice grid is unknown")
-        far = far_rule(claims, coded=self._lattice)
+        far_peers = [p for p in group_info.peer_ids if view is not None and str(p) in view.far]
         if self._robust is None:
             runner = AllReduceRunner(**common)
         else:
             runner = RobustAllReduceRunner(robust_config=self._robust, ban_list=self._ban_list,
                                            counters=self.robust_counters, strikes=self._strikes,
-                                           far_peers=[p for p, f in zip(peers, far) if f], **common)
+                                           far_peers=far_peers, **common)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         # Lattice-coded state (``averaging.math.lattice``): residues on the group's grid go out, the
         # group's mean on that grid comes back; a far member cannot decode it and keeps its own.
-        lattice_grid = group_lattice(claims, momenta, far) if claims and self._lattice else None
+        lattice_grid = view.lattice if view is not None else None
         raw = tensors[1].clone() if lattice_grid is not None else None
         decoded = False
         try:
@@ -354,7 +355,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             else:
                 async for _ in runner:
                     raise ValueError("aux peers should not receive averaged tensors")
-            if raw is not None and not any(f for p, f in zip(peers, far) if p == self.peer_id):
+            if raw is not None and self.peer_id not in far_peers:
                 from_residues_(tensors[1], raw, lattice_grid)
                 decoded = True
         finally:
@@ -366,26 +367,17 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         if isinstance(runner, RobustAllReduceRunner):  # every reducer's stream has ended by now
             runner.strike_failed_reducers(round=_STEP_ROUND.get(self._ban_list.round))
 
-    def _group_claims(self, group_info: GroupInfo) -> tuple[list, list[AnchorClaim], list]:
-        """With sub-groups, the members' decodable claims: (peers, claims, momentum fingerprints);
-        empty lists otherwise. From them every member and every reducer finds the same far members
-        (the run's far rule, ``averaging.math.lattice.left_out``) and the same lattice grid; a claim we cannot
-        decode counts for nobody."""
-        if not self._far_state_numel:
-            return [], [], []
-        numel = self._far_state_numel
-        peers, claims, momenta = [], [], []
-        for peer, raw in zip(group_info.peer_ids, group_info.gathered):
+    def _group_view(self, group_info: GroupInfo) -> GroupView:
+        """A sub-group's view (``averaging.math.group_view``) from the members' gathered claims: the
+        far members and the lattice grid, as every member and reducer finds them."""
+        raw = {}
+        for peer, gathered in zip(group_info.peer_ids, group_info.gathered):
             try:
-                _, _, user_data = self.serializer.loads(raw)
-                message = ClaimMessage.decode(gathered_claim(self.serializer, user_data), numel=numel,
-                                              chunk_len=chunk_length(numel), num_projections=NUM_PROJECTIONS)
+                _, _, user_data = self.serializer.loads(gathered)
             except Exception:  # noqa: BLE001 - anything undecodable: no claim
                 continue
-            peers.append(peer)
-            claims.append(claim_of(message))
-            momenta.append(momentum_of(message))
-        return peers, claims, momenta
+            raw[str(peer)] = gathered_claim(self.serializer, user_data)
+        return group_view(decode_claims(raw, numel=self._far_state_numel), lattice_coded=self._lattice)
 
     # -- admission (a private swarm) ----------------------------------------------------------
     # Hazard: the annotations must be typing.AsyncIterator: hivemind detects a streaming RPC by

@@ -35,7 +35,7 @@ from averaging.math.wire import (
     STATE_BYTES_PER_VALUE,
     WireFormat,
 )
-from averaging.network.hivemind.averager import DISTRUSTED_KEY, PARTIAL_KEY, ShoalAverager, leader_group_cap
+from averaging.network.hivemind.averager import GroupResult, ShoalAverager, leader_group_cap
 from averaging.network.hivemind.fetching import FETCH_GRACE_S, describe
 from averaging.network.hivemind.parts import (
     HIVEMIND_PART_BYTES,
@@ -259,21 +259,18 @@ class HivemindBackend:
         control.allow_allreduce()
         # 2. Wait for the group; a failure keeps the caller's vector as it was.
         try:
-            gathered = control.result(timeout=timeout)
+            result: GroupResult | None = control.result(timeout=timeout)
         except Exception as e:
             control.cancel()
             return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error=describe(e))
         sync_s = time.perf_counter() - started
         allreduce_s = swarm_time.now() - max(started_wall, control.scheduled_time)
-        if not gathered:
+        if not result or not result.gathered:
             return AverageOutcome(ok=False, sync_s=sync_s, error="averaging returned no group")
-        missing = gathered.pop(PARTIAL_KEY, 0.0)
-        distrusted = set(gathered.pop(DISTRUSTED_KEY, ()))
-        gathered_by_peer = {str(peer): data for peer, data in gathered.items()}
-        group = tuple(sorted(gathered_by_peer))
+        missing, group = result.partial, tuple(sorted(result.gathered))
         # A member our robust aggregation refused speaks no more in this round's consistency check:
         # a peer banned this round must not win a tie.
-        gathered_by_peer = {peer: data for peer, data in gathered_by_peer.items() if peer not in distrusted}
+        gathered_by_peer = {peer: data for peer, data in result.gathered.items() if peer not in result.distrusted}
         if missing and keep_partial and missing <= KEEP_PARTIAL_MAX:
             # Sub-groups (averaging.engine.subgroups): our own values stand for the share that never
             # arrived (hivemind keeps them there), as if we had been alone for those coordinates;
@@ -294,7 +291,7 @@ class HivemindBackend:
         if not missing:
             self._note_allreduce(allreduce_s)  # (a partial one lasted as long as the timeout that failed it)
         return AverageOutcome(ok=True, group=group, gathered=gathered_by_peer, sync_s=sync_s, allreduce_s=allreduce_s,
-                              partial=missing)
+                              partial=missing, far=result.far)
 
     def _note_allreduce(self, seconds: float) -> None:
         """An all-reduce succeeded in ``seconds``: scale the part timeouts to it. Only whole ones
