@@ -151,12 +151,17 @@ FIXES = {
 }
 
 
+# Fields that follow from another (the codec's block size, return code and state code from
+# ``averaging.compression`` and its settings): a difference in them is named after the setting's own.
+DERIVED = frozenset({"averaging.block_size", "averaging.return_compression", "averaging.state_code"})
+
+
 def first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """The first differing field, as ``field=theirs (this peer: ours)``, or None. Fields both sides
-    have come first: one only a side has usually follows from another (an int codec's block size
-    is only shared when ``averaging.compression`` is an int codec), and the cause is the better name."""
+    have come first (one only a side has usually follows from another: an hf model's ``model.hf.*``
+    fields from ``model.kind``), then fields that are no ``DERIVED`` one: the cause is the better name."""
     both = set(ours) & set(theirs)
-    for key in sorted(set(ours) | set(theirs), key=lambda key: (key not in both, key)):
+    for key in sorted(set(ours) | set(theirs), key=lambda key: (key not in both, key in DERIVED, key)):
         if ours.get(key) != theirs.get(key):
             return f"{key}={theirs.get(key, '<missing>')!r} (this peer: {ours.get(key, '<missing>')!r})"
     return None

@@ -56,8 +56,7 @@ RETURN_CODES = ("fp16", "int8", "int4")
 AVERAGE_RETURN_CODES = ("int8", "int4")
 # ``averaging.return_compression = "auto"``: returns as fine as the sends, int4 at the coarsest.
 AUTO_RETURN = {"int8": "int8", "int4": "int4", "int2": "int4"}
-# ``averaging.compression`` values; "none" is the older spelling of fp32.
-COMPRESSIONS = (*FLOAT_CODES, "none", *QUANTIZED_CODES)
+COMPRESSIONS = (*FLOAT_CODES, *QUANTIZED_CODES)  # ``averaging.compression`` values
 STATE_BYTES_PER_VALUE = 4  # the shared state is stored and downloaded as fp32
 # An extra vector averaged beside the pseudo-gradient (the inner optimizer's moments) goes both ways
 # in bf16: fp32's range (an Adam second moment spans tens of binades, which fp16 flushes to zero).
@@ -83,10 +82,6 @@ LATTICE_CODE = "lat8"
 STATE_COMPRESSIONS = ("auto", "fp16", "fp32", LATTICE_CODE)
 
 
-def canonical(compression: str) -> str:
-    return "fp32" if compression == "none" else compression
-
-
 @dataclass(frozen=True, slots=True)
 class WireFormat:
     """The all-reduce payload's codec: sends in ``code``, returns from reducers in ``return_code``."""
@@ -110,15 +105,13 @@ class WireFormat:
     @classmethod
     def of(cls, compression: str, *, return_compression: str = "auto", block_size: int = 0,
            error_feedback: bool = True) -> WireFormat:
-        """From the config's spelling (``none`` = fp32; block size 0 = the code's default;
-        return ``auto`` = ``AUTO_RETURN``)."""
-        code = canonical(compression)
-        if code in FLOAT_CODES:
-            return cls(code=code, return_code=code, block_size=0, error_feedback=False)
+        """From the config's spelling (block size 0 = the code's default; return ``auto`` = ``AUTO_RETURN``)."""
+        if compression not in QUANTIZED_CODES:  # a float code, or an unknown one (refused by __post_init__)
+            return cls(code=compression, return_code=compression, block_size=0, error_feedback=False)
         if return_compression == "auto":
-            return_compression = AUTO_RETURN[code]
-        return cls(code=code, return_code=return_compression, error_feedback=error_feedback,
-                   block_size=block_size or codecs.get_code(code).default_block_size)
+            return_compression = AUTO_RETURN[compression]
+        return cls(code=compression, return_code=return_compression, error_feedback=error_feedback,
+                   block_size=block_size or codecs.get_code(compression).default_block_size)
 
     @property
     def quantized(self) -> bool:
@@ -160,12 +153,11 @@ def returned(average: torch.Tensor, own: torch.Tensor, return_code: str) -> torc
     """What a member ends with when its reducers return in ``return_code``: ``own + R(average - own)``
     for fp16 (hivemind's deltas: an error that differs per member), ``R(average)`` for int8/int4
     (the quantized average, the same for every member). For the in-process backend."""
-    code = canonical(return_code)
-    if code == "fp32":
+    if return_code == "fp32":
         return average.clone()
-    if code in AVERAGE_RETURN_CODES:
-        return codecs.quantize(average, code)
-    return own + codecs.quantize(average - own, code)
+    if return_code in AVERAGE_RETURN_CODES:
+        return codecs.quantize(average, return_code)
+    return own + codecs.quantize(average - own, return_code)
 
 
 def round_payload(numel: int, group_size: int, *, send_bytes_per_value: float, return_bytes_per_value: float,

@@ -19,7 +19,6 @@ from averaging.math.outer_step import OuterConfig
 from averaging.math.robust import AGGREGATIONS, RobustConfig
 from averaging.math.wire import (
     COMPRESSIONS,
-    FLOAT_CODES,
     RETURN_CODES,
     WireFormat,
     mix_code,
@@ -49,7 +48,7 @@ class AveragingConfig:
 
     # int4 sends with int4 returns of the average: chosen by the benchmarks (docs/benchmarks.md, Compression):
     # 3.8x fewer bytes than fp16 and eval loss within 0.3% of it at equal tokens.
-    compression: str = "int4"  # fp32 (or none) | fp16 | int8 | int4 | int2 (docs/codecs.md)
+    compression: str = "int4"  # fp32 | fp16 | int8 | int4 | int2 (docs/codecs.md)
     block_size: int = 0  # int codes: values per fp16 scale; 0 = the code's default (64 int8/int4, 256 int2)
     # int codes: how reducers return averages, fp16 (deltas) | int8 | int4 (the average itself) |
     # auto (int8 for int8 sends, int4 for int4 and int2)
@@ -66,8 +65,8 @@ class AveragingConfig:
     # lattice code where reducers return the average (int8/int4, the default) and no inner moments
     # ride, else fp32. Residues on a grid the group's claims set (averaging.math.lattice): half
     # fp16's bytes, every member's state within a quarter of an outer step of the group's mean; a
-    # member far from its group downloads the group's state instead. "fp16" (the default before
-    # the lattice code: set it to join such a run) and "fp32" force those. Shared.
+    # member far from its group downloads the group's state instead. "fp16" and "fp32" force those.
+    # Shared.
     state_compression: str = "auto"
     min_group_size: int = 2
     matchmaking_seconds: float = 3.0  # hivemind min_matchmaking_time
@@ -98,7 +97,9 @@ class AveragingConfig:
 
     def __post_init__(self):
         if self.compression not in COMPRESSIONS:
-            raise ConfigError(f"averaging.compression ({self.compression!r}) must be one of: {', '.join(COMPRESSIONS)}")
+            fix = '; use "fp32" for no compression' if self.compression == "none" else ""
+            raise ConfigError(f"averaging.compression ({self.compression!r}) must be one of: "
+                              f"{', '.join(COMPRESSIONS)}{fix}")
         if self.return_compression not in ("auto", *RETURN_CODES):
             raise ConfigError(f"averaging.return_compression ({self.return_compression!r}) must be one of: auto, "
                               f"{', '.join(RETURN_CODES)} (int2 is too coarse for the average)")
@@ -145,34 +146,26 @@ class AveragingConfig:
 
 def sync_shared_fields(*, outer: OuterConfig, rounds: RoundConfig, averaging: AveragingConfig) -> dict[str, Any]:
     """What the sync protocol itself needs every peer to agree on (any model, any loop)."""
-    shared = {
+    wire = averaging.wire
+    return {
         **{f"outer.{f.name}": getattr(outer, f.name) for f in dataclasses.fields(outer)},
         **{f"round.{f.name}": _plain(getattr(rounds, f.name)) for f in dataclasses.fields(rounds)},
         # the consistency verdict must be the same on every member of a group
         **{f"averaging.{name}": getattr(averaging, name) for name in ("compression", "rel_tol", "abs_tol")},
-    }
-    if averaging.compression not in (*FLOAT_CODES, "none"):
         # hivemind cuts parts from the codec's block size and the group size it balances for, and
-        # re-encodes returns in the sender's return code: peers must cut and decode alike. Only for
-        # int codes, so the manifest (and config hash) of an fp16/fp32 run stays what it was.
-        wire = averaging.wire
-        shared.update({"averaging.block_size": wire.block_size, "averaging.return_compression": wire.return_code,
-                       "averaging.target_group_size": averaging.target_group_size})
-    if averaging.progress_shards != 1:  # only then: an unsharded run's manifest (and hash) stays what it was
-        shared["averaging.progress_shards"] = averaging.progress_shards
-    if averaging.target_group_size:
-        # Sub-groups change the all-reduce (anchors and momenta ride it) and the matchmaking keys:
-        # a peer of a version without them must not join such a run with the same settings.
-        # ``sub_groups`` is the rule's version: 1 hashed groups, 2 balanced ones (averaging.math.groups).
-        shared.update({"averaging.target_group_size": averaging.target_group_size,
-                       "averaging.sub_groups": SUB_GROUPS_RULE,
-                       # the anchors' and momenta's code on the wire (members must decode alike)
-                       "averaging.state_code": mix_code(averaging.wire,
-                                                        with_inner_state=averaging.average_inner_state,
-                                                        requested=averaging.state_compression)})
-    if averaging.average_inner_state:  # likewise; every member's all-reduce then carries the moments
-        shared["averaging.average_inner_state"] = True
-    return shared
+        # re-encodes returns in the sender's return code: peers must cut and decode alike.
+        "averaging.block_size": wire.block_size,
+        "averaging.return_compression": wire.return_code,
+        "averaging.target_group_size": averaging.target_group_size,
+        "averaging.progress_shards": averaging.progress_shards,  # every peer reads and writes the same keys
+        # Sub-groups change the all-reduce (anchors and momenta ride it) and the matchmaking keys.
+        # ``sub_groups`` is the assignment rule's version (averaging.math.groups.RULE).
+        "averaging.sub_groups": SUB_GROUPS_RULE,
+        # the anchors' and momenta's code on the wire with sub-groups (members must decode alike)
+        "averaging.state_code": mix_code(wire, with_inner_state=averaging.average_inner_state,
+                                         requested=averaging.state_compression),
+        "averaging.average_inner_state": averaging.average_inner_state,  # every member's all-reduce carries them
+    }
 
 
 def _plain(value: Any) -> Any:

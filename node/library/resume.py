@@ -8,13 +8,10 @@ different layout. A checkpoint of another run or config is refused, not silently
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -59,22 +56,14 @@ def find_resume_point(checkpoint_dir: Path, on_invalid: Callable[[CheckpointErro
     return found
 
 
-def legacy_config_hash(fields: dict[str, Any]) -> str:
-    """The config hash checkpoints of shoal 0.1 before the run manifest's hash was used everywhere
-    (sha256 of the sorted JSON of the run's fields without the parameter list, 16 hex digits).
-    Accepted on resume only, so those checkpoints are not lost; new ones hold the manifest's hash."""
-    legacy = {key: value for key, value in fields.items() if key != "parameters"}
-    return hashlib.sha256(json.dumps(legacy, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def state_from_checkpoint(checkpoint: Checkpoint, layout: FlatLayout, *, run_id: str,
-                          config_hash: str | None, also_accept: tuple[str, ...] = ()) -> DownloadedState:
+                          config_hash: str | None) -> DownloadedState:
     """The checkpoint as a shared state for ``SharedState.adopt`` (which validates values)."""
     meta = checkpoint.meta
     if meta.get("run_id") != run_id:
         raise ConfigError(f"checkpoint {checkpoint.path} belongs to run {meta.get('run_id')!r}, not {run_id!r}; "
                           "pass that run's --run-id or another --checkpoint-dir")
-    if config_hash is not None and meta.get("config_hash") not in (config_hash, *also_accept):
+    if config_hash is not None and meta.get("config_hash") != config_hash:
         raise ConfigError(f"checkpoint {checkpoint.path} was written with another config (hash "
                           f"{meta.get('config_hash')}, this run {config_hash}); use the config it was trained with "
                           "or another --checkpoint-dir")

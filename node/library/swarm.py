@@ -44,12 +44,7 @@ from node.library.group_limit import GroupLimitWatch
 from node.library.monitor import PeerMonitor
 from node.library.network import HivemindNetwork, Network
 from node.library.rediscovery import PeerCache, Rediscovery
-from node.library.resume import (
-    find_resume_point,
-    legacy_config_hash,
-    save_shared_state,
-    state_from_checkpoint,
-)
+from node.library.resume import find_resume_point, save_shared_state, state_from_checkpoint
 from node.library.run_record import MANIFEST_TTL, RunTrust, join_run
 from protocols import swarm_time
 from protocols.addresses import parse_peer_multiaddr, peer_id_of
@@ -340,8 +335,7 @@ class DiLoCoSwarm:
         if checkpoint is None:
             return None
         state = state_from_checkpoint(checkpoint, self._layout, run_id=self.run_id,
-                                      config_hash=config_hash or self.manifest.config_hash,
-                                      also_accept=(legacy_config_hash(self.shared),))
+                                      config_hash=config_hash or self.manifest.config_hash)
         try:
             return Resumed(path=checkpoint.path, round=self.resume(state), local_state=checkpoint.local_state)
         except MessageError as e:

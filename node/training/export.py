@@ -42,10 +42,10 @@ def run_config_meta(model_config: ModelConfig, tokenizer_spec: str, vocab_size: 
 
 def model_config_from_meta(meta: dict[str, Any]) -> tuple[ModelConfig, str, int]:
     """(model config, tokenizer spec, vocab size) from a checkpoint's meta.json; CheckpointError when
-    it has none (written before shoal recorded it) or it does not parse."""
+    it has none (only ``shoal run`` records it, not a library user's checkpoint) or it does not parse."""
     recorded = meta.get(RUN_CONFIG_KEY)
     if recorded is None:
-        raise CheckpointError("the checkpoint does not record its model (written by an older shoal); "
+        raise CheckpointError("the checkpoint does not record its model (only shoal run's checkpoints do); "
                               "pass --config with the run's config file")
     try:
         model_config = ModelConfig(**recorded["model"])

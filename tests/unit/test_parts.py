@@ -120,5 +120,5 @@ def test_the_averager_gets_shoal_codecs_with_balanced_block_aligned_parts(code, 
     assert container.num_parts_by_peer[0] >= 1 and len(set(container.num_parts_by_peer)) == 1
     assert isinstance(averager_compression(WireFormat.of("fp16"), numel=numel, target_group_size=None),
                       Float16Compression)
-    assert isinstance(averager_compression(WireFormat.of("none"), numel=numel, target_group_size=None), NoCompression)
+    assert isinstance(averager_compression(WireFormat.of("fp32"), numel=numel, target_group_size=None), NoCompression)
     assert OPEN_GROUP_PARTS % peers == 0

@@ -180,7 +180,7 @@ def test_a_newer_broken_checkpoint_is_skipped_with_a_line(tmp_path: Path) -> Non
 
 
 @needs_tokenizer
-def test_an_older_checkpoint_needs_config(tmp_path: Path) -> None:
+def test_a_checkpoint_without_its_model_needs_config(tmp_path: Path) -> None:
     params = write_checkpoint(tmp_path / "ckpt", GPT_CONFIG, record=False)
     without = invoke("sample", "--checkpoint-dir", str(tmp_path / "ckpt"), "--prompt", "ab")
     assert without.exit_code == 5 and "pass --config" in without.output

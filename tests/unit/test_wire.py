@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from averaging.math import codecs
+from averaging.math import codecs, groups
 from averaging.math.fingerprints import consensus
 from averaging.math.flat import FlatLayout
 from averaging.math.merge import merge_correction
@@ -100,7 +100,7 @@ def test_feedback_matters_even_for_unbiased_noise():
 
 
 def test_config_spellings_resolve_to_a_wire_format():
-    assert WireFormat.of("none") == WireFormat(code="fp32", return_code="fp32", error_feedback=False)
+    assert WireFormat.of("fp32") == WireFormat(code="fp32", return_code="fp32", error_feedback=False)
     assert WireFormat.of("fp16").quantized is False and WireFormat.of("fp16").block_size == 0
     assert WireFormat.of("int8").block_size == 64 and WireFormat.of("int4").block_size == 64
     assert WireFormat.of("int2").block_size == 256  # the default the codec's measurements chose
@@ -112,11 +112,15 @@ def test_config_spellings_resolve_to_a_wire_format():
         WireFormat.of("int4", return_compression="int2")  # too coarse for an average nobody error-feeds
     with pytest.raises(ConfigError, match="averaging.compression"):
         AveragingConfig(compression="int3")
+    with pytest.raises(ConfigError, match='averaging.compression.*use "fp32"'):
+        AveragingConfig(compression="none")  # the pre-release spelling of fp32
+    with pytest.raises(ValueError, match="unknown code 'none'"):
+        WireFormat.of("none")
 
 
-def test_int_codec_settings_join_the_manifest_and_fp16_runs_keep_theirs():
+def test_codec_settings_join_the_manifest():
     fp16 = sync_shared_fields(outer=OuterConfig(), rounds=_rounds(), averaging=AveragingConfig(compression="fp16"))
-    assert not any(key in fp16 for key in ("averaging.block_size", "averaging.return_compression"))  # hash unchanged
+    assert fp16["averaging.block_size"] == 0 and fp16["averaging.return_compression"] == "fp16"
     int4 = sync_shared_fields(outer=OuterConfig(), rounds=_rounds(), averaging=AveragingConfig())  # the default
     assert int4["averaging.compression"] == "int4" and int4["averaging.block_size"] == 64
     assert int4["averaging.return_compression"] == "int4" and int4["averaging.target_group_size"] == 0
@@ -279,7 +283,7 @@ def test_round_payload_counts_sends_and_returns_in_their_codes():
     assert round_payload(1_000, 1, send_bytes_per_value=2, return_bytes_per_value=2) == (0, 0)
     assert round_payload(1000, 4, send_bytes_per_value=2, return_bytes_per_value=2) == (3000, 3000)  # fp16
     assert round_payload(1000, 3, send_bytes_per_value=2, return_bytes_per_value=2, client_mode=True) == (2000, 2000)
-    assert WireFormat.of("none").send_bytes_per_value() == 4
+    assert WireFormat.of("fp32").send_bytes_per_value() == 4
     assert WireFormat.of("int2").send_bytes_per_value() == codecs.bytes_per_value("int2", 256)
 
 
@@ -301,7 +305,7 @@ def test_sub_groups_send_a_compact_state_only_where_every_member_takes_the_same_
     assert shared(target_group_size=8)["averaging.state_code"] == "lat8"
     assert shared(target_group_size=8, state_compression="fp16")["averaging.state_code"] == "fp16"
     assert shared(target_group_size=8, average_inner_state=True)["averaging.state_code"] == "fp32"
-    assert "averaging.state_code" not in shared()  # one group: no state on the wire
+    assert shared()["averaging.sub_groups"] == groups.RULE and shared()["averaging.target_group_size"] == 0
     # An anchor's fp16 round trip under the part's power-of-two scale: within 2**-11 of the part's
     # largest value, whatever its magnitude (weights of size 1e-3 or 1e3 alike).
     for size in (1e-3, 1.0, 1e3):
