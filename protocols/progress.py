@@ -251,7 +251,7 @@ def before_first_step(records: Iterable[ProgressRecord], *, first_round_left_s: 
     """True if a joiner has nothing to download: the run's first round is not over yet and every
     one of ``records`` (at least one) says its peer has applied no outer step. The shared model is
     then the run's initial weights, which a joiner builds from the run's seed: no download (8 bytes
-    a parameter: 45 s of a 3.3 Mbit/s link in ``benchmarks/sync_modes.py``, where peers that
+    a parameter: 45 s of a 3.3 Mbit/s link in ``benchmarks.swarm.sync_modes``, where peers that
     started a few seconds before round 1's deadline missed five rounds downloading the initial
     weights plus one step).
 

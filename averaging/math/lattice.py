@@ -172,12 +172,3 @@ def from_residues_(extra: torch.Tensor, raw: torch.Tensor, lattice: Lattice) -> 
         index = (raw[start:stop].double() / step).round_()
         offset = wrap(extra[start:stop].double() - torch.remainder(index, LEVELS))
         extra[start:stop] = (index + offset) * step
-
-
-def on_grid(values: torch.Tensor, lattice: Lattice) -> torch.Tensor:
-    """``values`` (flat ``[anchor | momentum]``) rounded to the group's grid: what a member's state
-    contributes to the mean (tests and the simulation)."""
-    out = values.clone()
-    for start, stop, step in lattice.spans():
-        out[start:stop] = ((values[start:stop].double() / step).round_() * step).float()
-    return out

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from averaging.math.outer_step import outer_step_
-
 
 def merge_correction(new_anchor: torch.Tensor, old_anchor: torch.Tensor, snapshot_pseudo_grad: torch.Tensor | None,
                      *, contributed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,31 +43,3 @@ def merge_correction(new_anchor: torch.Tensor, old_anchor: torch.Tensor, snapsho
 def apply_correction_(params: list[torch.Tensor], corrections: list[torch.Tensor]) -> None:
     """``params += corrections`` as one fused multi-tensor op on the parameters' device."""
     torch._foreach_add_(params, corrections)
-
-
-def stand_in(own: torch.Tensor, previous_average: torch.Tensor | None, share: float) -> torch.Tensor:
-    """Eager overlap's guess at this round's average before it lands (arXiv 2502.12996): our own
-    fresh pseudo-gradient for our weight ``share`` of the group and the last average that landed
-    for the rest (the others' work, one round stale). Alone, or with no average yet: our own."""
-    if previous_average is None or share >= 1:
-        return own
-    return own.mul(share).add_(previous_average, alpha=1 - share)
-
-
-def eager_jump(old_anchor: torch.Tensor, guess: torch.Tensor, accounted: torch.Tensor, momentum: torch.Tensor, *,
-               lr: float, mu: float, nesterov: bool = True) -> torch.Tensor:
-    """Eager overlap: what to add to the parameters at the snapshot so that they train on from the
-    anchor that ``guess`` (``stand_in``) at the group's average would give, while the real one is
-    on its way. The parameters sit at ``old_anchor - accounted`` (minus any residual); adding the
-    jump puts them at ``outer_step(old_anchor, guess)`` (minus the same residual). The shared state
-    is untouched: ``momentum`` is read, not updated. Undo or correct it with ``landing_correction``."""
-    speculative = old_anchor.clone()
-    outer_step_(speculative, guess, momentum.clone(), lr=lr, mu=mu, nesterov=nesterov)
-    return speculative.sub_(old_anchor).add_(accounted)
-
-
-def landing_correction(correction: torch.Tensor, jump: torch.Tensor) -> torch.Tensor:
-    """Eager overlap: what to add when the round lands, given the plain merge's ``correction``
-    (``merge_correction``) and the ``jump`` already added at the snapshot. Zero when the average
-    equals what this peer sent; a folded round takes the jump back along with everything else."""
-    return correction.sub(jump)

@@ -228,28 +228,6 @@ def work_radii(w: torch.Tensor) -> torch.Tensor:
     return (w / reference).clamp_min(1.0).sqrt()
 
 
-def keep_norm(value: torch.Tensor, parts: Sequence[torch.Tensor], weights: Sequence[float], *,
-              clip_ratio: float = 2.0) -> tuple[torch.Tensor, float]:
-    """The aggregate's direction at the members' length: ``value`` rescaled to the weighted mean of
-    the parts' norms; (rescaled value, the factor). Averaging M displacements cancels their noise,
-    so the mean is shorter than any member's (an M-th of the noise's length): DiLoCo with model
-    averaging then steps less far the more peers it has, the opposite of what DDP's larger batch
-    does (Decoupled DiLoCo merges norms and directions separately for this reason). Bounded for a
-    public swarm: each norm counts at most ``clip_ratio`` x its ``work_radii`` x the median norm,
-    and the factor is at most sqrt(len(parts)) (pure noise) and at least 1."""
-    norms = torch.tensor([float(part.double().norm()) for part in parts], dtype=torch.float64)
-    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
-    if not bool((w > 0).any()):
-        w = torch.ones_like(w)
-    cap = clip_ratio * work_radii(w) * float(norms.median())
-    target = float((w * torch.minimum(norms, cap)).sum() / w.sum())
-    have = float(value.double().norm())
-    if not have > 0:
-        return value, 1.0
-    factor = min(max(target / have, 1.0), math.sqrt(len(parts)))
-    return value * factor, factor
-
-
 def _centered_clip(stacked: torch.Tensor, w: torch.Tensor, clip_ratio: float, iterations: int,
                    radii: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
     """CenteredClip; ``radii`` (per sender, default 1): each sender's radius in units of ``tau``."""

@@ -5,7 +5,7 @@ hivemind's DHT talks to its process through a pipe that is not safe to write fro
 at once.
 
 What a heartbeat costs, and why it is kept flat as the swarm grows (docs/scale.md, "The heartbeat's
-DHT cost"; measured by benchmarks/dht_load.py): every record lives under one DHT key, so each read
+DHT cost"; measured by benchmarks.swarm.dht_load): every record lives under one DHT key, so each read
 returns every live peer's record, from each of the key's replicas (hivemind stores a value on the
 5 nodes nearest its key and a ``latest`` read asks all of them). Reading N records every ``period``
 makes each peer's DHT traffic grow with N and the swarm's with N^2. So:
@@ -75,7 +75,7 @@ class PeerMonitor:
         those that count as members of the swarm (``node.library.acquaintances``); None: every
         record does. ``manifest_publishers`` None (republish every heartbeat), ``heartbeat_peers`` None
         and ``read_manifests`` (every heartbeat, not only while ``converging``) restore the costs these
-        limits replaced, for ``benchmarks/dht_load.py``."""
+        limits replaced, for ``benchmarks.swarm.dht_load``."""
         self.directory, self.manifest, self.peer_id = directory, ours, peer_id
         self.base_period = self.period = period
         self._heartbeat_peers, self._manifest_publishers = heartbeat_peers, manifest_publishers

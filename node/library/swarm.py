@@ -359,7 +359,7 @@ class DiLoCoSwarm:
         joined = self._initial_sync(progress)
         # Whatever came of it, our state is now the one we train on: serve it. Until now it was
         # the run's initial weights (or a checkpoint's), and joiners started beside us would have
-        # counted it as a vote against the donors holding the swarm's state (benchmarks/scale_real:
+        # counted it as a vote against the donors holding the swarm's state (benchmarks.swarm.scale_real:
         # at 8-16 peers started at once, joiners assembled round 0 from one another while the
         # organiser held round 2-5, and it then re-synced to their majority, losing its steps).
         self._backend.share_state(True)
@@ -484,7 +484,7 @@ class DiLoCoSwarm:
                              first_round_left_s=self._monitor.schedule.round_end(1) - self._directory.now()):
             # Nobody has applied an outer step: the swarm's shared model is the run's initial
             # weights, which we built from the run's seed too. Downloading them cost minutes on
-            # slow links (92 s at 1.1 Mbit/s in benchmarks/sync_modes.py, shared with the donor's
+            # slow links (92 s at 1.1 Mbit/s in benchmarks.swarm.sync_modes, shared with the donor's
             # all-reduce traffic), and the donors' state had moved on by then. A lone peer that
             # steps alone at round 1's deadline before it hears of us leaves us a step behind: our
             # first averaged round finds it and replays that step (before_first_step).

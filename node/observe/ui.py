@@ -243,7 +243,7 @@ PEER_COLUMNS = (  # header, width in cells, right-aligned; 94 cells in all, fits
 def peer_table(records: Sequence[ProgressRecord], *, me: str = "", now: float, limit: int | None = None) -> Text:
     """Peers by throughput, as fixed-width lines.
 
-    Not a rich ``Table``: measuring its columns cost ~3 ms per row per frame (benchmarks/ui_overhead.py),
+    Not a rich ``Table``: measuring its columns cost ~3 ms per row per frame (benchmarks.micro.ui_overhead),
     taken from the training thread twice a second. Peer-supplied strings are appended as plain
     text, so rich markup in a device name is shown, not interpreted.
     """

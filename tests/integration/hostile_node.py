@@ -1,4 +1,4 @@
-"""A whole ``shoal run`` with a hostile twist, for benchmarks/attacks.py; lives under tests/ so that
+"""A whole ``shoal run`` with a hostile twist, for benchmarks.swarm.attacks; lives under tests/ so that
 nothing in the CLI can reach it. Each twist patches this process only (and the DHT and averager
 processes it forks), before the node starts.
 

@@ -189,7 +189,7 @@ def test_a_joiner_that_stops_reading_holds_a_donors_slots_only_until_their_deadl
 def test_a_peer_still_joining_serves_no_state_so_joiners_take_the_swarms():
     """Many peers started at once: while they join, the organiser has stepped alone a few rounds.
     A joiner's download assembles the state most donors serve, and the other fresh joiners used to
-    serve theirs, the run's initial weights (benchmarks/scale_real: at 8-16 peers, joiners assembled
+    serve theirs, the run's initial weights (benchmarks.swarm.scale_real: at 8-16 peers, joiners assembled
     round 0 from one another, and the organiser then re-synced to their majority, losing its
     steps). A peer serves nothing until its own join is done (``share_state``)."""
     numel = 20_000

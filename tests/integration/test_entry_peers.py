@@ -6,7 +6,7 @@ peers move to 4 keys), so the same swarm shows that every peer, and ``shoal stat
 outside the run, still reads them all.
 
 Real hivemind DHT nodes as ``shoal run`` starts them, with real ``PeerMonitor``s and nothing else
-(benchmarks/dht_load.py --bootstraps measures the same at 8-32 peers and the entry peers' load)."""
+(benchmarks.swarm.dht_load --bootstraps measures the same at 8-32 peers and the entry peers' load)."""
 
 from __future__ import annotations
 

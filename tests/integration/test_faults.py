@@ -7,14 +7,14 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
+from benchmarks.common import netns
 from node.library.checkpoint import TMP_PREFIX, list_checkpoints, load_latest_valid
 from node.observe.metrics import read_metrics
-from tests.integration.swarm import REPO, TINY, anchor_at, every_round_checkpoints, rounds_of, wait_until
+from tests.integration.swarm import TINY, anchor_at, every_round_checkpoints, rounds_of, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -74,9 +74,6 @@ def test_a_full_disk_costs_checkpoints_never_the_run_and_a_killed_averager_ends_
 
 
 # -- a network split ------------------------------------------------------------------------------
-sys.path.insert(0, str(REPO / "benchmarks"))
-import netns  # noqa: E402
-
 SPLIT_ROUND_S = 6.0
 SPLIT_S = 30.0  # the outage of issue 31: long enough for every record and routing entry across it to expire
 # A third of a core each: three unthrottled peers training took both cores, and the fourth one's

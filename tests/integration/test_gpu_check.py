@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_check.py --device cpu``: the reduced version of the GPU check, so the script a
+"""``python -m benchmarks.micro.gpu_check --device cpu``: the reduced version of the GPU check, so the script a
 GPU machine runs stays alive between the (rare) times one is lent. Real peers, real hivemind."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.timeout(300)
 def test_the_reduced_gpu_check_runs_and_passes_on_cpu(tmp_path):
-    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--out", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "benchmarks.micro.gpu_check", "--device", "cpu", "--out", str(tmp_path)],
                             cwd=REPO, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())

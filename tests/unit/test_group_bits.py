@@ -1,6 +1,6 @@
 """``HivemindBackend`` sets each round's group bits with a bounded wait. hivemind's own wait has no
 timeout: with the averager process killed, the prepare lane hung for good and the node, which had
-noticed the dead process, hung in its shutdown (found by ``benchmarks/faults.py``'s averager
+noticed the dead process, hung in its shutdown (found by ``benchmarks.swarm.faults``' averager
 fault). Tested on a stand-in averager whose reply never comes."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What each codec costs in learning, with the network taken out: eval loss at equal tokens.
 
-    .venv/bin/python benchmarks/codec_learning.py [--peers 3] [--rounds 30] [--inner-steps 20] [--seeds 2]
+    .venv/bin/python -m benchmarks.sim.codec_learning [--peers 3] [--rounds 30] [--inner-steps 20] [--seeds 2]
         [--variants fp16,int4+EF+ret4] [--add]
 
 ``compression.py`` measures bytes and all-reduce time on capped links, but its eval losses differ
@@ -39,20 +39,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from averaging.math import codecs  # noqa: E402
-from averaging.math.flat import FlatLayout  # noqa: E402
-from averaging.math.merge import merge_correction  # noqa: E402
-from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
-from averaging.math.wire import WireFormat, accounted_for, returned  # noqa: E402
-from node.process.config import load_config  # noqa: E402
-from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus  # noqa: E402
-from node.training.model import build_model  # noqa: E402
-from node.training.trainer import Trainer, inner_lr  # noqa: E402
+from averaging.math import codecs
+from averaging.math.flat import FlatLayout
+from averaging.math.merge import merge_correction
+from averaging.math.outer_step import outer_step_, pseudo_gradient
+from averaging.math.wire import WireFormat, accounted_for, returned
+from benchmarks.common.results import CONFIGS, RESULTS, write_results
+from node.process.config import load_config
+from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus
+from node.training.model import build_model
+from node.training.trainer import Trainer, inner_lr
 
 # (name, compression, error feedback, return code): the names compression.py uses. fp32 is the
 # noise reference: no codec error worth the name, so its distance from fp16 is what a negligible
@@ -132,7 +130,7 @@ def run_variant(config, split, evals, wire: WireFormat, *, seed: int, peers: int
 
 
 def command(args) -> str:
-    return (f".venv/bin/python benchmarks/codec_learning.py --peers {args.peers} --rounds {args.rounds} "
+    return (f".venv/bin/python -m benchmarks.sim.codec_learning --peers {args.peers} --rounds {args.rounds} "
             f"--inner-steps {args.inner_steps} --seeds {args.seeds} --variants {','.join(args.variants)}"
             + (" --add" if args.add else ""))
 
@@ -174,8 +172,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", type=lambda s: s.split(","), default=[v[0] for v in VARIANTS])
-    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "bench.toml")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "codec_learning")
+    parser.add_argument("--config", type=Path, default=CONFIGS / "bench.toml")
+    parser.add_argument("--out", type=Path, default=RESULTS / "codec_learning")
     parser.add_argument("--add", action="store_true",
                         help="add these variants to the results in --out's .json (same settings); fp16 runs "
                              "again and must reproduce the stored fp16 numbers")
@@ -218,12 +216,9 @@ def main() -> int:
                       f"first's eval losses exactly ({sum(same)} of {len(same)} seeds did).")
         results = {name: results.get(name) or stored["results"][name]
                    for name, *_ in VARIANTS if name in results or name in stored["results"]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"numel": numel, "args": {k: str(v) for k, v in vars(args).items()}, "minutes": minutes,
-         "commands": commands, "results": results}, indent=1))
     text = report(results, args, numel, minutes, commands, reproduced)
-    args.out.with_suffix(".md").write_text(text)
+    write_results({"numel": numel, "args": {k: str(v) for k, v in vars(args).items()}, "minutes": minutes,
+                   "commands": commands, "results": results}, args.out, lambda _: text)
     print(text)
     return 0
 

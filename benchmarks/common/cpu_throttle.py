@@ -6,11 +6,11 @@ traffic) is stretched by the whole factor: peers sharing the machine slow each o
 more than N separate machines would. Stretching by the step's thread CPU time keeps each peer's
 demand at 1/N of a core without multiplying the waits: the closer stand-in for N machines.
 
-    python benchmarks/cpu_throttle.py [shoal run options]   # with SHOAL_CPU_THROTTLE=N in the env
+    .venv/bin/python -m benchmarks.common.cpu_throttle [shoal run options]   # with SHOAL_CPU_THROTTLE=N in the env
 
 runs ``shoal run`` so throttled (the sleep counts as compute, as ``--throttle``'s does); so does
-``scale_real.py --as-peer`` (``run_shoal``), with hivemind's logs at DEBUG. ``ddp_baseline.py --throttle-clock cpu`` applies
-the same rule to the lone and DDP baselines.
+``benchmarks.swarm.scale_peer`` (``run_shoal``), with hivemind's logs at DEBUG.
+``benchmarks.swarm.ddp_baseline --throttle-clock cpu`` applies the same rule to the lone and DDP baselines.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 ENV = "SHOAL_CPU_THROTTLE"
 
@@ -40,7 +39,6 @@ def patch(throttle: float) -> None:
 
 def run_shoal(args: list[str]) -> None:
     """``shoal run args``, throttled by CPU time when ``ENV`` in our environment says so (> 1)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     throttle = float(os.environ.get(ENV) or 0)
     if throttle > 1:
         patch(throttle)
@@ -50,7 +48,7 @@ def run_shoal(args: list[str]) -> None:
     shoal_main()
 
 
-PROGRAM = [sys.executable, str(Path(__file__).resolve())]  # a ``LocalSwarm.start`` program
+PROGRAM = [sys.executable, "-m", __spec__.name]  # a ``LocalSwarm.start`` program (run from the repository root)
 
 if __name__ == "__main__":
     run_shoal(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""The faults of ``benchmarks/faults.py --faults``: what each one costs a 4-peer swarm.
+"""The faults of ``benchmarks.swarm.faults --faults``: what each one costs a 4-peer swarm.
 
 A fault is injected once every peer has averaged in one group of four; when it is over (the link
 back, the bootstrap restarted, the killed peer started again) the run goes on until every peer has
@@ -35,15 +35,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import netns
 import torch
 
+from benchmarks.common import netns
+from benchmarks.common.results import REPO
 from examples.swarm_launcher import LocalSwarm, kill_process_group, shoal_command
 from node.library.checkpoint import load_checkpoint, round_dir_name
 from node.observe.metrics import read_metrics
 from tests.integration.swarm import FAKETIME, SKEWED_PEER, skewed
 
-REPO = Path(__file__).resolve().parent.parent
 PEERS = 4
 SKEW_ROUNDS = 20  # rounds measured with wrong clocks, after all four first averaged together
 

@@ -1,6 +1,6 @@
 """What one peer's start costs: wall and CPU seconds from ``shoal run`` to its ``start`` record.
 
-    .venv/bin/python benchmarks/boot.py [--runs 5]
+    .venv/bin/python -m benchmarks.swarm.boot [--runs 5]
 
 Boot CPU is what delays joining when many peers start on one machine (issue 32's join time: 16
 peers started at once on 2 cores spent ~60 s booting) and what every test swarm pays per process.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -25,13 +24,8 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from harness import write_results  # noqa: E402
-
-from node.observe.metrics import read_metrics  # noqa: E402
+from benchmarks.common.results import REPO, RESULTS, command_line, write_results
+from node.observe.metrics import read_metrics
 
 VARIANTS = {"deferred (default)": {}, "eager (SHOAL_DEFER_IMPORTS=0)": {"SHOAL_DEFER_IMPORTS": "0"}}
 
@@ -75,14 +69,14 @@ def boot_once(env: dict[str, str]) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5, help="starts per variant, alternating")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "boot")
+    parser.add_argument("--out", type=Path, default=RESULTS / "boot")
     args = parser.parse_args()
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     for _ in range(args.runs):
         for name, env in VARIANTS.items():
             runs[name].append(boot_once(env))
             print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
-    command = ".venv/bin/python benchmarks/boot.py " + shlex.join(sys.argv[1:])
+    command = command_line(__spec__.name)
 
     def report(results: dict) -> str:
         lines = ["# One peer's start (`shoal run`, tiny config, loopback) to its `start` record", "",

@@ -1,7 +1,7 @@
 """Overlap vs blocking DiLoCo vs DDP on heterogeneous peers over capped links, side by side.
 
-    sudo .venv/bin/python benchmarks/sync_modes.py [--peers 4] [--throttles 2,3,4,6] [--mbit 10] [--budget 120]
-    sudo .venv/bin/python benchmarks/sync_modes.py --regimes 0.5,1.5 --modes overlap,blocking,ceiling
+    sudo .venv/bin/python -m benchmarks.swarm.sync_modes [--peers 4] [--throttles 2,3,4,6] [--mbit 10] [--budget 120]
+    sudo .venv/bin/python -m benchmarks.swarm.sync_modes --regimes 0.5,1.5 --modes overlap,blocking,ceiling
 
 ``--regimes`` runs the modes once per regime, each with its own link cap, chosen so that a blocking
 all-reduce (its bandwidth bound) costs that fraction of a round: 0.5 and 1.5 are the two regimes of
@@ -37,15 +37,11 @@ import uuid
 from contextlib import nullcontext
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import netns  # noqa: E402
-from harness import eval_at, out_flag, run_ddp_ranks, start_entry_peer, start_shoal_peers  # noqa: E402
-
-from examples.swarm_launcher import LocalSwarm, kill_process_group, write_toml  # noqa: E402
-from node.observe.metrics import read_metrics  # noqa: E402
+from benchmarks.common import netns
+from benchmarks.common.results import CONFIGS, REPO, RESULTS, out_flag, write_results
+from benchmarks.common.swarm import eval_at, run_ddp_ranks, start_entry_peer, start_shoal_peers
+from examples.swarm_launcher import LocalSwarm, kill_process_group, write_toml
+from node.observe.metrics import read_metrics
 
 MODES = ("overlap", "blocking", "ddp", "ceiling")
 
@@ -163,7 +159,7 @@ def report(results: dict, args, capped: bool, numel: int) -> str:
     lines = [
         f"# Sync modes: {args.peers} peers, throttles {', '.join(map(str, args.throttles))}, "
         + (f"links capped at {args.mbit} Mbit/s (tc tbf, network namespaces)" if capped else "loopback, NO bandwidth cap (not root)"),
-        "", f"Command: `sudo .venv/bin/python benchmarks/sync_modes.py --peers {args.peers} --throttles "
+        "", f"Command: `sudo .venv/bin/python -m benchmarks.swarm.sync_modes --peers {args.peers} --throttles "
         f"{','.join(map(str, args.throttles))} --mbit {args.mbit} --budget {args.budget:g}`; model: {numel:,} parameters "
         f"({args.config.name}); {args.budget:g} s of training per mode, all modes in one run.", "",
         "| mode | utilization per peer | swarm tokens/s | vs ceiling | median all-reduce (s) | eval loss at equal wall-clock | at equal tokens |",
@@ -239,7 +235,7 @@ def default_throttles(peers: int, cores: int) -> list[float]:
     return [round(t * scale, 3) for t in spread]
 
 
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "sync_modes"
+DEFAULT_OUT = RESULTS / "sync_modes"
 
 
 def main() -> int:
@@ -247,11 +243,11 @@ def main() -> int:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--throttles", type=lambda s: [float(x) for x in s.split(",")], default=None,
                         help="one per peer; default: the speed spread 1,1.5,2,3 scaled so that training alone "
-                             f"needs at most {TRAINING_SHARE:.0%} of this machine's cores")
+                             f"needs at most {TRAINING_SHARE * 100:.0f}%% of this machine's cores")
     parser.add_argument("--mbit", type=float, default=10.0)
     parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
-    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "bench.toml")
+    parser.add_argument("--config", type=Path, default=CONFIGS / "bench.toml")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--regimes", type=lambda s: [float(x) for x in s.split(",")], default=None,
                         help="all-reduce bound as fractions of a round, e.g. 0.5,1.5 (sets --mbit per regime)")
@@ -304,15 +300,17 @@ def main() -> int:
             text += f"\n![eval loss and utilization]({args.out.with_suffix('.png').name})\n"
         texts.append(text)
     signal.signal(signal.SIGINT, previous)
-    out.with_suffix(".json").write_text(json.dumps(everything if args.regimes else everything["run"], indent=1))
     text = "\n\n".join(texts)
     if args.regimes:
         text = (f"# Never idle on slow links: regimes {', '.join(f'{r:g}' for r in args.regimes)}\n\n"
-                f"Command: `sudo .venv/bin/python benchmarks/sync_modes.py --regimes "
+                f"Command: `sudo .venv/bin/python -m benchmarks.swarm.sync_modes --regimes "
                 f"{','.join(f'{r:g}' for r in args.regimes)} --modes {','.join(args.modes)} --throttles "
                 f"{','.join(f'{t:g}' for t in args.throttles)} --budget {args.budget:g}{out_flag(base_out, DEFAULT_OUT)}`\n\n"
                 + text)
-    out.with_suffix(".md").write_text(text)
+    data = everything if args.regimes else everything["run"]
+    if saved is not None and "provenance" in saved:
+        data["provenance"] = saved["provenance"]
+    write_results(data, out, lambda _: text, redraw=args.report_only)
     print(text)
     return 0
 

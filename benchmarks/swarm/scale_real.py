@@ -1,8 +1,8 @@
 """Real many-peer runs on this machine: N ``shoal run`` peers on loopback (issue 32).
 
-    .venv/bin/python benchmarks/scale_real.py [--peers 4,8,12,16] [--rounds 12] [--round-seconds 10] \\
+    .venv/bin/python -m benchmarks.swarm.scale_real [--peers 4,8,12,16] [--rounds 12] [--round-seconds 10] \\
         [--demand 0.8] [--throttle-clock wall|cpu] [--churn K] [--bootstraps K] [--group-size G] [--compression CODE] [--state-compression lat8] [--append]
-    .venv/bin/python benchmarks/scale_real.py --report-only [--findings FILE]
+    .venv/bin/python -m benchmarks.swarm.scale_real --report-only [--findings FILE]
 
 The results file holds 4, 8, 12 and 16 peers at the defaults; the same at ``--demand 0.4
 --throttle-clock cpu``; 4 and 16 peers at that with ``--churn 3``; and 16 peers at ``--demand 0.4``
@@ -21,7 +21,7 @@ the swarm and not CPU starvation. The CPU the peers (and their DHT, averager and
 apart) and the whole machine really used is measured: the network processes come on top of the
 training demand, and from 12 peers on they starve this machine at 0.8 (results file).
 
-``--throttle-clock cpu`` throttles by the step's CPU time instead (this file's ``--as-peer`` wraps
+``--throttle-clock cpu`` throttles by the step's CPU time instead (``benchmarks.swarm.scale_peer`` wraps
 the inner step: it sleeps ``(throttle - 1) x`` the thread CPU time the step took; the peer runs
 unthrottled otherwise, and counts the sleep as compute as ``--throttle`` does). ``shoal run
 --throttle`` stretches a step by its wall-clock time, so on this oversubscribed machine a step
@@ -43,7 +43,7 @@ their processes:
   to its ``state_download`` record (a joiner of a running swarm), and to the record of the first
   round it averaged in (written when that round's sync has landed);
 - matchmaking: hivemind's matchmaking log (its logger, and the all-reduce's, at DEBUG in the peers:
-  this file runs them as ``--as-peer``, ``shoal run`` otherwise unchanged) says when each peer's
+  ``benchmarks.swarm.scale_peer`` runs them, ``shoal run`` otherwise unchanged) says when each peer's
   group was assembled; the figure is that time after the round's deadline (the group's all-reduce
   starts then);
 - per peer, the window's rounds by outcome (averaged, alone, folded, stayed out, absent: no
@@ -72,57 +72,40 @@ checkpoints) is kept under the printed work directory for diagnosis.
 
 from __future__ import annotations
 
-import logging
+import argparse
+import json
+import math
 import os
+import re
+import signal
+import statistics
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+import tomllib
+import traceback
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--as-peer"]:
-    # One peer: ``shoal run`` with hivemind's matchmaking, all-reduce and p2p logs at DEBUG (when its
-    # groups assemble; why a reducer's or a sender's stream failed, when each all-reduce ended, and
-    # an answer a stream handler could not send); the CLI's logging set-up quiets the "hivemind"
-    # logger, not these children's own levels.
-    # --throttle-clock cpu (see the module docstring): cpu_throttle's variable in our environment.
-    from cpu_throttle import run_shoal
+import psutil
+import torch
 
-    for name in ("hivemind.averaging.matchmaking", "hivemind.averaging.allreduce", "hivemind.p2p.p2p_daemon"):
-        logging.getLogger(name).setLevel(logging.DEBUG)
-    run_shoal(sys.argv[2:])
-    raise SystemExit(0)
+from benchmarks.common import cpu_throttle
+from benchmarks.common.results import REPO, command_line, provenance, write_results
+from benchmarks.common.results import RESULTS as RESULTS_DIR
+from benchmarks.common.swarm import BusyTimeline, CpuMeter, start_entry_peer
+from benchmarks.swarm import scale_peer
+from examples.swarm_launcher import LocalPeer, LocalSwarm, kill_process_group
+from node.library.checkpoint import load_latest_valid
+from node.observe.metrics import read_metrics
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import tomllib  # noqa: E402
-import traceback  # noqa: E402
-import uuid  # noqa: E402
-from collections import Counter  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from datetime import UTC, datetime  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import cpu_throttle  # noqa: E402
-import psutil  # noqa: E402
-import torch  # noqa: E402
-from harness import BusyTimeline, CpuMeter, start_entry_peer, write_results  # noqa: E402
-
-from examples.swarm_launcher import LocalPeer, LocalSwarm, kill_process_group  # noqa: E402
-from node.library.checkpoint import load_latest_valid  # noqa: E402
-from node.observe.metrics import read_metrics  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results" / "scale_real"
+RESULTS = RESULTS_DIR / "scale_real"
 CONFIG = REPO / "examples" / "configs" / "tiny.toml"
-PEER_PROGRAM = [sys.executable, str(Path(__file__).resolve()), "--as-peer"]
 SAMPLE_S = 3.0
 TARGET_SHARE = 0.9
 TARGET_JOIN_RATIO = 2.0
@@ -291,7 +274,7 @@ class Run:
         cpu = self.args.throttle_clock == "cpu"
         throttle = () if cpu else ("--throttle", f"{self.throttle:g}")
         peer = self.swarm.start(name, *throttle, "--round-seconds", f"{self.args.round_seconds:g}",
-                                config=self.config, initial=self.address, program=PEER_PROGRAM,
+                                config=self.config, initial=self.address, program=scale_peer.PROGRAM,
                                 env={cpu_throttle.ENV: f"{self.throttle:g}"} if cpu else None)
         member = Member(peer, launched, initial)
         self.members.append(member)
@@ -883,7 +866,7 @@ def main() -> int:
         results = json.loads(args.out.with_suffix(".json").read_text())
         if args.findings is not None:
             results["findings"] = args.findings.read_text()
-        write_results(results, args.out, report)
+        write_results(results, args.out, report, redraw=True)
         print(args.out.with_suffix(".md").read_text())
         return 0
     if args.demand > 1.2:
@@ -891,7 +874,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, interrupted)
     saved = args.out.with_suffix(".json")
     previous = json.loads(saved.read_text()) if args.append and saved.exists() else {}
-    command = {"command": " ".join([".venv/bin/python", "benchmarks/scale_real.py", *sys.argv[1:]]),
+    command = {"command": command_line(__spec__.name), "provenance": provenance(),
                "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     commands = [*previous.get("meta", {}).get("commands", []), command]
     results = {"meta": {"commands": commands, "rounds": args.rounds, "round_seconds": args.round_seconds,

@@ -1,7 +1,7 @@
 """What the terminal view costs the training loop: inner steps/s of the tiny model with no view,
 with ``PlainView`` and with ``LiveView``, measured side by side in one run.
 
-    .venv/bin/python benchmarks/ui_overhead.py [--block-seconds 3] [--repeats 12]
+    .venv/bin/python -m benchmarks.micro.ui_overhead [--block-seconds 3] [--repeats 12]
 
 Each variant runs for ``--block-seconds`` at a time, the variants interleaved (none, plain,
 live, none, ...) with the order rotated each repeat, so a machine whose load drifts (other jobs
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import logging
 import os
 import platform
@@ -26,17 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+from rich.console import Console
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from node.observe.ui import LiveView, NodeStatus, PlainView  # noqa: E402
-from node.process.config import load_config  # noqa: E402
-from node.training.model import build_model  # noqa: E402
-from node.training.trainer import Trainer  # noqa: E402
-from protocols.progress import ProgressRecord  # noqa: E402
+from benchmarks.common.results import RESULTS, command_line, write_results
+from node.observe.ui import LiveView, NodeStatus, PlainView
+from node.process.config import load_config
+from node.training.model import build_model
+from node.training.trainer import Trainer
+from protocols.progress import ProgressRecord
 
 VARIANTS = ("none", "plain", "live")
 
@@ -107,7 +104,7 @@ def main() -> int:
     parser.add_argument("--block-seconds", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--round-seconds", type=float, default=2.0, help="round_done every this many seconds")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "ui_overhead")
+    parser.add_argument("--out", type=Path, default=RESULTS / "ui_overhead")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # as the tiny config's peers do (train.torch_threads = 1)
@@ -148,7 +145,7 @@ def main() -> int:
         paired[variant] = {"median_overhead": 1 - statistics.median(ratios), "ratios": ratios}
 
     result = {
-        "command": "python benchmarks/ui_overhead.py " + " ".join(sys.argv[1:]),
+        "command": command_line(__spec__.name, python="python"),
         "block_seconds": args.block_seconds, "repeats": args.repeats, "round_seconds": args.round_seconds,
         "model": {"d_model": config.model.d_model, "n_layer": config.model.n_layer, "seq_len": config.model.seq_len,
                   "batch_size": config.data.batch_size},
@@ -157,10 +154,8 @@ def main() -> int:
                     "loadavg_after": load_after},
         "frame_ms": frame_ms, "summary": summary, "paired": paired, "blocks": blocks,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(report(result))
-    print(report(result))
+    write_results(result, args.out, report)
+    print(args.out.with_suffix(".md").read_text())
     return 0
 
 
@@ -169,7 +164,7 @@ def report(result: dict) -> str:
     lines = [
         "# Terminal view overhead: tiny model, inner steps/s",
         "",
-        f"Command: `.venv/bin/python benchmarks/ui_overhead.py` ({result['repeats']} repeats x 3 variants x "
+        f"Command: `.venv/bin/python -m benchmarks.micro.ui_overhead` ({result['repeats']} repeats x 3 variants x "
         f"{result['block_seconds']:g} s blocks, interleaved; round_done every {result['round_seconds']:g} s)",
         "",
         f"Machine: {m['cpus']} CPUs, torch {m['torch']} with {m['torch_threads']} thread, Python {m['python']}; "

@@ -2,9 +2,9 @@
 weighted mean, for hivemind's plain reducer and shoal's robust one (mean / centered_clip /
 trimmed_mean), on one loopback group of real averager processes, in one run.
 
-    .venv/bin/python benchmarks/robust_aggregation.py [--peers 4] [--numel 4194304] [--rounds 5]
+    .venv/bin/python -m benchmarks.micro.robust_aggregation [--peers 4] [--numel 4194304] [--rounds 5]
 
-Writes benchmarks/results/robust_aggregation.md. All peers are honest: this measures what a
+Writes ``benchmarks/results/robust_aggregation.{md,json}``. All peers are honest: this measures what a
 public run pays for the protection when nobody attacks.
 """
 
@@ -13,21 +13,18 @@ from __future__ import annotations
 import argparse
 import signal
 import statistics
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import hivemind
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from averaging.math.robust import RobustConfig
+from averaging.network.hivemind.backend import HivemindBackend
+from benchmarks.common.results import RESULTS, write_results
 
-from averaging.math.robust import RobustConfig  # noqa: E402
-from averaging.network.hivemind.backend import HivemindBackend  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results" / "robust_aggregation.md"
+OUT = RESULTS / "robust_aggregation"
 VARIANTS: dict[str, RobustConfig | None] = {
     "hivemind (plain)": None,
     "robust: mean": RobustConfig(aggregation="mean"),
@@ -98,26 +95,34 @@ def main() -> None:
             dht.shutdown()
         signal.signal(signal.SIGINT, sigint)
 
+    results = {"peers": args.peers, "numel": args.numel, "rounds": args.rounds, "weights": weights,
+               "rows": [{"reducer": name, "times": times, "errors": errors} for name, times, errors in rows]}
+    write_results(results, OUT, report)
+    print(OUT.with_suffix(".md").read_text())
+
+
+def report(results: dict) -> str:
+    numel = results["numel"]
     lines = [
         "# Robust aggregation on a clean run",
         "",
-        f"{args.peers} honest peers on loopback, one group, {args.numel:,} fp32 values ({args.numel * 4 / 2**20:.0f} MiB) "
-        f"sent as fp16, weights {weights}, {args.rounds} rounds per variant, all in one run "
-        f"(`benchmarks/robust_aggregation.py`). Time: trigger (after the group formed) to result, slowest peer; error: the worst "
-        "peer's relative L2 distance to the exact weighted mean (fp16 wire included).",
+        f"{results['peers']} honest peers on loopback, one group, {numel:,} fp32 values ({numel * 4 / 2**20:.0f} MiB) "
+        f"sent as fp16, weights {results['weights']}, {results['rounds']} rounds per variant, all in one run "
+        f"(`python -m benchmarks.micro.robust_aggregation`). Time: trigger (after the group formed) to result, slowest "
+        "peer; error: the worst peer's relative L2 distance to the exact weighted mean (fp16 wire included).",
         "",
         "| reducer | median s / all-reduce | min s | max s | median error |",
         "|---|---|---|---|---|",
     ]
-    for name, times, errors in rows:
+    for row in results["rows"]:
+        name, times, errors = row["reducer"], row["times"], row["errors"]
         if times:
             lines.append(f"| {name} | {statistics.median(times):.2f} | {min(times):.2f} | {max(times):.2f} "
                          f"| {statistics.median(errors):.2e} |")
         else:
             lines.append(f"| {name} | failed | | | |")
     lines += ["", "Machine: shared 2-core CPU VM (other jobs running), so times are noisy; compare rows, not runs."]
-    RESULTS.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

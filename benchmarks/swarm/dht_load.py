@@ -23,10 +23,10 @@ through p2pd's unix socket, p2pd's loopback TCP to the other peers) and CPU, ove
 warm-up; the heartbeat period reached; the records read per second. The hotspot: the busiest
 peer's DHT I/O against the median (the nodes nearest the run's keys serve every read).
 
-    .venv/bin/python benchmarks/dht_load.py --peers 4,8,16,32 --seconds 45 --warmup 15
-    .venv/bin/python benchmarks/dht_load.py --peers 8,16,32 --policies after --bootstraps 2 --append
-    .venv/bin/python benchmarks/dht_load.py --peers 32 --policies after --shards 1,4 --out benchmarks/results/dht_shards
-    .venv/bin/python benchmarks/dht_load.py --peers 48,32 --policies after --seconds 45 --warmup 45 \
+    .venv/bin/python -m benchmarks.swarm.dht_load --peers 4,8,16,32 --seconds 45 --warmup 15
+    .venv/bin/python -m benchmarks.swarm.dht_load --peers 8,16,32 --policies after --bootstraps 2 --append
+    .venv/bin/python -m benchmarks.swarm.dht_load --peers 32 --policies after --shards 1,4 --out benchmarks/results/dht_shards
+    .venv/bin/python -m benchmarks.swarm.dht_load --peers 48,32 --policies after --seconds 45 --warmup 45 \
         --shards 1,4,auto --out benchmarks/results/dht_shards_auto
 
 Results: ``benchmarks/results/dht_load.{md,json}``.
@@ -34,26 +34,22 @@ Results: ``benchmarks/results/dht_load.{md,json}``.
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import logging
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import psutil
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import statistics  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from benchmarks.common.results import RESULTS as RESULTS_DIR
+from benchmarks.common.results import out_flag, provenance, write_results
 
-import psutil  # noqa: E402
-
-from benchmarks.harness import REPO, out_flag, write_results  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results" / "dht_load"
+RESULTS = RESULTS_DIR / "dht_load"
 RUN_ID = "dhtload"
 BASE_PERIOD_S = 10.0 / 3  # the heartbeat of 10 s rounds (node.library.swarm: a third of a round, 1-5 s)
 POLICIES = {
@@ -318,10 +314,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.report_only:
         results = json.loads(args.out.with_suffix(".json").read_text())
-        write_results(results, args.out, report)
+        write_results(results, args.out, report, redraw=True)
         return
     logging.basicConfig(level=logging.WARNING)
-    command = (f".venv/bin/python benchmarks/dht_load.py --peers {','.join(map(str, args.peers))} "
+    command = (f".venv/bin/python -m benchmarks.swarm.dht_load --peers {','.join(map(str, args.peers))} "
                f"--policies {','.join(args.policies)} --seconds {args.seconds:g} --warmup {args.warmup:g}"
                + (f" --bootstraps {args.bootstraps}" if args.bootstraps else "")
                + (f" --shards {','.join(map(str, args.shards))}" if args.shards != [1] else "")
@@ -337,7 +333,7 @@ def main() -> None:
             for shards in args.shards:
                 run = run_swarm(n, policy, warmup_s=args.warmup, seconds=args.seconds, bootstraps=args.bootstraps,
                                 shards=shards)
-                results["runs"].append(run)
+                results["runs"].append({**run, "provenance": provenance()})  # --append mixes runs
                 print(f"{n} peers, {run['policy']}: {_median(run['per_peer'], 'io_kib_s'):.1f} KiB/s per peer "
                       f"(max {max(p['io_kib_s'] for p in run['per_peer']):.1f}), "
                       f"heartbeat {_median(run['per_peer'], 'period_s'):.2f} s", flush=True)

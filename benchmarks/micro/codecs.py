@@ -1,7 +1,7 @@
 """Codec speed and accuracy, side by side in one run: shoal's fp16 / int8 / int4 / int2 codecs
 (``averaging.math.codecs``) and hivemind's ``Float16Compression`` (what shoal sends today).
 
-    .venv/bin/python benchmarks/codecs.py [--numel 1048576] [--repeats 15] [--threads 1]
+    .venv/bin/python -m benchmarks.micro.codecs [--numel 1048576] [--repeats 15] [--threads 1]
 
 The default size is one hivemind part (an int4 part of 512 KiB holds ~1M values): what one
 ``compress`` / ``extract`` call in the all-reduce sees. One torch thread by default: the averager
@@ -21,27 +21,21 @@ Writes ``benchmarks/results/codecs.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+from hivemind.compression import CompressionInfo, Float16Compression
 
-import torch  # noqa: E402
-from hivemind.compression import CompressionInfo, Float16Compression  # noqa: E402
-
-from averaging.math import codecs  # noqa: E402
-from averaging.math.wire import AUTO_RETURN  # noqa: E402
+from averaging.math import codecs
+from averaging.math.wire import AUTO_RETURN
+from benchmarks.common.results import RESULTS, command_line, write_results
 
 CODES = ("fp16", "int8", "int4", "int2")
 HIVEMIND_FP16 = "hivemind fp16"
-RESULTS = REPO / "benchmarks" / "results"
 
 
 def student_t3(numel: int, generator: torch.Generator) -> torch.Tensor:
@@ -145,7 +139,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(args.numel, generator=generator)
     report = {
-        "command": "benchmarks/codecs.py " + " ".join(sys.argv[1:]),
+        "command": command_line(__spec__.name),
         "machine": f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "numel": args.numel, "repeats": args.repeats,
         "speed": {"cpu": speeds(x, args.repeats)},
@@ -155,10 +149,8 @@ def main() -> None:
     if torch.cuda.is_available():
         report["speed"][f"cuda ({torch.cuda.get_device_name()})"] = speeds(x.cuda(), args.repeats)
     report["load_average"] = [round(v, 2) for v in os.getloadavg()]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "codecs.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "codecs.md").write_text(markdown(report))
-    print(markdown(report))
+    write_results(report, RESULTS / "codecs", markdown, indent=2)
+    print((RESULTS / "codecs.md").read_text())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ time) and throttles as the shoal peers; gradients all-reduced every step with DD
 compression hook, over the same capped links. Launched by ``sync_modes.py``, one process per rank:
 
     RANK=0 WORLD_SIZE=4 MASTER_ADDR=10.213.0.1 MASTER_PORT=29500 \
-        python benchmarks/ddp_baseline.py --config benchmarks/configs/bench.toml --budget 120 --out r0.jsonl
+        python -m benchmarks.swarm.ddp_baseline --config benchmarks/configs/bench.toml --budget 120 --out r0.jsonl
 
 ``--no-sync`` is the ceiling: the same processes training alone, with no communication at all.
 
@@ -36,18 +36,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-
-from node.process.config import load_config  # noqa: E402
-from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus  # noqa: E402
-from node.training.model import build_model  # noqa: E402
-from node.training.trainer import Trainer, inner_lr  # noqa: E402
+from node.process.config import load_config
+from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus
+from node.training.model import build_model
+from node.training.trainer import Trainer, inner_lr
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
-"""What the swarm benchmarks share (``sync_modes.py``, ``learning.py``): starting shoal peers and
-DDP ranks on hosts (network namespaces with capped links, or loopback), reading eval curves, and
-counting the CPU the benchmark's own processes use.
+"""What the real-swarm benchmarks share: starting shoal peers, entry peers and DDP ranks on hosts
+(network namespaces with capped links, or loopback), evaluating checkpoints, reading eval curves,
+and counting the CPU the benchmark's own processes use.
 
 A host is a ``netns.Host`` or ``None`` (loopback). Every process started here leads its own
 session, and every launcher kills its sessions on the way out, also after an error.
@@ -8,23 +8,33 @@ session, and every launcher kills its sessions on the way out, also after an err
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 
-import cpu_throttle
-import netns
 import psutil
+import torch
 
-from examples.swarm_launcher import JOIN_LINE, LocalPeer, LocalSwarm, kill_process_group, shoal_command
+from benchmarks.common import cpu_throttle, netns
+from benchmarks.common.results import REPO
+from examples.swarm_launcher import (
+    JOIN_LINE,
+    LocalPeer,
+    LocalSwarm,
+    kill_process_group,
+    shoal_command,
+    write_toml,
+)
 from node.observe.metrics import read_metrics
-
-REPO = Path(__file__).resolve().parent.parent
+from node.process.config import load_config
+from node.training.data import BatchSampler, eval_batches, load_corpus, split_corpus
+from node.training.model import build_model
+from node.training.trainer import Trainer
 
 
 def listen_on(host) -> str:
@@ -38,7 +48,7 @@ def start_shoal_peers(swarm: LocalSwarm, config: Path | list[Path], throttles: l
     Without ``initial`` (sync_modes) they join one after the other through the first; with it (an
     entry peer's address) they start all at once, so none trains alone while the others boot.
     ``first``: the index of the first of them (names and hosts), when others were started before.
-    ``cpu_clock``: throttled by each step's CPU time (``cpu_throttle.py``), not ``--throttle``'s wall time."""
+    ``cpu_clock``: throttled by each step's CPU time (``benchmarks.common.cpu_throttle``), not ``--throttle``'s wall time."""
     configs = config if isinstance(config, list) else [config] * len(throttles)
     peers = []
     for i, (throttle, config) in enumerate(zip(throttles, configs, strict=True), start=first):
@@ -82,7 +92,7 @@ def start_entry_peer(root: Path, host) -> tuple[LocalPeer, list[str]]:
 def run_ddp_ranks(config: Path, throttles: list[float], hosts, out_dir: Path, name: str, *, budget: list[str],
                   no_sync: bool = False, port: int = 29533, timeout: float = 900,
                   throttle_clock: str = "calibrated") -> dict[str, list[dict]]:
-    """``ddp_baseline.py`` ranks (one per throttle; with ``no_sync`` each trains alone) until the
+    """``benchmarks.swarm.ddp_baseline`` ranks (one per throttle; with ``no_sync`` each trains alone) until the
     ``budget`` flags (``--budget S`` or ``--tokens N``) are spent; their metrics records per rank.
     ``throttle_clock``: its ``--throttle-clock``."""
     master = hosts[0].address if hosts else "127.0.0.1"
@@ -93,7 +103,7 @@ def run_ddp_ranks(config: Path, throttles: list[float], hosts, out_dir: Path, na
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(throttles)), "MASTER_ADDR": master,
                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                    "GLOO_SOCKET_IFNAME": f"{netns.PREFIX}p{rank}" if hosts else "lo"}
-            cmd = [*(hosts[rank].prefix() if hosts else []), sys.executable, str(REPO / "benchmarks" / "ddp_baseline.py"),
+            cmd = [*(hosts[rank].prefix() if hosts else []), sys.executable, "-m", "benchmarks.swarm.ddp_baseline",
                    "--config", str(config), *budget, "--throttle", str(throttle), "--out", str(out)]
             cmd += (["--no-sync"] if no_sync else []) + ["--throttle-clock", throttle_clock]
             with open(out.with_suffix(".log"), "wb") as log:
@@ -129,34 +139,6 @@ def _machine_busy() -> tuple[float, float]:
     idle = fields[3] + fields[4]  # idle + iowait
     ticks = os.sysconf("SC_CLK_TCK")
     return (sum(fields) - idle) / ticks, sum(fields) / ticks
-
-
-def setting(text: str) -> tuple[str, object]:
-    """``section.field=value``; the value as TOML would read it (a boolean, a number or a string)."""
-    key, sep, value = text.partition("=")
-    if not sep or "." not in key:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected section.field=value")
-    if value in ("true", "false"):
-        return key, value == "true"
-    for kind in (int, float):
-        try:
-            return key, kind(value)
-        except ValueError:
-            pass
-    return key, value
-
-
-def write_results(results: dict, out: Path, report) -> None:
-    """``out``.json (the raw results, which ``--report-only`` redraws from) and ``out``.md (``report(results)``)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    out.with_suffix(".md").write_text(report(results))
-
-
-def out_flag(out: Path, default: Path) -> str:
-    """``--out`` as a results file's command line needs it: nothing for the script's default."""
-    out = Path(out).resolve()
-    return "" if out == default.resolve() else f" --out {out.relative_to(REPO) if out.is_relative_to(REPO) else out}"
 
 
 class BusyTimeline:
@@ -234,3 +216,46 @@ class CpuMeter:
     def summary(self) -> dict:
         return {"own_cores": self.own_cores, "machine_busy_cores": self.machine_cores,
                 "cores": psutil.cpu_count(), "wall_s": self.wall_s}
+
+
+def write_config(base: Path, path: Path, overrides: dict[str, object]) -> Path:
+    """``base`` with ``section.key`` overrides, as a TOML file the processes read."""
+    data = tomllib.loads(base.read_text())
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        data.setdefault(section, {})[name] = value
+    return write_toml(data, path)
+
+
+class Evaluator:
+    """The eval loss shoal peers report (``Trainer.evaluate_anchor`` on the config's eval batches),
+    here for final checkpoints; and the unthrottled step time that sizes the runs."""
+
+    def __init__(self, config_path: Path, overrides: dict | None = None):
+        torch.set_num_threads(1)
+        # The runs' own settings (speedup_real --set): eval batches follow data.batch_size and the model.
+        self.config = load_config(config_path, overrides)
+        c = self.config
+        self.split = split_corpus(load_corpus(c.data), c.data.eval_fraction, c.data.max_eval_bytes,
+                                  block_bytes=c.data.eval_block_bytes)
+        self.batches = eval_batches(self.split.eval, c.model.seq_len, c.data.batch_size, c.train.eval_batches)
+        self.trainer = Trainer(build_model(c.model, seed=0), c.inner, c.train, torch.device("cpu"))
+
+    def evaluate(self, params: dict[str, torch.Tensor]) -> float:
+        return self.trainer.evaluate_anchor(params, self.batches)
+
+    def step_seconds(self, steps: int = 30) -> float:
+        c = self.config
+        sampler = BatchSampler(self.split.tokens, c.model.seq_len, c.data.batch_size, seed=0, held_out=self.split.held_out)
+        times = []
+        for _ in range(steps):
+            x, y = sampler.next_batch()
+            t0 = time.perf_counter()
+            self.trainer.inner_step(x, y, 1e-4)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[5:])
+
+
+def interrupted(*_) -> None:
+    """A SIGTERM handler: stop as Ctrl+C does, so the results so far are written."""
+    raise KeyboardInterrupt

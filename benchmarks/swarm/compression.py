@@ -1,10 +1,10 @@
 """fp16 vs int8 / int4 / int2 pseudo-gradients, each with and without error feedback, side by side.
 
-    sudo .venv/bin/python benchmarks/compression.py [--peers 3] [--mbit 20] [--budget 110] [--throttle 2]
+    sudo .venv/bin/python -m benchmarks.swarm.compression [--peers 3] [--mbit 20] [--budget 110] [--throttle 2]
         [--variants fp16,int4+EF,int4+EF+ret4]
 
 Each variant is a real swarm of ``shoal run`` processes, one per network namespace, every link
-capped with ``tc ... tbf`` (``benchmarks/netns.py``; without root: loopback, no cap, and it says
+capped with ``tc ... tbf`` (``benchmarks.common.netns``; without root: loopback, no cap, and it says
 so), training the same ~3.2M-parameter model (13 MB of fp32 per all-reduce vector) on the same
 data for the same wall-clock budget, one after the other in one run. One torch thread per peer,
 steps stretched by ``--throttle`` so training leaves CPU headroom (measured and reported).
@@ -32,18 +32,15 @@ import uuid
 from contextlib import nullcontext
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+import psutil
+import torch
 
-import netns  # noqa: E402
-import psutil  # noqa: E402
-import torch  # noqa: E402
-from sync_modes import eval_at, write_toml  # noqa: E402
-
-from examples.swarm_launcher import LocalSwarm  # noqa: E402
-from node.library.checkpoint import load_latest_valid  # noqa: E402
-from node.observe.metrics import read_metrics  # noqa: E402
+from benchmarks.common import netns
+from benchmarks.common.results import CONFIGS, REPO, RESULTS, write_results
+from benchmarks.common.swarm import eval_at
+from examples.swarm_launcher import LocalSwarm, write_toml
+from node.library.checkpoint import load_latest_valid
+from node.observe.metrics import read_metrics
 
 # (name, compression, error feedback, return code); fp16 has no error feedback (its rounding is
 # ~2**-11 relative). Returns are fp16 deltas unless the name says "+retN": reducers then return the
@@ -153,7 +150,7 @@ def report(results: dict, args, capped: bool, numel: int, load: tuple[float, flo
     lines = [
         f"# Compression: {args.peers} peers, "
         + (f"links capped at {args.mbit:g} Mbit/s (tc tbf, network namespaces)" if capped else "loopback, NO cap (not root)"),
-        "", f"Command: `sudo .venv/bin/python benchmarks/compression.py --peers {args.peers} --mbit {args.mbit:g} "
+        "", f"Command: `sudo .venv/bin/python -m benchmarks.swarm.compression --peers {args.peers} --mbit {args.mbit:g} "
         f"--budget {args.budget:g} --throttle {args.throttle:g} --round-seconds {args.round_seconds:g}`; model {numel:,} parameters ({numel * 4 / 1e6:.1f} MB "
         f"fp32); {args.budget:g} s of overlap-mode training per variant, all variants in one run; returns are fp16 "
         "deltas, or with +retN the average itself in intN. "
@@ -209,8 +206,8 @@ def main() -> int:
     parser.add_argument("--throttle", type=float, default=2.0)
     parser.add_argument("--round-seconds", type=float, default=24.0)
     parser.add_argument("--variants", type=lambda s: s.split(","), default=[v[0] for v in VARIANTS])
-    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "bench.toml")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compression")
+    parser.add_argument("--config", type=Path, default=CONFIGS / "bench.toml")
+    parser.add_argument("--out", type=Path, default=RESULTS / "compression")
     args = parser.parse_args()
     capped = netns.available()
     if not capped:
@@ -231,11 +228,9 @@ def main() -> int:
             print(f"== {name}", file=sys.stderr, flush=True)
             results[name] = run_variant(name, configs[name], args, hosts, root)
             print(json.dumps({k: v for k, v in results[name].items() if k != "curve"}), file=sys.stderr, flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"numel": numel, "args": {k: str(v) for k, v in vars(args).items()},
-                                                         "results": results}, indent=1))
     text = report(results, args, capped, numel, os.getloadavg())
-    args.out.with_suffix(".md").write_text(text)
+    write_results({"numel": numel, "args": {k: str(v) for k, v in vars(args).items()}, "results": results}, args.out,
+                  lambda _: text)
     print(text)
     return 0
 

@@ -1,7 +1,7 @@
 """The CUDA path, measured: one command for a machine with an NVIDIA GPU (and a reduced CPU run).
 
-    .venv/bin/python benchmarks/gpu_check.py                  # on a CUDA machine: the full check
-    .venv/bin/python benchmarks/gpu_check.py --device cpu     # the reduced version `make test` runs
+    .venv/bin/python -m benchmarks.micro.gpu_check                  # on a CUDA machine: the full check
+    .venv/bin/python -m benchmarks.micro.gpu_check --device cpu     # the reduced version `make test` runs
 
 What it checks and measures, side by side in one run (``--device cuda`` / ``--device cpu``):
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import json
 import logging
 import platform
 import subprocess
@@ -38,34 +37,32 @@ import tomllib
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from averaging.engine.config import LoopConfig  # noqa: E402
-from averaging.engine.inner_sync import InnerStateSync  # noqa: E402
-from averaging.engine.loop import RoundEngine  # noqa: E402
-from averaging.engine.worker import SyncWorker  # noqa: E402
-from averaging.math.flat import FlatLayout  # noqa: E402
-from averaging.math.merge import apply_correction_  # noqa: E402
-from averaging.network.local import LocalBackend, LocalHub  # noqa: E402
-from averaging.state.shared_state import SharedState  # noqa: E402
-from examples.swarm_launcher import LocalSwarm, write_toml  # noqa: E402
-from node.api import AveragingConfig, DiLoCoSwarm, RoundConfig  # noqa: E402
-from node.library.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
-from node.observe.metrics import read_metrics  # noqa: E402
-from node.process.config import EXAMPLES_DIR, RunConfig, load_config  # noqa: E402
-from node.training.data import BatchSampler, load_corpus, split_corpus  # noqa: E402
-from node.training.model import build_model, count_parameters  # noqa: E402
-from node.training.trainer import Trainer, device_label, inner_lr  # noqa: E402
-from protocols.schedule import RoundSchedule  # noqa: E402
+from averaging.engine.config import LoopConfig
+from averaging.engine.inner_sync import InnerStateSync
+from averaging.engine.loop import RoundEngine
+from averaging.engine.worker import SyncWorker
+from averaging.math.flat import FlatLayout
+from averaging.math.merge import apply_correction_
+from averaging.network.local import LocalBackend, LocalHub
+from averaging.state.shared_state import SharedState
+from benchmarks.common.results import REPO, RESULTS, command_line, write_results
+from benchmarks.micro.codecs import speeds
+from examples.swarm_launcher import LocalSwarm, write_toml
+from node.api import AveragingConfig, DiLoCoSwarm, RoundConfig
+from node.library.checkpoint import list_checkpoints, load_checkpoint
+from node.observe.metrics import read_metrics
+from node.process.config import EXAMPLES_DIR, RunConfig, load_config
+from node.training.data import BatchSampler, load_corpus, split_corpus
+from node.training.model import build_model, count_parameters
+from node.training.trainer import Trainer, device_label, inner_lr
+from protocols.schedule import RoundSchedule
 
 FP16_UNIT_ROUNDOFF = 2.0**-11
 OVERHEAD_TARGET = 0.02
 # The CPU run's rounds are short: matchmaking must fit well inside one (it starts before the deadline).
 FAST_MATCHMAKING = {"matchmaking_seconds": 1.5, "request_timeout": 0.75}
-RESULTS = REPO / "benchmarks" / "results"
 
 
 # -- 1. bare torch loop vs shoal's trainer + library ------------------------------------------------
@@ -337,24 +334,9 @@ def transfers(device: torch.device, numel: int, repeats: int) -> dict:
 
 
 def codec_speeds(device: torch.device, numel: int) -> dict:
-    speeds = _load_codec_benchmark()
-    if speeds is None:
-        return {"skipped": "no low-bit codecs in this tree"}
+    """``benchmarks.micro.codecs``' speeds on ``device``."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(1)).to(device)
     return speeds(x, repeats=3)
-
-
-def _load_codec_benchmark():
-    """``benchmarks/codecs.py``'s ``speeds`` (its module name clashes with the stdlib's codecs)."""
-    import importlib.util
-
-    path = REPO / "benchmarks" / "codecs.py"
-    if not path.exists():
-        return None
-    spec = importlib.util.spec_from_file_location("shoal_codec_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.speeds
 
 
 # -- the report -------------------------------------------------------------------------------------
@@ -408,12 +390,8 @@ def markdown(report: dict) -> str:
               "|---|---|---|---|"]
     for t in report["transfers"]:
         lines.append(f"| {t['numel']:,} | {t['snapshot_s']} | {t['merge_s']} | {t['snapshot_gb_per_s']} |")
-    codecs_ = report["codecs"]
-    if "skipped" in codecs_:
-        lines += ["", f"Codecs: {codecs_['skipped']}."]
-    else:
-        lines += ["", "| codec | encode GB/s | decode GB/s |", "|---|---|---|"]
-        lines += [f"| {name} | {v.get('encode')} | {v.get('decode')} |" for name, v in codecs_.items()]
+    lines += ["", "| codec | encode GB/s | decode GB/s |", "|---|---|---|"]
+    lines += [f"| {name} | {v.get('encode')} | {v.get('decode')} |" for name, v in report["codecs"].items()]
     lines += ["", f"Checks: {'all passed' if report['ok'] else 'FAILED: ' + ', '.join(report['failed'])}."]
     return "\n".join(lines) + "\n"
 
@@ -438,7 +416,7 @@ def main() -> int:
     config_path = EXAMPLES_DIR / ("rtx4090-125m.toml" if cuda else "tiny.toml")
     config = load_config(config_path)
     sizes = [int(s) for s in (args.peers or ("2,3" if cuda else "2")).split(",")]
-    report: dict = {"command": " ".join(["python", "benchmarks/gpu_check.py", *sys.argv[1:]]),
+    report: dict = {"command": command_line(__spec__.name, python="python"),
                     "environment": environment(device), "config": config_path.name}
     report["overhead"] = overhead(config, device, blocks=6 if cuda else 2, steps=20 if cuda else 8,
                                   round_s=20.0 if cuda else 3.0)
@@ -456,10 +434,8 @@ def main() -> int:
               "shoal_rounds": report["overhead"]["rounds_during_shoal"] >= 1}
     report["failed"] = [name for name, ok in checks.items() if not ok]
     report["ok"] = not report["failed"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "gpu_check.md").write_text(markdown(report))
-    print(markdown(report))
+    write_results(report, args.out / "gpu_check", markdown, indent=2)
+    print((args.out / "gpu_check.md").read_text())
     return 0 if report["ok"] else 1
 
 

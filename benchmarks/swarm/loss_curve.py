@@ -1,6 +1,6 @@
 """A real N-peer swarm on loopback training the tiny model: the loss curve and anchor agreement.
 
-    .venv/bin/python benchmarks/loss_curve.py [--peers 3] [--rounds 15] [--round-seconds 10]
+    .venv/bin/python -m benchmarks.swarm.loss_curve [--peers 3] [--rounds 15] [--round-seconds 10]
 
 Writes ``benchmarks/results/loss_curve.md`` (and ``.json``): per round, the group size and eval
 loss each peer saw, and at the end the RMS / max difference between the peers' anchors.
@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from examples.swarm_launcher import LocalSwarm  # noqa: E402
-from node.library.checkpoint import load_latest_valid  # noqa: E402
-from node.observe.metrics import read_metrics  # noqa: E402
+from benchmarks.common.results import REPO, RESULTS, write_results
+from examples.swarm_launcher import LocalSwarm
+from node.library.checkpoint import load_latest_valid
+from node.observe.metrics import read_metrics
 
 
 def main() -> int:
@@ -33,7 +30,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--round-seconds", type=float, default=10.0)
     parser.add_argument("--config", type=Path, default=REPO / "examples" / "configs" / "tiny.toml")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "loss_curve")
+    parser.add_argument("--out", type=Path, default=RESULTS / "loss_curve")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
@@ -58,12 +55,9 @@ def main() -> int:
              for x, y in itertools.combinations(anchors, 2)}
     result = {"peers": args.peers, "rounds": args.rounds, "round_seconds": args.round_seconds,
               "exit_codes": codes, "wall_s": time.time() - started, "per_round": rounds, "anchor_diff": pairs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-
     names = [p.name for p in swarm.peers]
     lines = [f"# Loss curve: {args.peers} peers, tiny config, {args.round_seconds:g} s rounds, loopback",
-             "", f"Command: `.venv/bin/python benchmarks/loss_curve.py --peers {args.peers} --rounds {args.rounds} "
+             "", f"Command: `.venv/bin/python -m benchmarks.swarm.loss_curve --peers {args.peers} --rounds {args.rounds} "
              f"--round-seconds {args.round_seconds:g}`", "",
              "| round | " + " | ".join(f"{n} group" for n in names) + " | " + " | ".join(f"{n} eval loss" for n in names) + " |",
              "|---" * (2 * len(names) + 1) + "|"]
@@ -75,7 +69,7 @@ def main() -> int:
     lines += ["", "Anchor differences after the last round (fp16 all-reduce):", ""]
     lines += [f"- {pair}: RMS {d['rms']:.2e}, max {d['max']:.2e}" for pair, d in pairs.items()]
     lines += ["", f"Exit codes: {codes}"]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(result, args.out, lambda _: "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(c == 0 for c in codes) else 1
 

@@ -1,7 +1,7 @@
 """Learning you can trust: eval loss of shoal vs one peer alone, tuned DDP and blocking DiLoCo,
 at equal tokens and at equal wall-clock, over seeds.
 
-    sudo /work/main/.venv/bin/python benchmarks/learning.py [--rounds 30] [--round-seconds 5] [--seeds 2] [--lrs 3] \\
+    sudo /work/main/.venv/bin/python -m benchmarks.swarm.learning [--rounds 30] [--round-seconds 5] [--seeds 2] [--lrs 3] \\
         [--throttle 4] [--mbit 10] [--deadline 05:15]
 
 One model, corpus and held-out split (``configs/learning.toml``: the tiny model; every peer draws
@@ -49,28 +49,29 @@ import sys
 import tempfile
 import threading
 import time
-import tomllib
 import traceback
 import uuid
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import netns  # noqa: E402
-import torch  # noqa: E402
-from harness import CpuMeter, eval_at, run_ddp_ranks, start_entry_peer, start_shoal_peers  # noqa: E402
-
-from examples.swarm_launcher import LocalSwarm, kill_process_group, write_toml  # noqa: E402
-from node.library.checkpoint import load_latest_valid  # noqa: E402
-from node.observe.metrics import read_metrics  # noqa: E402
-from node.process.config import load_config  # noqa: E402
-from node.training.data import BatchSampler, eval_batches, load_corpus, split_corpus  # noqa: E402
-from node.training.model import build_model, count_parameters  # noqa: E402
-from node.training.trainer import Trainer  # noqa: E402
+from benchmarks.common import netns
+from benchmarks.common.results import CONFIGS as CONFIG_DIR
+from benchmarks.common.results import REPO, RESULTS, command_line, spread, write_results
+from benchmarks.common.swarm import (
+    CpuMeter,
+    Evaluator,
+    eval_at,
+    interrupted,
+    run_ddp_ranks,
+    start_entry_peer,
+    start_shoal_peers,
+    write_config,
+)
+from examples.swarm_launcher import LocalSwarm, kill_process_group
+from node.library.checkpoint import load_latest_valid
+from node.observe.metrics import read_metrics
+from node.training.model import count_parameters
 
 # Another benchmark may hold netns.py's default names on this machine at the same time: ours differ.
 netns.BRIDGE, netns.PREFIX, netns.SUBNET = "shoallbr0", "shoall", "10.214.0"
@@ -79,49 +80,11 @@ CONFIGS = ("single", "ddp", "ddp-wall", "blocking", "overlap")
 
 
 # -- configs and evaluation ---------------------------------------------------------------------
-def write_config(base: Path, path: Path, overrides: dict[str, object]) -> Path:
-    """``base`` with ``section.key`` overrides, as a TOML file the processes read."""
-    data = tomllib.loads(base.read_text())
-    for key, value in overrides.items():
-        section, name = key.split(".")
-        data.setdefault(section, {})[name] = value
-    return write_toml(data, path)
-
-
 def schedule(args) -> dict[str, float]:
     """The lr schedule every configuration shares: warmup over the first 10%, cosine to the end of
     the rounds (shoal, wall-clock DDP) or of the token budget (DDP and the lone peer, ``--tokens``)."""
     return {"inner.total_rounds": float(args.rounds), "inner.warmup_rounds": 0.1 * args.rounds,
             "round.seconds": args.round_seconds}
-
-
-class Evaluator:
-    """The eval loss shoal peers report (``Trainer.evaluate_anchor`` on the config's eval batches),
-    here for final checkpoints; and the unthrottled step time that sizes the runs."""
-
-    def __init__(self, config_path: Path, overrides: dict | None = None):
-        torch.set_num_threads(1)
-        # The runs' own settings (speedup_real --set): eval batches follow data.batch_size and the model.
-        self.config = load_config(config_path, overrides)
-        c = self.config
-        self.split = split_corpus(load_corpus(c.data), c.data.eval_fraction, c.data.max_eval_bytes,
-                                  block_bytes=c.data.eval_block_bytes)
-        self.batches = eval_batches(self.split.eval, c.model.seq_len, c.data.batch_size, c.train.eval_batches)
-        self.trainer = Trainer(build_model(c.model, seed=0), c.inner, c.train, torch.device("cpu"))
-
-    def evaluate(self, params: dict[str, torch.Tensor]) -> float:
-        return self.trainer.evaluate_anchor(params, self.batches)
-
-    def step_seconds(self, steps: int = 30) -> float:
-        c = self.config
-        sampler = BatchSampler(self.split.tokens, c.model.seq_len, c.data.batch_size, seed=0, held_out=self.split.held_out)
-        times = []
-        for _ in range(steps):
-            x, y = sampler.next_batch()
-            t0 = time.perf_counter()
-            self.trainer.inner_step(x, y, 1e-4)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[5:])
 
 
 # -- the runs -------------------------------------------------------------------------------------
@@ -233,15 +196,6 @@ def run_single(seeds: list[int], tokens: int, args, root: Path) -> list[dict]:
 
 
 # -- the report -----------------------------------------------------------------------------------
-def spread(values: list[float]) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    mean = statistics.fmean(values)
-    half = (max(values) - min(values)) / 2
-    return f"{mean:.4f} ± {half:.4f}" if len(values) > 1 else f"{mean:.4f} (1 seed)"
-
-
 def mean(values: list[float | None]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.fmean(values) if values else None
@@ -451,23 +405,20 @@ def plot(results: dict, path: Path) -> bool:
     return True
 
 
-def write(results: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    text = report(results)
-    if plot(results, out.with_suffix(".png")):
-        text += f"\n![eval loss vs tokens and wall-clock]({out.with_suffix('.png').name})\n"
-    out.with_suffix(".md").write_text(text)
+def write(results: dict, out: Path, *, redraw: bool = False) -> None:
+    def page(results: dict) -> str:
+        text = report(results)
+        if plot(results, out.with_suffix(".png")):
+            text += f"\n![eval loss vs tokens and wall-clock]({out.with_suffix('.png').name})\n"
+        return text
+
+    write_results(results, out, page, redraw=redraw)
 
 
 # -- the run --------------------------------------------------------------------------------------
 def lr_grid(base: float, count: int) -> list[float]:
     """``count`` learning rates around ``base``, factors of 2 (1: base; 3: base/2, base, 2 base)."""
     return [base * 2.0 ** (k - (count - 1) / 2) for k in range(count)]
-
-
-def interrupted(*_) -> None:
-    raise KeyboardInterrupt
 
 
 def main() -> int:
@@ -483,12 +434,12 @@ def main() -> int:
     parser.add_argument("--inner-steps", type=int, default=0, help="blocking H; 0 = what fits 65%% of a round")
     parser.add_argument("--deadline", default="", help="HH:MM UTC: skip runs that would end after it")
     parser.add_argument("--only", type=lambda s: s.split(","), default=list(CONFIGS))
-    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "learning")
+    parser.add_argument("--config", type=Path, default=CONFIG_DIR / "learning.toml")
+    parser.add_argument("--out", type=Path, default=RESULTS / "learning")
     parser.add_argument("--report-only", action="store_true", help="redraw the table and plot from the .json")
     args = parser.parse_args()
     if args.report_only:
-        write(json.loads(args.out.with_suffix(".json").read_text()), args.out)
+        write(json.loads(args.out.with_suffix(".json").read_text()), args.out, redraw=True)
         print(args.out.with_suffix(".md").read_text())
         return 0
     signal.signal(signal.SIGTERM, interrupted)  # kill: clean up (namespaces, processes) and keep what completed
@@ -506,7 +457,7 @@ def main() -> int:
         deadline = now.replace(hour=hh, minute=mm, second=0, microsecond=0).timestamp()
     c = evaluator.config
     results = {"meta": {
-        "command": "sudo /work/main/.venv/bin/python " + " ".join(["benchmarks/learning.py", *sys.argv[1:]]),
+        "command": command_line(__spec__.name, python="sudo /work/main/.venv/bin/python"),
         "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "peers": args.peers, "rounds": args.rounds,
         "round_seconds": args.round_seconds, "seeds": seeds, "lrs": lrs, "throttle": args.throttle, "mbit": args.mbit,
         "capped": capped, "cpu_cores": args.cpu_cores, "config": args.config.name, "step_s": step_s, "inner_steps": inner_steps,

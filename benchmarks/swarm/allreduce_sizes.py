@@ -1,6 +1,6 @@
 """All-reduce time against its bandwidth bound for 1, 10 and 50 MB vectors, CPU idle (issue 12).
 
-Each peer is a process in its own network namespace (``benchmarks/netns.py``: a bridge, links
+Each peer is a process in its own network namespace (``benchmarks.common.netns``: a bridge, links
 capped with ``tc tbf`` both ways) running a DHT and a ``HivemindBackend`` exactly as shoal runs it
 (fp16 on the wire, balanced parts, robust aggregation); nothing trains. Every round all peers
 prepare the same scheduled time and average one vector; the figure is the backend's
@@ -13,8 +13,8 @@ a plain TCP all-to-all of the same bytes between the same namespaces (``netns.tc
 one flow per ordered pair, all at once, no hivemind or p2pd): the transport's own baseline, so a
 gap to the bound can be told apart into what the all-reduce adds and what TCP on these links costs.
 
-    sudo .venv/bin/python benchmarks/allreduce_sizes.py            # 4 peers, 100 Mbit/s, 1/10/50 MB
-    sudo .venv/bin/python benchmarks/allreduce_sizes.py --mbit 50 --sizes 1,10 --rounds 5
+    sudo .venv/bin/python -m benchmarks.swarm.allreduce_sizes            # 4 peers, 100 Mbit/s, 1/10/50 MB
+    sudo .venv/bin/python -m benchmarks.swarm.allreduce_sizes --mbit 50 --sizes 1,10 --rounds 5
 
 Writes ``benchmarks/results/allreduce_sizes.{json,md}``. Needs root (namespaces); without it,
 says so and exits 2.
@@ -32,19 +32,14 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from harness import BusyTimeline, out_flag  # noqa: E402
-
-from benchmarks import netns  # noqa: E402
+from benchmarks.common import netns
+from benchmarks.common.results import REPO, RESULTS, out_flag, write_results
+from benchmarks.common.swarm import BusyTimeline
 
 BYTES_PER_VALUE = 2  # fp16 on the wire (WireFormat's default codec)
 # Issue 12's targets, as (smallest, largest MB, at most this many times the bound).
 TARGETS = ((1.0, 3.0, 1.5), (10.0, float("inf"), 1.2))
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "allreduce_sizes"
+DEFAULT_OUT = RESULTS / "allreduce_sizes"
 
 
 def target_for(size_mb: float) -> float | None:
@@ -105,7 +100,7 @@ def measure(size_mb: float, args, net: netns.Network, root: Path) -> dict:
         for i, host in enumerate(net.hosts):
             out = root / f"{size_mb:g}mb-{i}.json"
             outs.append(out)
-            command = [*host.prefix(), sys.executable, __file__, "--worker", "--index", str(i), "--address",
+            command = [*host.prefix(), sys.executable, "-m", __spec__.name, "--worker", "--index", str(i), "--address",
                        host.address, "--peers", str(args.peers), "--numel", str(numel), "--rounds", str(args.rounds),
                        "--start", str(start), "--period", str(period), "--prefix", prefix, "--bound", str(bound),
                        "--out", str(out)] + (["--initial", initial] if initial else [])
@@ -184,7 +179,7 @@ def link_cells(result: dict, peers: int) -> str:
 def report(results: list[dict], args) -> str:
     sizes = ",".join(f"{r['size_mb']:g}" for r in results)
     lines = [f"# All-reduce vs bandwidth bound: {args.peers} peers, links capped at {args.mbit:g} Mbit/s, CPU idle", "",
-             f"Command: `sudo .venv/bin/python benchmarks/allreduce_sizes.py --peers {args.peers} --mbit {args.mbit:g} "
+             f"Command: `sudo .venv/bin/python -m benchmarks.swarm.allreduce_sizes --peers {args.peers} --mbit {args.mbit:g} "
              f"--sizes {sizes} --rounds {args.rounds}{out_flag(args.out, DEFAULT_OUT)}`; fp16 on the wire, "
              "robust aggregation on (as shipped); bound 2(N-1)/N·S/B.", "",
              "| vector | bound (s) | median all-reduce (s) | min / max (s) | ratio | target | TCP all-to-all (s) "
@@ -226,7 +221,7 @@ def main() -> int:
         saved = json.loads(args.out.with_suffix(".json").read_text())
         args.peers, args.mbit = saved["peers"], saved["mbit"]
         args.rounds = saved.get("rounds", args.rounds)
-        args.out.with_suffix(".md").write_text(report(saved["results"], args))
+        write_results(saved, args.out, lambda r: report(r["results"], args), redraw=True, indent=2)
         return 0
     if not netns.available():
         print("allreduce_sizes needs root (network namespaces and tc); run it with sudo", file=sys.stderr)
@@ -238,12 +233,9 @@ def main() -> int:
         for size in args.sizes:
             results.append(measure(size, args, net, root))
             print(json.dumps(results[-1]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"peers": args.peers, "mbit": args.mbit, "rounds": args.rounds,
-                                                         "results": results}, indent=2) + "\n")
-    text = report(results, args)
-    args.out.with_suffix(".md").write_text(text)
-    print(text)
+    write_results({"peers": args.peers, "mbit": args.mbit, "rounds": args.rounds, "results": results}, args.out,
+                  lambda r: report(r["results"], args), indent=2)
+    print(args.out.with_suffix(".md").read_text())
     return 0
 
 

@@ -1,6 +1,6 @@
 """A swarm of hundreds, simulated: round-seeded sub-groups vs one group of everyone (issue 32).
 
-    .venv/bin/python benchmarks/scale_sim.py [--rounds 120] [--quick] [--out benchmarks/results/scale_sim]
+    .venv/bin/python -m benchmarks.sim.scale_sim [--rounds 120] [--quick] [--out benchmarks/results/scale_sim]
 
 An event-level model of shoal's round engine and hivemind's matchmaking. No network, no model:
 anchors are vectors in R^d and every figure it writes is simulated. Per round (length ``round_s``):
@@ -65,7 +65,7 @@ round completed; all-reduce times; the anchor spread (max over training peers of
 from their group's anchor (today's check would fire). Twin runs (same draws, one with a change: a joiner k
 rounds stale, one failed group) measure the rounds until the disagreement the change caused is below the
 tolerance. ``--measure-noise`` measures the noise-to-signal of real pseudo-gradients on
-``benchmarks/speedup.py``'s simulated peers (the default ``noise`` comes from it).
+``benchmarks.sim.speedup``'s simulated peers (the default ``noise`` comes from it).
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ import itertools
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -85,15 +84,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))  # harness's own imports
-
-import torch  # noqa: E402
-
-from averaging.math.codecs import bytes_per_value  # noqa: E402
-from averaging.math.groups import (  # noqa: E402
+from averaging.math.codecs import bytes_per_value
+from averaging.math.groups import (
     agreed_group_count,
     group_among,
     group_count,
@@ -102,8 +96,8 @@ from averaging.math.groups import (  # noqa: E402
     round_hash,
     settled_group_count,
 )
-from averaging.math.outer_step import outer_step_  # noqa: E402
-from benchmarks.harness import write_results  # noqa: E402
+from averaging.math.outer_step import outer_step_
+from benchmarks.common.results import CONFIGS, RESULTS, command_line, write_results
 
 TOL = 0.25  # shoal's rel_tol: anchors agree within 0.25 x RMS of the last averaged pseudo-gradient
 MAX_GROUP = 64  # shoal's RobustConfig.max_group_size: every member refuses a bigger group
@@ -699,14 +693,14 @@ def report(results: dict, args, command: str, minutes: float) -> str:
         curve = runs[0]["disagreement"][:6]
         lines.append(f"| {event} | {setting} | {n} | {math.log(n, 16) + 2:.2f} | {statistics.median(agreed):g} / "
                      f"{max(agreed):g} | " + " ".join(f"{v:.2f}" for v in curve) + " |")
-    real_path = REPO / "benchmarks" / "results" / "speedup_groups.json"
+    real_path = RESULTS / "speedup_groups.json"
     real = {}
     if real_path.exists():
         for p in json.loads(real_path.read_text())["points"]:
             if p.get("group_size"):
                 real[p["group_size"]] = p
     lines += ["", "## Cross-check against real pseudo-gradients", "",
-              "`benchmarks/speedup.py --peers 16 --spread equal --rules overlap --group-sizes 0,4,8` runs 16 real "
+              "`python -m benchmarks.sim.speedup --peers 16 --spread equal --rules overlap --group-sizes 0,4,8` runs 16 real "
               "peers (learning.toml's model, 8 inner steps a round, 150 rounds) in sub-groups through the same "
               "functions; its spread is the max over peers of RMS(anchor - mean) / RMS(averaged pseudo-gradient), "
               "median over the second half. The simulation's at the same N and G (equal speeds, no churn, no "
@@ -756,20 +750,19 @@ def plot(results: dict, path: Path) -> None:
 
 
 def measure_noise(rounds: int, steps: int, peers: int) -> dict:
-    """Noise-to-signal of real pseudo-gradients: ``benchmarks/speedup.py``'s simulated peers (learning.toml,
+    """Noise-to-signal of real pseudo-gradients: ``benchmarks.sim.speedup``'s simulated peers (learning.toml,
     blocking rounds, shoal's outer step), from the mean pairwise cosine c of the peers' pseudo-gradients
     (pg_i = s + n_i with |n_i| = ns |s|: c = 1 / (1 + ns^2)), and how much of a peer's own part persists
     from one round to the next (the cosine of its residuals ``pg_i - mean`` in consecutive rounds: its own
     inner optimizer state and data order carry over)."""
     from averaging.math.flat import FlatLayout
     from averaging.math.outer_step import pseudo_gradient
-    from benchmarks.lr_sweep import _samplers, _setup
-    from benchmarks.speedup import _trainer
+    from benchmarks.sim import peers as sim
     from node.training.trainer import inner_lr
 
-    _setup(str(REPO / "benchmarks" / "configs" / "learning.toml"), rounds)
-    trainers = [_trainer(1, 0.006, rounds) for _ in range(peers)]
-    samplers = _samplers(1, peers, 0)
+    sim.setup(str(CONFIGS / "learning.toml"), rounds)
+    trainers = [sim.trainer(1, 0.006, rounds, "adamw") for _ in range(peers)]
+    samplers = sim.samplers(1, peers, 0)
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
     anchor, ratios, persistence, last = pack(trainers[0]), [], [], None
@@ -812,7 +805,7 @@ def main() -> int:
     parser.add_argument("--twin-seeds", type=int, default=5)
     parser.add_argument("--measure-noise", type=int, default=40, metavar="ROUNDS",
                         help="rounds of the noise measurement (0: skip, use --noise)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "scale_sim")
+    parser.add_argument("--out", type=Path, default=RESULTS / "scale_sim")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.time()
@@ -824,7 +817,7 @@ def main() -> int:
     if args.noise is None:
         args.noise = round(measured["median"], 2) if measured else 0.75
         args.noise_source = (f"measured: median over {args.measure_noise} rounds of 4 peers x 8 inner steps on "
-                             "benchmarks/speedup.py's model") if measured else "assumed"
+                             "benchmarks.sim.speedup's model") if measured else "assumed"
     else:
         args.noise_source = "given"
     if args.noise_corr is None:
@@ -834,7 +827,7 @@ def main() -> int:
         for kind, out in pool.map(_job, plan(args)):
             results[kind].append(out)
     minutes = (time.time() - started) / 60
-    command = ".venv/bin/python benchmarks/scale_sim.py " + shlex.join(sys.argv[1:])
+    command = command_line(__spec__.name)
     text = report(results, args, command, minutes)
     write_results({"simulated": True, "command": command, "minutes": minutes, "noise_measurement": measured,
                    "args": {k: str(v) for k, v in vars(args).items()}, **results}, args.out, lambda _: text)

@@ -1,6 +1,6 @@
 """Tune shoal the way the learning benchmark tunes DDP: an lr grid at equal tokens, network taken out.
 
-    .venv/bin/python benchmarks/lr_sweep.py [--peers 4] [--rounds 30] [--inner-steps 36] [--seeds 1] \\
+    .venv/bin/python -m benchmarks.sim.lr_sweep [--peers 4] [--rounds 30] [--inner-steps 36] [--seeds 1] \\
         [--inner-lrs 0.003,0.006,0.012] [--outer 0.7:0.9,1.0:0.0] [--ddp-lrs 0.003,0.006,0.012,0.024] [--jobs 2]
 
 ``learning.py`` compares shoal with DDP at equal tokens after tuning DDP's lr over a grid; shoal ran
@@ -29,82 +29,31 @@ Writes ``benchmarks/results/lr_sweep.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from averaging.math import codecs  # noqa: E402
-from averaging.math.flat import FlatLayout  # noqa: E402
-from averaging.math.merge import apply_correction_, merge_correction  # noqa: E402
-from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
-from averaging.math.wire import returned  # noqa: E402
-from node.process.config import load_config  # noqa: E402
-from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus  # noqa: E402
-from node.training.model import build_model  # noqa: E402
-from node.training.trainer import Trainer, inner_lr  # noqa: E402
-
-_DATA: dict = {}  # per worker process: the config, split and eval batches, loaded once
-
-
-def _setup(config_path: str, rounds: int, overrides: dict | None = None) -> None:
-    torch.set_num_threads(1)
-    config = load_config(Path(config_path), overrides)
-    config = dataclasses.replace(config, inner=dataclasses.replace(
-        config.inner, total_rounds=float(rounds), warmup_rounds=0.1 * rounds))
-    split = split_corpus(load_corpus(config.data), config.data.eval_fraction, config.data.max_eval_bytes,
-                         block_bytes=config.data.eval_block_bytes)
-    _DATA.update(config=config, split=split,
-                 evals=eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches))
-
-
-def _samplers(seed: int, peers: int, stripe_bytes: int) -> list[BatchSampler]:
-    """Per rank: the whole corpus (``stripe_bytes`` 0), or shard ``rank`` of ``data.num_shards`` cut in
-    stripes of that size, as a swarm's peers draw (a stripe past the corpus makes contiguous shards)."""
-    c, split = _DATA["config"], _DATA["split"]
-    return [BatchSampler(split.tokens, c.model.seq_len, c.data.batch_size, seed=[seed, rank], held_out=split.held_out,
-                         ranges=shard_ranges(len(split.tokens), c.data.num_shards, rank % c.data.num_shards,
-                                             stripe_bytes) if stripe_bytes else None)
-            for rank in range(peers)]
-
-
-def _trainer(seed: int, lr: float) -> Trainer:
-    c = _DATA["config"]
-    return Trainer(build_model(c.model, seed=seed), dataclasses.replace(c.inner, lr=lr), c.train, torch.device("cpu"))
-
-
-def _eval(trainer: Trainer, layout: FlatLayout, flat: torch.Tensor) -> float:
-    return trainer.evaluate_anchor(layout.views(flat), _DATA["evals"])
-
-
-def run_ddp(seed: int, peers: int, rounds: int, inner_steps: int, lr: float, stripe_bytes: int = 0) -> dict:
-    trainer, samplers = _trainer(seed, lr), _samplers(seed, peers, stripe_bytes)
-    layout = FlatLayout.of(trainer.model.named_parameters())
-    curve = []
-    for step in range(rounds * inner_steps):
-        batches = [s.next_batch() for s in samplers]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        trainer.inner_step(x, y, inner_lr(trainer.inner, step / inner_steps))
-        if (step + 1) % (inner_steps * 5) == 0 or step + 1 == rounds * inner_steps:
-            params = layout.pack(dict(trainer.model.named_parameters()), layout.new_buffer())
-            curve.append(((step + 1) // inner_steps, _eval(trainer, layout, params)))
-    return {"curve": curve, "final_eval": curve[-1][1]}
+from averaging.math import codecs
+from averaging.math.flat import FlatLayout
+from averaging.math.merge import apply_correction_, merge_correction
+from averaging.math.outer_step import outer_step_, pseudo_gradient
+from averaging.math.wire import returned
+from benchmarks.common.results import CONFIGS, RESULTS, command_line, write_results
+from benchmarks.sim import peers as sim
+from node.process.config import load_config
+from node.training.trainer import inner_lr
 
 
 def run_diloco(seed: int, peers: int, rounds: int, inner_steps: int, lr: float, outer_lr: float, mu: float,
                delay: int | None, stripe_bytes: int = 0) -> dict:
     """``delay`` None: blocking; else the merge lands after that many steps of the next round."""
-    trainers, samplers = [_trainer(seed, lr) for _ in range(peers)], _samplers(seed, peers, stripe_bytes)
+    trainers, samplers = [sim.trainer(seed, lr) for _ in range(peers)], sim.samplers(seed, peers, stripe_bytes)
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
     anchor = pack(trainers[0])
@@ -140,7 +89,7 @@ def run_diloco(seed: int, peers: int, rounds: int, inner_steps: int, lr: float, 
             merge(pending)
             pending = None
         if (r + 1) % 5 == 0 or r + 1 == rounds:
-            curve.append((r + 1, _eval(trainers[0], layout, anchors[0])))
+            curve.append((r + 1, sim.evaluate(trainers[0], layout, anchors[0])))
     return {"curve": curve, "final_eval": curve[-1][1]}
 
 
@@ -150,7 +99,7 @@ def _point(point: dict) -> dict:
     common = dict(seed=point["seed"], peers=point["peers"], rounds=point["rounds"], inner_steps=point["inner_steps"],
                   lr=point["lr"], stripe_bytes=point.get("stripe_bytes", 0))
     if kind == "ddp":
-        result = run_ddp(**common)
+        result = sim.lockstep_ddp(**common)
     else:
         result = run_diloco(**common, outer_lr=point["outer_lr"], mu=point["mu"],
                             delay=None if kind == "blocking" else point["delay"])
@@ -210,8 +159,8 @@ def main() -> int:
                         help="0: each peer draws from the whole corpus; else from its shard of data.num_shards cut in "
                         "stripes of this many bytes, as swarm peers do (a value past the corpus: contiguous shards)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes, one torch thread each")
-    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "lr_sweep")
+    parser.add_argument("--config", type=Path, default=CONFIGS / "learning.toml")
+    parser.add_argument("--out", type=Path, default=RESULTS / "lr_sweep")
     parser.add_argument("--add", action="store_true", help="merge these points into --out's .json (same peers, "
                         "rounds, inner steps, delay and config; a point run again replaces the stored one)")
     args = parser.parse_args()
@@ -230,18 +179,15 @@ def main() -> int:
     plan += [dict(base, kind=mode, lr=lr, outer_lr=o, mu=m, delay=args.delay, seed=s)
              for s in range(args.seeds) for mode in args.modes for lr in args.inner_lrs for o, m in args.outer]
     started = time.time()
-    with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config), args.rounds)) as pool:
+    with ProcessPoolExecutor(args.jobs, initializer=sim.setup, initargs=(str(args.config), args.rounds)) as pool:
         points = list(pool.map(_point, plan))
     minutes = (time.time() - started) / 60 + stored["minutes"]
-    commands = [*stored["commands"], ".venv/bin/python benchmarks/lr_sweep.py " + shlex.join(sys.argv[1:])]
+    commands = [*stored["commands"], command_line(__spec__.name)]
     keys = {(label(p), p["seed"]) for p in points}
     points = [p for p in stored["points"] if (label(p), p["seed"]) not in keys] + points
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"args": {k: str(v) for k, v in vars(args).items()}, "commands": commands, "minutes": minutes,
-         "points": points}, indent=1))
     text = report(points, args, commands, minutes)
-    args.out.with_suffix(".md").write_text(text)
+    write_results({"args": {k: str(v) for k, v in vars(args).items()}, "commands": commands, "minutes": minutes,
+                   "points": points}, args.out, lambda _: text)
     print(text)
     return 0
 

@@ -2,7 +2,7 @@
 (``tests/integration/hostile_node.py``: a whole node with a hostile twist), against a clean run of
 the same length, all in one run.
 
-    .venv/bin/python benchmarks/attacks.py [--rounds 12] [--round-seconds 5] [--throttle 4] [--only clean,flip]
+    .venv/bin/python -m benchmarks.swarm.attacks [--rounds 12] [--round-seconds 5] [--throttle 4] [--only clean,flip]
         [--peers 4] [--group-size 0] [--out benchmarks/results/attacks]
 
 For each scenario the honest peers must stay alive (exit 0), stay on schedule (train every round,
@@ -34,7 +34,7 @@ which the first N - 1 are measured), ``--group-size G`` sets ``averaging.target_
 0: one group of everybody). Throttle the peers so that N / throttle stays about one core (6 peers:
 ``--throttle 6``) and write a run with another shape elsewhere than the default results:
 
-    .venv/bin/python benchmarks/attacks.py --peers 6 --group-size 3 --throttle 6 \
+    .venv/bin/python -m benchmarks.swarm.attacks --peers 6 --group-size 3 --throttle 6 \
         --only clean,far-state,fake-state --out benchmarks/results/attacks_far_state
 
 Loopback, no link caps (the attacks are about content, not bandwidth); every peer throttled so
@@ -57,21 +57,18 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+import torch
 
-import torch  # noqa: E402
-from harness import CpuMeter, start_entry_peer, write_results  # noqa: E402
-from learning import Evaluator, write_config  # noqa: E402
+from benchmarks.common.results import CONFIGS, REPO, command_line, write_results
+from benchmarks.common.results import RESULTS as RESULTS_DIR
+from benchmarks.common.swarm import CpuMeter, Evaluator, start_entry_peer, write_config
+from examples.swarm_launcher import LocalSwarm, kill_process_group
+from node.library.checkpoint import load_latest_valid
+from node.library.resume import MOMENTUM_PREFIX
+from node.observe.metrics import read_metrics
+from tests.integration.hostile_peer import ATTACKS
 
-from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
-from node.library.checkpoint import load_latest_valid  # noqa: E402
-from node.library.resume import MOMENTUM_PREFIX  # noqa: E402
-from node.observe.metrics import read_metrics  # noqa: E402
-from tests.integration.hostile_peer import ATTACKS  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results" / "attacks"
+RESULTS = RESULTS_DIR / "attacks"
 HONEST = 3  # the default shape's honest peers (--peers 4)
 CLEAN = ("clean", "clean-mean", "clean-unsigned", "three-honest")
 # What each attack does, and what it did before shoal's defences, with the issue that fixed it.
@@ -523,8 +520,8 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write(results: dict, out: Path = RESULTS) -> None:
-    write_results(results, out, report)
+def write(results: dict, out: Path = RESULTS, *, redraw: bool = False) -> None:
+    write_results(results, out, report, redraw=redraw)
 
 
 def main() -> int:
@@ -541,7 +538,7 @@ def main() -> int:
                         help="peers of a run: N - 1 honest and the attacker (N honest in the clean runs)")
     parser.add_argument("--group-size", type=int, default=0,
                         help="averaging.target_group_size (sub-groups; 0: one group of everybody)")
-    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
+    parser.add_argument("--config", type=Path, default=CONFIGS / "learning.toml")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results path, without .md/.json")
     parser.add_argument("--report-only", action="store_true", help="redraw the table from the .json")
     args = parser.parse_args()
@@ -549,7 +546,7 @@ def main() -> int:
         args.only = [*CLEAN, *(h for h in HOSTILE if h not in STATE_ATTACKS or args.group_size), "clean#2",
                      "clean-unsigned#2"]
     if args.report_only:
-        write(json.loads(args.out.with_suffix(".json").read_text()), args.out)
+        write(json.loads(args.out.with_suffix(".json").read_text()), args.out, redraw=True)
         return 0
     unknown = {base(n) for n in args.only} - set(CLEAN) - set(HOSTILE)
     if unknown:
@@ -559,7 +556,7 @@ def main() -> int:
     if {base(n) for n in args.only} & set(STATE_ATTACKS) and not args.group_size:
         parser.error(f"{' and '.join(STATE_ATTACKS)} attack sub-group rounds: give --group-size")
     evaluator = Evaluator(args.config)
-    results = {"command": "benchmarks/attacks.py " + " ".join(sys.argv[1:]), "rounds": args.rounds,
+    results = {"command": command_line(__spec__.name), "rounds": args.rounds,
                "round_seconds": args.round_seconds, "throttle": args.throttle, "late_rounds": args.late_rounds,
                "peers": args.peers, "group_size": args.group_size, "runs": [],
                "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M")}

@@ -1,6 +1,6 @@
 """"The swarm trains like N x one peer": simulated peers, no network, shoal's own round math.
 
-    .venv/bin/python benchmarks/speedup.py [--peers 1,2,4] [--rounds 150] [--steps 12] [--spread equal,1:1.5:2:3] \\
+    .venv/bin/python -m benchmarks.sim.speedup [--peers 1,2,4] [--rounds 150] [--steps 12] [--spread equal,1:1.5:2:3] \\
         [--rules overlap,eager,...] [--lone-lengths 1,2,3,4,6] [--lrs 0.006,0.012] [--seeds 1] [--jobs 2] \\
         [--group-sizes 0,4]
 
@@ -16,13 +16,13 @@ The peers are real ``Trainer`` s on ``configs/learning.toml``'s model and data (
 ``lr_sweep.py``); what happens between them is shoal's math: quantized sends with error feedback
 (``averaging.math.wire``), token-weighted robust aggregation per part (``averaging.math.robust``),
 the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
-(``averaging.math.merge``). A rule (``--rules``) is one way of running a round:
+(``averaging.math.merge``); rules only simulated live in ``benchmarks.sim.rules``. A rule (``--rules``) is one way of running a round:
 
 - ``blocking``: every peer waits for the average and restarts from the new anchor;
 - ``overlap``: shoal's default mode: the average lands ``--delay`` (a fraction of the next round)
   later and is merged as the round engine merges it (new anchor + the work since the snapshot);
 - ``eager``: as overlap, but at the snapshot each peer takes the outer step with a stand-in for
-  the average (``averaging.math.merge.stand_in``: its own fresh pseudo-gradient for its weight
+  the average (``benchmarks.sim.rules.stand_in``: its own fresh pseudo-gradient for its weight
   share, the last landed average for the others') and trains from there; when the average lands
   the parameters move by the difference (``eager_jump`` / ``landing_correction``); ``eager-own``
   uses its own pseudo-gradient alone as the stand-in;
@@ -40,7 +40,7 @@ the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
   ``averaging.math.inner_state.land``: what a real peer that keeps training can do); ``+mwarm`` ramps the
   outer momentum linearly from 0 over the first 10% of rounds;
 - ``+norm`` gives each part of the average the token-weighted mean of its senders' norms
-  (the average's direction, the members' length: ``averaging.math.robust.keep_norm``, what a
+  (the average's direction, the members' length: ``benchmarks.sim.rules.keep_norm``, what a
   reducer can do alone); ``+nowork`` judges parts in the centered clip against each other (the
   rule before ``judge_by_work``); ``+mean`` aggregates with a plain weighted mean.
 
@@ -58,56 +58,40 @@ Everything is simulated: no failures, no network; figures are labelled so. Write
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))  # harness's own imports
+import torch
 
-import torch  # noqa: E402
-
-from averaging.math import codecs, inner_state, lattice, robust  # noqa: E402
-from averaging.math.fingerprints import AnchorClaim, chunk_length, chunk_rms, fingerprint  # noqa: E402
-from averaging.math.flat import FlatLayout  # noqa: E402
-from averaging.math.groups import group_count, members  # noqa: E402
-from averaging.math.merge import apply_correction_, eager_jump, landing_correction, merge_correction, stand_in  # noqa: E402
-from averaging.math.outer_step import outer_step_, pseudo_gradient  # noqa: E402
-from averaging.math.wire import WireFormat, accounted_for, returned  # noqa: E402
-from benchmarks.harness import setting, write_results  # noqa: E402
-from benchmarks.lr_sweep import _DATA, _eval, _samplers, _setup  # noqa: E402 - the same peers, data and eval
-from benchmarks.lr_sweep import run_ddp as lockstep_ddp  # noqa: E402
-from node.training.model import build_model  # noqa: E402
-from node.training.trainer import Trainer, inner_lr  # noqa: E402
+from averaging.math import codecs, inner_state, lattice, robust
+from averaging.math.fingerprints import AnchorClaim, chunk_length, chunk_rms, fingerprint
+from averaging.math.flat import FlatLayout
+from averaging.math.groups import group_count, members
+from averaging.math.merge import apply_correction_, merge_correction
+from averaging.math.outer_step import outer_step_, pseudo_gradient
+from averaging.math.wire import WireFormat, accounted_for, returned
+from benchmarks.common.results import CONFIGS, RESULTS, command_line, setting, stored_argv, write_results
+from benchmarks.sim import peers as sim
+from benchmarks.sim.rules import eager_jump, keep_norm, landing_correction, on_grid, stand_in
+from node.training.trainer import Trainer, inner_lr
 
 PARTS = 4  # parts per all-reduce (a group of four's butterfly): robust aggregation runs per part
 
 
-def _trainer(seed: int, lr: float, rounds: float, optimizer: str = "adamw") -> Trainer:
-    """A peer whose schedule (10% warmup, cosine) spans ``rounds``; model, data and eval batches are
-    ``lr_sweep``'s, loaded once per worker by its ``_setup``."""
-    c = _DATA["config"]
-    inner = dataclasses.replace(c.inner, lr=lr, total_rounds=float(rounds), warmup_rounds=0.1 * rounds,
-                                optimizer=optimizer)
-    return Trainer(build_model(c.model, seed=seed), inner, c.train, torch.device("cpu"))
-
-
 def run_lone(seed: int, steps: int, lr: float, optimizer: str = "adamw") -> dict:
     """One peer, plain AdamW (or ``optimizer``), ``steps`` steps (its schedule spans them)."""
-    trainer, sampler = _trainer(seed, lr, steps, optimizer), _samplers(seed, 1, 0)[0]
+    trainer, sampler = sim.trainer(seed, lr, steps, optimizer), sim.samplers(seed, 1, 0)[0]
     for step in range(steps):
         trainer.inner_step(*sampler.next_batch(), inner_lr(trainer.inner, float(step)))
     layout = FlatLayout.of(trainer.model.named_parameters())
-    return {"final_eval": _eval(trainer, layout, layout.pack(dict(trainer.model.named_parameters()), layout.new_buffer()))}
+    return {"final_eval": sim.evaluate(trainer, layout, layout.pack(dict(trainer.model.named_parameters()), layout.new_buffer()))}
 
 
 def spread_steps(peers: int, steps: int, spread: str) -> list[int]:
@@ -122,16 +106,16 @@ def spread_steps(peers: int, steps: int, spread: str) -> list[int]:
 
 
 def aggregate(sends: list[torch.Tensor], weights: list[float], config: robust.RobustConfig, *, work_scaled: bool,
-              keep_norm: bool) -> torch.Tensor:
-    """The all-reduce: per part, weights bounded and aggregated as a reducer does (``keep_norm``:
-    then rescaled to its senders' length, ``averaging.math.robust.keep_norm``)."""
+              norm: bool) -> torch.Tensor:
+    """The all-reduce: per part, weights bounded and aggregated as a reducer does (``norm``:
+    then rescaled to its senders' length, ``rules.keep_norm``)."""
     bounded = robust.bound_weights(weights, max_ratio=config.max_weight_ratio)
     chunks = [s.chunk(PARTS) for s in sends]
     out = []
     for k in range(len(chunks[0])):
         parts = [c[k] for c in chunks]
         value = robust.aggregate(parts, bounded, config, work_scaled=work_scaled).value
-        out.append(robust.keep_norm(value, parts, bounded, clip_ratio=config.clip_ratio)[0] if keep_norm else value)
+        out.append(keep_norm(value, parts, bounded, clip_ratio=config.clip_ratio)[0] if norm else value)
     return torch.cat(out)
 
 
@@ -153,7 +137,7 @@ def average_inner_state(trainers: list[Trainer], weights: list[float], slots: tu
 def run_ddp(seed: int, steps: list[int], rounds: int, lr: float) -> dict:
     """Lockstep data parallel over ``len(steps)`` peers (``lr_sweep.run_ddp``: each step the mean
     gradient of one batch per peer, one AdamW step): a round is the slowest peer's ``min(steps)`` steps."""
-    return {"final_eval": lockstep_ddp(seed, len(steps), rounds, min(steps), lr)["final_eval"]}
+    return {"final_eval": sim.lockstep_ddp(seed, len(steps), rounds, min(steps), lr)["final_eval"]}
 
 
 def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: float, mu: float, rule: str,
@@ -162,8 +146,8 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
     mode, *flags = rule.split("+")
     wire = WireFormat.of(compression)
     config = robust.RobustConfig(aggregation="mean" if "mean" in flags else "centered_clip")
-    trainers = [_trainer(seed, lr, rounds, "muon" if "muon" in flags else "adamw") for _ in steps]
-    samplers = _samplers(seed, len(steps), 0)  # every peer draws from the whole corpus
+    trainers = [sim.trainer(seed, lr, rounds, "muon" if "muon" in flags else "adamw") for _ in steps]
+    samplers = sim.samplers(seed, len(steps), 0)  # every peer draws from the whole corpus
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
     anchor = pack(trainers[0])
@@ -203,7 +187,7 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
         grads = [pseudo_gradient(anchor, pack(t)) for t in trainers]
         sends = [wire.to_send(g) for g in grads]
         weights = [float(n) for n in steps]  # tokens: every step is one batch
-        average = aggregate(sends, weights, config, work_scaled="nowork" not in flags, keep_norm="norm" in flags)
+        average = aggregate(sends, weights, config, work_scaled="nowork" not in flags, norm="norm" in flags)
         old = anchor.clone()
         if "reset" in flags:
             for t in trainers:
@@ -236,7 +220,7 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
             for i in range(len(trainers)):
                 land_one(i, pending)
             pending = None
-    return {"final_eval": _eval(trainers[0], layout, anchor)}
+    return {"final_eval": sim.evaluate(trainers[0], layout, anchor)}
 
 
 def _fp16_parts(values: torch.Tensor) -> torch.Tensor:
@@ -260,8 +244,8 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
     wired = _fp16_parts if "state16" in flags else (lambda x: x)
     wire = WireFormat.of(compression)
     config = robust.RobustConfig(aggregation="centered_clip")
-    trainers = [_trainer(seed, lr, rounds) for _ in steps]
-    samplers = _samplers(seed, len(steps), 0)
+    trainers = [sim.trainer(seed, lr, rounds, "adamw") for _ in steps]
+    samplers = sim.samplers(seed, len(steps), 0)
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
     anchors = [pack(t) for t in trainers]  # one seed: every peer starts from the same weights
@@ -302,7 +286,7 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
                 folds += 1
                 continue
             weights = [work[i] for i in idx]
-            average = aggregate([sends[i] for i in idx], weights, config, work_scaled=True, keep_norm=False)
+            average = aggregate([sends[i] for i in idx], weights, config, work_scaled=True, norm=False)
             average = returned(average, sends[idx[0]], wire.return_code)
             share = [w / sum(weights) for w in weights]
             if on_lattice:
@@ -330,7 +314,7 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
                     land(i)
     mean = sum(anchors) / len(anchors)
     late = spreads[len(spreads) // 2:]
-    return {"final_eval": _eval(trainers[0], layout, anchors[0]), "mean_anchor_eval": _eval(trainers[0], layout, mean),
+    return {"final_eval": sim.evaluate(trainers[0], layout, anchors[0]), "mean_anchor_eval": sim.evaluate(trainers[0], layout, mean),
             "spread_median": statistics.median(late), "spread_max": max(late), "folds": folds,
             **({"lattice_overflows": overflows} if on_lattice else {})}
 
@@ -347,7 +331,7 @@ def _lattice_mean(anchors: list[torch.Tensor], momenta: list[torch.Tensor], scal
     states = [torch.cat([a, m]) for a, m in zip(anchors, momenta)]
     near = [(w, s) for w, s, f in zip(share, states, far) if not f] or list(zip(share, states))
     total = sum(w for w, _ in near)
-    mean = lattice.on_grid(sum(w / total * lattice.on_grid(s, grid) for w, s in near), grid)
+    mean = on_grid(sum(w / total * on_grid(s, grid) for w, s in near), grid)
     half = grid.steps() * lattice.HALF
     wrong = sum(int(((s.double() - mean.double()).abs() > half).sum()) for (_, s) in near)
     numel = anchors[0].numel()
@@ -511,10 +495,10 @@ def main() -> int:
                         help="sub-groups of this size (0: one group of everyone; averaging.math.groups)")
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
+    parser.add_argument("--config", type=Path, default=CONFIGS / "learning.toml")
     parser.add_argument("--set", type=setting, action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="change the config of every run, lone and swarm alike (model size, batch)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speedup")
+    parser.add_argument("--out", type=Path, default=RESULTS / "speedup")
     parser.add_argument("--lone-from", type=Path, help="reuse the lone-peer runs of this earlier result's .json "
                         "(same rounds x steps, lrs, lengths and config) instead of running them again")
     parser.add_argument("--report-only", action="store_true",
@@ -523,8 +507,8 @@ def main() -> int:
     if args.report_only:
         stored = json.loads(args.out.with_suffix(".json").read_text())
         command, minutes = stored["command"], stored["minutes"]
-        args = parser.parse_args([*shlex.split(command)[2:], "--out", str(args.out)])
-        return finish(stored["points"], args, command, minutes)
+        args = parser.parse_args([*stored_argv(command), "--out", str(args.out)])
+        return finish(stored["points"], args, command, minutes, redrawn=stored)
     fastest = args.rounds * args.steps
     plan = [dict(kind="lone", seed=s, lone_steps=round(k * fastest), lr=lr, optimizer=o)
             for s in range(args.seeds) for k in args.lone_lengths for lr in args.lrs for o in args.lone_opts]
@@ -560,18 +544,21 @@ def main() -> int:
                                          delay=args.delay, compression=args.compression, group_size=g))
     plan.sort(key=lambda p: -(p.get("lone_steps") or sum(p.get("steps", [0])) * p.get("rounds", 0)))  # longest first
     started = time.time()
-    with ProcessPoolExecutor(args.jobs, initializer=_setup, initargs=(str(args.config), args.rounds, dict(args.set))) as pool:
+    with ProcessPoolExecutor(args.jobs, initializer=sim.setup, initargs=(str(args.config), args.rounds, dict(args.set))) as pool:
         points = reused + list(pool.map(_point, plan))
-    command = ".venv/bin/python benchmarks/speedup.py " + shlex.join(sys.argv[1:])
+    command = command_line(__spec__.name)
     return finish(points, args, command, (time.time() - started) / 60)
 
 
-def finish(points: list[dict], args, command: str, minutes: float) -> int:
-    """The report of a run's points: .json, .md and .png beside ``--out``, the table on stdout."""
+def finish(points: list[dict], args, command: str, minutes: float, *, redrawn: dict | None = None) -> int:
+    """The report of a run's points: .json, .md and .png beside ``--out``, the table on stdout.
+    ``redrawn``: the stored results these points come from (``--report-only``), whose provenance stays."""
     text, summary = report(points, args, command, minutes)
-    write_results({"simulated": True, "command": command, "minutes": minutes,
-                   "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "points": points},
-                  args.out, lambda _: text)
+    results = {"simulated": True, "command": command, "minutes": minutes,
+               "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "points": points}
+    if redrawn is not None and "provenance" in redrawn:
+        results["provenance"] = redrawn["provenance"]
+    write_results(results, args.out, lambda _: text, redraw=redrawn is not None)
     plot(summary, args.out.with_suffix(".png"))
     print(text)
     return 0

@@ -1,8 +1,8 @@
 """What a standard model costs: training tokens/s of the built-in byte GPT and of a
 ``LlamaForCausalLM`` of the same shape (``[model] kind = "hf"``), measured side by side in one run.
 
-    .venv/bin/python benchmarks/model_speed.py [--sizes tiny,small] [--repeats 8] [--block-seconds 4]
-    .venv/bin/python benchmarks/model_speed.py --device cuda --sizes small,125m   # bf16 autocast
+    .venv/bin/python -m benchmarks.micro.model_speed [--sizes tiny,small] [--repeats 8] [--block-seconds 4]
+    .venv/bin/python -m benchmarks.micro.model_speed --device cuda --sizes small,125m   # bf16 autocast
 
 Both models are trained by shoal's own ``Trainer`` (forward, backward, gradient clipping and an
 AdamW step: what one inner step of ``shoal run`` does), fp32 on the CPU with one torch thread, bf16
@@ -22,7 +22,6 @@ Writes ``benchmarks/results/model_speed.md`` and ``.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -30,14 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from node.training.config import InnerConfig, TrainConfig  # noqa: E402
-from node.training.model import BYTE_VOCAB_SIZE, ModelConfig, build_model, count_parameters  # noqa: E402
-from node.training.trainer import Trainer, resolve_device  # noqa: E402
+from benchmarks.common.results import RESULTS, command_line, cpu_name, write_results
+from node.training.config import InnerConfig, TrainConfig
+from node.training.model import BYTE_VOCAB_SIZE, ModelConfig, build_model, count_parameters
+from node.training.trainer import Trainer, resolve_device
 
 # Shapes: tiny is examples/configs/tiny.toml's model and batch; small is examples/configs/small.toml's
 # model at batch 1 (a few seconds a step on one CPU thread); 125m is rtx4090-125m.toml's, for CUDA.
@@ -117,14 +114,6 @@ def measure_size(name: str, device: torch.device, train: TrainConfig, repeats: i
             "blocks": blocks}
 
 
-def cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
-
-
 def machine(device: torch.device) -> dict:
     import transformers
 
@@ -140,7 +129,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=12, help="blocks per model and size (an even number balances the order)")
     parser.add_argument("--block-seconds", type=float, default=3.0, help="compute per block (CPU time on the CPU)")
     parser.add_argument("--device", default="cpu", help="cpu (fp32, one thread) | cuda (bf16 autocast)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "model_speed")
+    parser.add_argument("--out", type=Path, default=RESULTS / "model_speed")
     args = parser.parse_args()
     sizes = [s for s in args.sizes.split(",") if s]
     unknown = [s for s in sizes if s not in SIZES]
@@ -153,15 +142,13 @@ def main() -> int:
     load_before = os.getloadavg()
     results = [measure_size(name, device, train, args.repeats, args.block_seconds) for name in sizes]
     result = {
-        "command": "python benchmarks/model_speed.py " + " ".join(sys.argv[1:]),
+        "command": command_line(__spec__.name, python="python"),
         "repeats": args.repeats, "block_seconds": args.block_seconds, "precision": train.precision,
         "machine": {**machine(device), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "sizes": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(report(result))
-    print(report(result))
+    write_results(result, args.out, report)
+    print(args.out.with_suffix(".md").read_text())
     return 0
 
 

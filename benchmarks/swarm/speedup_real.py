@@ -1,7 +1,7 @@
 """Real: does joining pay? Four ``shoal run`` peers with a speed spread on capped links against
 their fastest member training alone, at equal wall-clock and at twice it.
 
-    .venv/bin/python benchmarks/speedup_real.py [--rounds 15] [--round-seconds 10] [--seeds 2] \\
+    .venv/bin/python -m benchmarks.swarm.speedup_real [--rounds 15] [--round-seconds 10] [--seeds 2] \\
         [--throttle 2.5] [--spread 1:1.5:2:3] [--mbit 10] [--outer 0.7:0.9,1.0:0.5] [--set inner.optimizer=muon] \
         [--variant "round.sync_mode=blocking;averaging.average_inner_state=true"]
 
@@ -67,19 +67,22 @@ from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import netns  # noqa: E402
-from harness import CpuMeter, run_ddp_ranks, setting, start_entry_peer, start_shoal_peers, write_results  # noqa: E402
-from learning import Evaluator, interrupted, spread, write_config  # noqa: E402
-
-from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
-from node.library.checkpoint import load_latest_valid  # noqa: E402
-from node.library.config import AveragingConfig  # noqa: E402
-from node.observe.metrics import read_metrics  # noqa: E402
-from node.training.model import count_parameters  # noqa: E402
+from benchmarks.common import netns
+from benchmarks.common.results import CONFIGS, REPO, RESULTS, command_line, setting, spread, write_results
+from benchmarks.common.swarm import (
+    CpuMeter,
+    Evaluator,
+    interrupted,
+    run_ddp_ranks,
+    start_entry_peer,
+    start_shoal_peers,
+    write_config,
+)
+from examples.swarm_launcher import LocalSwarm, kill_process_group
+from node.library.checkpoint import load_latest_valid
+from node.library.config import AveragingConfig
+from node.observe.metrics import read_metrics
+from node.training.model import count_parameters
 
 # Names of our own: another benchmark may hold netns.py's or learning.py's on this machine.
 DEFAULTS = AveragingConfig()
@@ -244,8 +247,8 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(results: dict, out: Path) -> None:
-    write_results(results, out, report)
+def write(results: dict, out: Path, *, redraw: bool = False) -> None:
+    write_results(results, out, report, redraw=redraw)
 
 
 def main() -> int:
@@ -261,8 +264,8 @@ def main() -> int:
                              "or its CPU time (cpu_throttle.py: waits for a core are not multiplied)")
     parser.add_argument("--outer", type=outer_settings, default=outer_settings("0.7:0.9,1.0:0.5"),
                         help="outer lr:momentum settings, one swarm run each per seed")
-    parser.add_argument("--config", type=Path, default=REPO / "benchmarks" / "configs" / "learning.toml")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speedup_real")
+    parser.add_argument("--config", type=Path, default=CONFIGS / "learning.toml")
+    parser.add_argument("--out", type=Path, default=RESULTS / "speedup_real")
     parser.add_argument("--set", type=setting, action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="a config change for every run (repeatable)")
     parser.add_argument("--variant", type=variant_settings, action="append", default=[],
@@ -271,7 +274,7 @@ def main() -> int:
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     if args.report_only:
-        write(json.loads(args.out.with_suffix(".json").read_text()), args.out)
+        write(json.loads(args.out.with_suffix(".json").read_text()), args.out, redraw=True)
         print(args.out.with_suffix(".md").read_text())
         return 0
     if math.fsum(1 / (args.throttle * s) for s in args.spread) > 1.6:
@@ -283,7 +286,7 @@ def main() -> int:
     evaluator = Evaluator(args.config, dict(args.set))
     seeds = list(range(args.seeds))
     results = {"meta": {
-        "command": " ".join([".venv/bin/python", "benchmarks/speedup_real.py", *sys.argv[1:]]),
+        "command": command_line(__spec__.name),
         "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "rounds": args.rounds,
         "round_seconds": args.round_seconds, "seeds": seeds, "throttles": [args.throttle * s for s in args.spread],
         "spread": args.spread, "mbit": args.mbit, "capped": capped, "throttle_clock": args.throttle_clock, "config": args.config.name,

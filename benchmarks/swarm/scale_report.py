@@ -1,6 +1,6 @@
 """Issue 32's one page: how shoal scales, from the three benchmarks that measure it.
 
-    .venv/bin/python benchmarks/scale_report.py
+    .venv/bin/python -m benchmarks.swarm.scale_report
 
 reads the results of ``scale_real.py`` (real ``shoal run`` peers on this machine, after the
 start-up fixes: ``scale_real_fixed.json``), ``dht_load.py`` (the heartbeat's DHT cost and entry
@@ -11,22 +11,16 @@ breaks. It runs nothing: rerun the benchmarks (their commands are in the page) t
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import math
+import re
+import statistics
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common.results import RESULTS, write_results
+from benchmarks.swarm import scale_real
 
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-
-import scale_real  # noqa: E402
-
-from benchmarks.harness import REPO, write_results  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results"
 OUT = RESULTS / "scale"
 # Real runs: after the start-up fixes, after the heartbeat's DHT fix as well, and (LATEST) 16 and 4
 # peers again after the deferred scipy.optimize import (node.library.deferred_imports).
@@ -147,7 +141,7 @@ def report(summary: dict) -> str:
     real, dht, sim, met = summary["real"], summary["dht"], summary["sim"], summary["targets"]
     lines = ["# How shoal scales (issue 32)", "",
              "One page from three benchmarks; each figure's source has its command and the full tables. "
-             "Written by `.venv/bin/python benchmarks/scale_report.py`.", "",
+             "Written by `.venv/bin/python -m benchmarks.swarm.scale_report`.", "",
              "- Real peers: [scale_real_fixed.md](scale_real_fixed.md), and after the heartbeat's DHT fix "
              "[scale_real_heartbeat.md](scale_real_heartbeat.md), and again after the deferred import "
              "[scale_real_boot.md](scale_real_boot.md) (`" + summary["commands"]["real"] + "`); sub-groups beside one "
@@ -255,6 +249,7 @@ BREAKS = [
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options: --help alone
     reals = {name: _load(name) for name in (*REAL_SOURCES, SUBGROUP_SOURCE)}
     dht, sim, shards, auto = _load("dht_load"), _load("scale_sim"), _load("dht_shards"), _load("dht_shards_auto")
     summary = {

@@ -1,9 +1,9 @@
 """A home machine's faults: what each costs a swarm, and a soak (do memory, threads and files stay flat?).
 
-    .venv/bin/python benchmarks/faults.py --minutes 60 [--peers 4] [--round-seconds 10] [--throttle 6]
-    .venv/bin/python benchmarks/faults.py --faults split:30,split:180,bootstrap:30,averager:30,skew:5 [--append]
+    .venv/bin/python -m benchmarks.swarm.faults --minutes 60 [--peers 4] [--round-seconds 10] [--throttle 6]
+    .venv/bin/python -m benchmarks.swarm.faults --faults split:30,split:180,bootstrap:30,averager:30,skew:5 [--append]
 
-``--faults``: each fault in a fresh 4-peer swarm (``benchmarks/fault_runs.py`` says what is injected
+``--faults``: each fault in a fresh 4-peer swarm (``benchmarks.swarm.fault_runs`` says what is injected
 and measured): rounds lost and the time to one swarm again. Without it, the soak:
 
 A public run's peers stay up for days: a leak of a few MB an hour, a thread per round or a socket
@@ -36,19 +36,17 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+import psutil
 
-import netns  # noqa: E402
-import psutil  # noqa: E402
-from fault_runs import FAKETIME, Fault, report_lines, run_fault  # noqa: E402
-from harness import CpuMeter, start_entry_peer, write_results  # noqa: E402
+from benchmarks.common import netns
+from benchmarks.common.results import REPO, command_line, provenance, write_results
+from benchmarks.common.results import RESULTS as RESULTS_DIR
+from benchmarks.common.swarm import CpuMeter, start_entry_peer
+from benchmarks.swarm.fault_runs import FAKETIME, Fault, report_lines, run_fault
+from examples.swarm_launcher import LocalSwarm, kill_process_group
+from node.observe.metrics import read_metrics
 
-from examples.swarm_launcher import LocalSwarm, kill_process_group  # noqa: E402
-from node.observe.metrics import read_metrics  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results" / "faults"
+RESULTS = RESULTS_DIR / "faults"
 TARGET_RSS_GROWTH = 0.05
 
 
@@ -167,7 +165,7 @@ def run_faults(args) -> int:
     if any(f.kind == "skew" for f in faults) and FAKETIME is None:
         print("error: skew runs need libfaketime (apt-get install faketime)", file=sys.stderr)
         return 2
-    this = {"command": "benchmarks/faults.py " + " ".join(sys.argv[1:]),
+    this = {"command": command_line(__spec__.name), "provenance": provenance(),
             "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), "ended": ""}
     results = {"round_seconds": args.round_seconds, "throttle": args.throttle, "runs": [], "commands": [this]}
     kept: list[dict] = []
@@ -210,13 +208,13 @@ def main() -> int:
     parser.add_argument("--report-only", action="store_true", help="redraw the tables from the .json")
     args = parser.parse_args()
     if args.report_only:
-        write_results(load(args.out), args.out, report)
+        write_results(load(args.out), args.out, report, redraw=True)
         return 0
     if args.faults:
         return run_faults(args)
     root = Path(f"/tmp/shoal-soak-{uuid.uuid4().hex[:6]}")
     root.mkdir(parents=True)
-    results = {"command": "benchmarks/faults.py " + " ".join(sys.argv[1:]), "minutes": args.minutes,
+    results = {"command": command_line(__spec__.name), "provenance": provenance(), "minutes": args.minutes,
                "warmup_minutes": args.warmup_minutes, "peers": args.peers, "round_seconds": args.round_seconds,
                "throttle": args.throttle, "sample_seconds": args.sample_seconds, "elapsed_minutes": 0.0,
                "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), "per_peer": {}}
