@@ -123,8 +123,8 @@ def test_three_peers_train_one_model(swarm, compression, returns, request):
     assert type(initial.hf).__name__ == "LlamaForCausalLM"
     init = torch.cat([p.detach().flatten() for p in initial.parameters()])
     wire = WireFormat.of(compression, return_compression=returns)
-    # A member that got part of the average back (a reducer's answer stream ended short: README,
-    # Known limitations) does not apply it, and is one step behind in the next round, where it
+    # A member that got part of the average back (a reducer's answer stream ended short:
+    # docs/limitations.md) does not apply it, and is one step behind in the next round, where it
     # replays the step: a fault of the transport, handled, and shown here if it happens.
     ids = {name: rounds[min(rounds)]["peer"] for name, rounds in per_peer.items()}
     partial = {(ids[name], r) for name, rounds in per_peer.items() for r, record in rounds.items()
