@@ -56,7 +56,7 @@ class ClaimMessage:
     projections: tuple[float, ...]  # row-major [num_chunks, num_projections]
     scale: tuple[float, ...]  # [num_chunks]
     # Sub-groups only: the same fingerprint of the outer momentum, which rides their all-reduce and
-    # which the group's mean is checked against (``averaging.engine.mixing.state_problem``).
+    # which the group's mean is checked against (``averaging.engine.subgroups.state_problem``).
     momentum: tuple[float, ...] | None = None
 
     @property

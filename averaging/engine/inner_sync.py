@@ -1,6 +1,6 @@
 """The training thread's side of averaging the inner optimizer's moments with every round.
 
-Why: in the simulated swarm (``benchmarks/speedup.py``, ``+avgstate``) swapping each peer's AdamW
+Why: in the simulated swarm (``benchmarks/sim/speedup.py``, ``+avgstate``) swapping each peer's AdamW
 moments for the peers' weighted mean at every outer step was the one lever that raised the
 speedup on every seed. With ``averaging.average_inner_state`` the moments ride the pseudo-gradient's
 all-reduce as its extra vector (``AveragingBackend.average(extra=...)``: bf16, judged without work

@@ -8,7 +8,7 @@ live peers by a stable hash of (salt, round, peer id), cuts that order into ``gr
 group find each other under one DHT key. The hash changes every round, so groups remix and what
 one group learned reaches the whole swarm in about log_G(N) rounds (Moshpit SGD,
 arXiv:2103.03239). These functions are pure: no DHT, no clock, no torch;
-``benchmarks/scale_sim.py`` measures how they behave under churn and lagging live counts.
+``benchmarks/sim/scale_sim.py`` measures how they behave under churn and lagging live counts.
 
 Why ranks, not the hash's top bits (``group_of``, the first rule: manifest ``averaging.sub_groups``
 1): a hash puts each peer in a group on its own, so group sizes are binomial. 16 real peers in 4
@@ -110,7 +110,7 @@ def round_hash(peer_id: str, round: int, *, salt: str = "") -> int:
 
 
 def group_of(peer_id: str, round: int, groups: int, *, salt: str = "") -> int:
-    """The hashed rule (the first one, kept so ``benchmarks/scale_sim.py`` can compare): the top
+    """The hashed rule (the first one, kept so ``benchmarks/sim/scale_sim.py`` can compare): the top
     log2(groups) bits of ``round_hash``, whoever else is live. The group for ``2 * groups`` is the
     group for ``groups`` with one more bit appended."""
     if not _is_power_of_two(groups):

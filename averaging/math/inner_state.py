@@ -1,6 +1,6 @@
 """Averaging the inner optimizer's moments across peers, landed late without losing the steps since.
 
-Why: in the simulated swarm (``benchmarks/speedup.py``, rule suffix ``+avgstate``) replacing every
+Why: in the simulated swarm (``benchmarks/sim/speedup.py``, rule suffix ``+avgstate``) replacing every
 peer's AdamW moments by the peers' token-weighted mean at each outer step was the one lever that
 raised the speedup on every seed (4 equal peers, overlap 1.65x -> 1.84x, blocking 1.81x -> 1.98x).
 In blocking mode the mean can be applied at the round's end; in overlap mode a peer keeps training

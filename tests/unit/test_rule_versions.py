@@ -47,6 +47,8 @@ PROTOCOL_RULES: dict[str, tuple[str, ...]] = {
         "averaging.math.fingerprints:FAR_RELATIVE", "averaging.math.fingerprints:far_members",
         "averaging.math.fingerprints:pooled_rms", "averaging.math.fingerprints:anchor_rms",
         "averaging.math.lattice:WITHIN_STEPS", "averaging.math.lattice:far", "averaging.math.lattice:left_out",
+        "averaging.math.group_view:decode_claims", "averaging.math.group_view:group_view",
+        "averaging.engine.subgroups:left_out", "averaging.engine.subgroups:donors_if_far",
     ),
     # the lattice code's grid (the 32-step rule) and its residues
     "lattice": (
@@ -81,12 +83,12 @@ PROTOCOL_RULES: dict[str, tuple[str, ...]] = {
         "averaging.state.accept:MAX_AVERAGE_TO_LOCAL_RATIO", "averaging.state.accept:MAX_CLAIMED_SCALE_RATIO",
         "averaging.state.accept:MAX_CATCH_UP_TO_LAST_RATIO", "averaging.state.accept:MAX_MOMENTUM_TO_STEP_RATIO",
         "averaging.state.shared_state:HISTORY_ROUNDS", "averaging.state.served:STATE_VERSION",
-        "averaging.engine.mixing:ESTIMATE_SLACK", "averaging.engine.mixing:STEP_SLACK",
+        "averaging.engine.subgroups:ESTIMATE_SLACK", "averaging.engine.subgroups:STEP_SLACK",
+        "averaging.engine.subgroups:state_problem", "averaging.engine.subgroups:group_rounds_done",
         "averaging.network.slices:slice_bounds", "averaging.network.slices:slice_alignment",
         "averaging.network.slices:slice_units",
         "averaging.network.hivemind.fetching:UPDATE_VERSION", "averaging.network.hivemind.fetching:METADATA_CAP_BYTES",
-        "averaging.network.hivemind.averager:STATE_REQUEST", "averaging.network.hivemind.averager:PARTIAL_KEY",
-        "averaging.network.hivemind.averager:DISTRUSTED_KEY",
+        "averaging.network.hivemind.averager:STATE_REQUEST",
     ),
     # messages inside a round and between peers: schemas' versions and size limits
     "messages": (
@@ -133,8 +135,8 @@ GROUP_RULES: tuple[str, ...] = (
 
 # PROTOCOL_VERSION -> {part: fingerprint}
 PROTOCOL_FINGERPRINTS: dict[int, dict[str, str]] = {
-    6: {"fingerprint": "a11ed49042c2f057", "far rule": "9db7a2c4f413bfa1", "lattice": "55be0abb80abab23",
-        "codecs": "b52784ae1f9ae618", "robust": "fb832df3fceca733", "state": "4caa84de305355da",
+    6: {"fingerprint": "a11ed49042c2f057", "far rule": "f084301e951362a3", "lattice": "55be0abb80abab23",
+        "codecs": "b52784ae1f9ae618", "robust": "fb832df3fceca733", "state": "44fa192a03bd1b85",
         "messages": "2810d9ca05ad3abf", "records": "93fb66f5631a10ee"},
 }
 # (PROTOCOL_VERSION, groups.RULE) -> fingerprint
