@@ -172,3 +172,12 @@ def from_residues_(extra: torch.Tensor, raw: torch.Tensor, lattice: Lattice) -> 
         index = (raw[start:stop].double() / step).round_()
         offset = wrap(extra[start:stop].double() - torch.remainder(index, LEVELS))
         extra[start:stop] = (index + offset) * step
+
+
+def returned_residues(residues: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """What a group's reducers return for the members' residues (``to_residues_``): each unwrapped
+    against the first one's, their weighted mean, rounded to the grid and sent as a residue again
+    (the lat8 return). A member rebuilds its value from it with ``from_residues_``."""
+    total = float(sum(weights))
+    mean = sum(unwrap(r, residues[0]) * (w / total) for r, w in zip(residues, weights))
+    return torch.remainder(mean.round(), LEVELS)

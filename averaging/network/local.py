@@ -1,10 +1,12 @@
 """An in-process ``AveragingBackend`` for unit tests: threads meet in a ``LocalHub``.
 
-It averages exactly (weighted mean) and gathers every member's report, like a healthy
-butterfly all-reduce without compression, so tests of the worker and of round logic run in
-milliseconds. With ``return_code`` each member gets ``own + R(mean - own)`` instead, as from
-hivemind's reducers returning deltas in that code (``averaging.math.wire.returned``): the per-member
-error that makes anchors drift apart. Sends arrive as given (the round engine quantizes them).
+It averages exactly (weighted mean) and gathers every member's report, like a healthy butterfly
+all-reduce without compression, so tests of the worker and of round logic run in milliseconds.
+With ``return_code`` each member gets ``own + R(mean - own)`` instead, as from hivemind's reducers
+returning deltas in that code (``averaging.math.wire.returned``). Sends arrive as given (the round
+engine quantizes them). Sub-groups' extra vectors go as the real reducers take them: the group's
+view (``averaging.math.group_view``) leaves far members out of the mean and, in a lattice-coded
+group, the state travels as residues on the group's grid (``averaging.math.lattice``).
 Integration tests always use the real hivemind backend.
 """
 
@@ -14,17 +16,27 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from averaging.math.group_view import decode_claims, group_view
+from averaging.math import lattice
+from averaging.math.group_view import GroupView, decode_claims, group_view
 from averaging.math.wire import returned
 from averaging.network.interface import AverageOutcome, Progress
 from averaging.state.served import AppliedUpdate, CheckSlice, DownloadedState
 from protocols.messages import MAX_ROUND
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _GroupResult:
+    mean: torch.Tensor
+    gathered: dict[str, Any]
+    extras: dict[str, torch.Tensor] | None  # each member's extra vector back (None: not every member sent one)
+    view: GroupView | None  # sub-groups: the group's view
 
 
 class LocalHub:
@@ -43,8 +55,7 @@ class LocalHub:
         self._arrived: dict[tuple[int, str], dict[str, tuple[torch.Tensor, float, Any]]] = {}
         self._own: dict[tuple[tuple[int, str], str], torch.Tensor] = {}  # what each member sent, for its return error
         self._extras: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # each member's extra vector
-        # (mean, gathered, the extra vectors' mean or None), or None for a failed round
-        self._results: dict[tuple[int, str], tuple[torch.Tensor, dict[str, Any], torch.Tensor | None] | None] = {}
+        self._results: dict[tuple[int, str], _GroupResult | None] = {}  # None: a failed round
         self.state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]] = {}
         self.update_providers: dict[str, Callable[[int], AppliedUpdate | None]] = {}
 
@@ -53,16 +64,16 @@ class LocalHub:
             self._prepared.setdefault((round, key), set()).add(peer)
 
     def average(self, peer: str, round: int, vector: torch.Tensor, weight: float, gather: Any, timeout: float,
-                extra: torch.Tensor | None = None, key: str = ""):
-        """(mean, gathered, extra mean) or None. The extra vectors' weighted mean is exact (the
-        return code applies to the main vector only); None unless every member sent one."""
+                extra: torch.Tensor | None = None, key: str = "", far_state_numel: int = 0,
+                lattice_coded: bool = False) -> tuple[torch.Tensor, _GroupResult] | None:
+        """(our result, the group's) or None. ``far_state_numel``: a sub-group's (``LocalBackend``)."""
         round = (round, key)  # (below, "round" is the group's slot: the round and its key)
         deadline = time.monotonic() + timeout
         with self._cond:
             if round in self._results:
                 # The round ended without us: its result is not ours (nor is a failure's).
                 result = self._results[round]
-                return result if result is not None and peer in result[1] else None
+                return (result.mean, result) if result is not None and peer in result.gathered else None
             if extra is not None:
                 self._extras.setdefault(round, {})[peer] = extra.clone()
             self._arrived.setdefault(round, {})[peer] = (vector.clone(), weight, gather)
@@ -70,12 +81,8 @@ class LocalHub:
                 self._own[round, peer] = self._arrived[round][peer][0]
             arrived = self._arrived[round]
             if set(arrived) >= self._prepared.get(round, set()) and len(arrived) >= self.min_group_size:
-                total = sum(w for _, w, _ in arrived.values())
-                mean = sum(v * (w / total) for v, w, _ in arrived.values())
-                extras = self._extras.pop(round, {})
-                extra_mean = sum(extras[p] * (w / total) for p, (_, w, _) in arrived.items()) \
-                    if extras and set(extras) >= set(arrived) else None
-                self._results[round] = (mean, {p: g for p, (_, _, g) in arrived.items()}, extra_mean)
+                self._results[round] = self._reduce(arrived, self._extras.pop(round, {}), far_state_numel,
+                                                    lattice_coded)
                 self._cond.notify_all()
             if self.matchmaking_s is not None:
                 deadline = min(deadline, time.monotonic() + self.matchmaking_s) if len(
@@ -89,18 +96,57 @@ class LocalHub:
                     return None
             result = self._results[round]
             own = self._own.pop((round, peer), None)
-            if result is not None and own is not None:
-                return returned(result[0], own, self.return_code), *result[1:]
-            return result
+            if result is None:
+                return None
+            return (returned(result.mean, own, self.return_code) if own is not None else result.mean), result
+
+    @staticmethod
+    def _reduce(arrived: dict[str, tuple[torch.Tensor, float, Any]], extras: dict[str, torch.Tensor],
+                far_state_numel: int, lattice_coded: bool) -> _GroupResult:
+        """The group's result: the exact weighted mean, and each member's extra vector as the
+        reducers return it (the return code applies to the main vector only)."""
+        weights = {p: w for p, (_, w, _) in arrived.items()}
+        total = sum(weights.values())
+        mean = sum(v * (weights[p] / total) for p, (v, _, _) in arrived.items())
+        gathered = {p: g for p, (_, _, g) in arrived.items()}
+        view = group_view(decode_claims(gathered, numel=far_state_numel), lattice_coded=lattice_coded) \
+            if far_state_numel else None
+        back = _extras_back(extras, weights, view) if extras and set(extras) >= set(arrived) else None
+        return _GroupResult(mean, gathered, back, view)
+
+
+def _extras_back(extras: dict[str, torch.Tensor], weights: dict[str, float],
+                 view: GroupView | None) -> dict[str, torch.Tensor]:
+    """Each member's extra vector after the all-reduce, as hivemind's reducers return it: the weighted
+    mean of the members the group's view does not find far (of all, if none is near); in a
+    lattice-coded group, through the members' residues on its grid, which a far member cannot
+    decode: it keeps its own values."""
+    far = view.far if view is not None else frozenset()
+    members = [p for p in extras if p not in far] or list(extras)
+    total = sum(weights[p] for p in members)
+    if view is None or view.lattice is None:
+        mean = sum(extras[p] * (weights[p] / total) for p in members)
+        return dict.fromkeys(extras, mean)
+    residues = {}
+    for p in members:
+        residues[p] = extras[p].clone()
+        lattice.to_residues_(residues[p], view.lattice)
+    sent_back = lattice.returned_residues([residues[p] for p in members], [weights[p] for p in members])
+    back = {}
+    for p, own in extras.items():
+        back[p] = own.clone() if p in far else sent_back.clone()
+        if p not in far:
+            lattice.from_residues_(back[p], own, view.lattice)
+    return back
 
 
 class LocalBackend:
     def __init__(self, hub: LocalHub, peer_id: str, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
                  update_provider: Callable[[int], AppliedUpdate | None] | None = None, *,
                  far_state_numel: int = 0, lattice: bool = False):
-        """``far_state_numel``: sub-groups, whose members' claims describe anchors of that many values:
-        each round's outcome carries the group's view of who is far (``averaging.math.group_view``),
-        as ``HivemindBackend``'s does (the hub's mean still counts every member exactly)."""
+        """``far_state_numel``: sub-groups, whose members' claims describe anchors of that many values
+        and whose extra vector leads with them; ``lattice``: that state rides the lattice code (as
+        ``HivemindBackend``'s ``mixing`` and ``extra_code``)."""
         self.hub, self.peer_id = hub, peer_id
         self._far_state_numel, self._lattice = far_state_numel, lattice
         self._state_provider = state_provider
@@ -130,20 +176,21 @@ class LocalBackend:
             return AverageOutcome(ok=False, error="no averaging step was prepared")
         gather, key = prepared
         started = time.perf_counter()
-        result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout, extra=extra, **key)
+        result = self.hub.average(self.peer_id, round, vector, weight, gather, timeout, extra=extra,
+                                  far_state_numel=self._far_state_numel, lattice_coded=self._lattice, **key)
         if result is None:
             return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error="timed out")
-        mean, gathered, extra_mean = result
-        if extra is not None and (extra_mean is None or extra_mean.shape != extra.shape):
+        mean, group = result
+        extra_back = group.extras.get(self.peer_id) if group.extras is not None else None
+        if extra is not None and (extra_back is None or extra_back.shape != extra.shape):
             return AverageOutcome(ok=False, sync_s=time.perf_counter() - started,
                                   error="the group's members did not all send an extra vector")
         vector.copy_(mean)
         if extra is not None:
-            extra.copy_(extra_mean)
-        far = group_view(decode_claims(gathered, numel=self._far_state_numel), lattice_coded=self._lattice).far \
-            if self._far_state_numel else None
-        return AverageOutcome(ok=True, group=tuple(sorted(gathered)), gathered=gathered,
-                              sync_s=time.perf_counter() - started, far=far)
+            extra.copy_(extra_back)
+        return AverageOutcome(ok=True, group=tuple(sorted(group.gathered)), gathered=group.gathered,
+                              sync_s=time.perf_counter() - started,
+                              far=group.view.far if group.view is not None else None)
 
     def share_state(self, allowed: bool) -> None:
         if allowed:

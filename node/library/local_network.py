@@ -122,8 +122,8 @@ class LocalNetwork:
     def backend(self, *, run_id: str, numel: int, state_provider: StateProvider, averaging: AveragingConfig,
                 client_mode: bool, update_provider: UpdateProvider | None = None,
                 share_state: bool = True, extra_numel: int = 0, extra_code: str = "bf16") -> AveragingBackend:
-        # (the hub averages extra vectors exactly, whatever their code, and over every member: a sub-group
-        # member whose claim is far keeps its weight here, where real reducers give it 0, far_members)
+        # (the hub averages extra vectors exactly, whatever their code, except as a sub-group's view
+        # says: far members left out, the lattice code's residues: averaging.network.local)
         wire = averaging.wire
         if wire.quantized:  # reducers return deltas in the return code: each member ends slightly apart
             self.hub.averaging.return_code = wire.return_code

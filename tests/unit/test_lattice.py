@@ -222,3 +222,56 @@ def test_a_member_beyond_what_the_grid_covers_counts_as_far_in_a_lattice_group()
     assert lattice.WITHIN_STEPS == 32
     claims[3] = AnchorClaim(fingerprint(shared + torch.randn(NUMEL, generator=generator) * 20e-4), step, 1)
     assert lattice.far(claims) == [False] * 4  # 20 steps: within the grid
+
+
+def test_the_in_process_hub_runs_the_lattice_code_as_real_reducers_do():
+    """tests/integration/test_lattice_state.py's group on ``LocalBackend``s: two anchors a few steps
+    apart and one 100 steps off; the near two end with the same bytes, within a grid step of their
+    mean (it rode the grid); the far one is left out of the mean, cannot decode it and keeps its own
+    state exactly; every outcome names it far, as the group's view found it."""
+    import threading
+
+    from averaging.math.fingerprints import claim_of, far_members, momentum_of
+    from averaging.math.flat import FlatLayout
+    from averaging.math.outer_step import OuterConfig
+    from averaging.network.local import LocalBackend, LocalHub
+    from averaging.state.shared_state import SharedState
+
+    numel, round = 8_000, 2
+    generator = torch.Generator().manual_seed(9)
+    step = torch.randn(numel, generator=generator) * 1e-3
+    base = torch.randn(numel, generator=generator) * 0.05
+    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
+    states = []
+    for spread in (1e-3, 1e-3, 0.1):
+        states.append(SharedState(layout, base + torch.randn(numel, generator=generator) * spread,
+                                  OuterConfig(lr=0.7, momentum=0.9, nesterov=True)))
+        states[-1].apply(step, round=1)
+    extras = [torch.cat([s.anchor, s.momentum]) for s in states]
+    outs = [extra.clone() for extra in extras]
+    hub = LocalHub()
+    backends = [LocalBackend(hub, f"m{i}", s.shared_state, far_state_numel=numel, lattice=True)
+                for i, s in enumerate(states)]
+    for i, backend in enumerate(backends):
+        backend.prepare(round=round, scheduled_time=0.0, timeout=5.0,
+                        gather=states[i].claim_message(round=round, with_momentum=True).encode())
+    outcomes = [None] * 3
+
+    def average(i: int) -> None:
+        outcomes[i] = backends[i].average(torch.zeros(4), weight=1.0, timeout=5.0, round=round, extra=outs[i])
+
+    threads = [threading.Thread(target=average, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert all(o is not None and o.ok and o.far == {"m2"} for o in outcomes), outcomes
+    messages = [s.claim_message(round=round, with_momentum=True) for s in states]
+    claims = [claim_of(m) for m in messages]
+    assert far_members(claims) == [False, False, True]
+    steps = lattice.group_lattice(claims, [momentum_of(m) for m in messages], [False, False, True]).steps()
+    near = torch.stack(extras[:2]).double().mean(0)
+    assert torch.equal(outs[0], outs[1])
+    assert bool(((outs[0].double() - near).abs() <= steps * (1 + 1e-5)).all())
+    assert float((outs[0].double() - near).abs().max()) > 0  # it rode the grid: not the exact mean
+    assert torch.equal(outs[2], extras[2])  # the far member keeps its own state exactly

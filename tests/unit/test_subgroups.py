@@ -215,24 +215,12 @@ def test_a_far_member_of_a_lattice_run_downloads_its_groups_state(workers):
     state, then downloads the state of a, b and c and ends the round holding theirs; they took the
     group's mean as ever. Its claim for round 2 was made before that download landed (this engine
     prepares the next round's matchmaking at once), so it may download once more; by round 3 it is
-    near. (The in-process hub averages exactly: the
-    round engine's path is what is tested here; the code itself in tests/unit/test_lattice.py and
-    tests/integration/test_lattice_state.py.)"""
+    near. The in-process hub runs the lattice code as the reducers do: the near members' residues on
+    the group's grid, d left out of the mean and unable to decode it."""
     peers = make_peers(workers, plan=lambda round, peer_id: (0, 1), code=LATTICE_CODE, stale_d=False)
     by_id = {p["id"]: p for p in peers}
     d = by_id["d"]
-    near = torch.cat([d["state"].anchor, d["state"].momentum])  # (a, b and c hold it too)
     d["state"].anchor.add_(torch.randn(d["layout"].numel, generator=d["generator"]))
-    average = d["backend"].average
-
-    def weight_zero(vector, *, extra=None, **kwargs):
-        # The hub averages every member's state; real reducers give a far member's weight 0: the
-        # group's mean is then the near members', which d's stand-in state leaves it at.
-        if kwargs.get("round") == 1:
-            extra.copy_(near)
-        return average(vector, extra=extra, **kwargs)
-
-    d["backend"].average = weight_zero
     run(peers, 3)
     assert d["stats"][0].resynced and not d["stats"][2].resynced
     assert all(s.applied == "averaged" for p in peers for s in p["stats"])
