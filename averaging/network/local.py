@@ -1,11 +1,8 @@
 """An in-process ``AveragingBackend`` for unit tests: threads meet in a ``LocalHub``.
 
-It averages exactly (weighted mean) and gathers every member's report, like a healthy
-butterfly all-reduce without compression, so tests of the worker and of round logic run in
-milliseconds. With ``return_code`` each member gets ``own + R(mean - own)`` instead, as from
-hivemind's reducers returning deltas in that code (``averaging.math.wire.returned``): the per-member
-error that makes anchors drift apart. Sends arrive as given (the round engine quantizes them).
-Integration tests always use the real hivemind backend.
+It averages exactly (weighted mean) and gathers every member's report, like a healthy all-reduce
+without compression, so engine tests run in milliseconds; with ``return_code`` each member gets
+``averaging.math.wire.returned`` instead. Integration tests always use the real hivemind backend.
 """
 
 from __future__ import annotations

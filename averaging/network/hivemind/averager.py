@@ -17,14 +17,9 @@ Hazards this module owns (docs/hivemind.md):
   for a peer catching up) the averager process writes the request into a shared-memory slot
   first, and one asyncio lock serializes every request to the host (``ShoalAverager._ask_host``).
 - Matchmaking for round r+1 may start while round r's all-reduce still runs (the prepare lane).
-  hivemind's ``rpc_aggregate_part`` refuses a part for a group it has not registered yet as soon
-  as *any* group (un)registers, and a group registers only once its step is triggered: the end of
-  round r's all-reduce would then refuse round r+1's early parts. ``ShoalAverager`` waits for the
-  registration instead, for up to the sender timeout, unless the step that matched the group has
-  ended without running it (cancelled while it awaited its trigger): then it refuses at once, and
-  the members stop waiting for us (``RobustAllReduceRunner._drop_absent_sender``). A group we do
-  not know waits at most ``request_timeout``, and only while we look for a group; otherwise it is
-  refused at once (``registration_wait``): a stranger cannot hold a handler for the sender timeout.
+  hivemind refuses a part for a not-yet-registered group as soon as *any* group (un)registers, so
+  a part waits for its group's registration instead (``registration_wait``), and is refused at
+  once for a group whose step ended without running it.
 - hivemind caches the RPC table per class but finds the cache through the MRO (see ``_rpc_handlers``).
 """
 
@@ -98,20 +93,16 @@ class GroupResult:
 
 
 def leader_group_cap(target_group_size: int | None, robust: RobustConfig | None) -> int | None:
-    """The largest group we accept (``ShoalAverager._max_group_size``, checked by
-    ``allreduce.vet_group``: a group over ``robust.max_group_size`` is an attack) and so the size at
-    which our hivemind leader stops gathering followers (the backend passes it as hivemind's
-    ``target_group_size``). With no target size, hivemind's leader would gather everyone looking
-    under the round's key, so past the cap (64 peers) no group could form at all; capped, hivemind
-    splits the key into several groups of at most the cap. A target size below the cap is the cap."""
+    """The largest group we accept (``allreduce.vet_group`` refuses larger ones), passed to hivemind
+    as ``target_group_size`` so that its leader stops gathering there: uncapped, a swarm larger than
+    the cap could form no group at all."""
     caps = [c for c in (target_group_size, robust.max_group_size if robust is not None else None) if c]
     return min(caps) if caps else None
 
 
 class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
-    """hivemind's averager plus what it lacks: a pluggable state provider, a state download cut
-    into slices that several donors serve at once (``averaging.network.slices``), and robust aggregation
-    (``averaging.network.hivemind.allreduce``; ``robust=None`` keeps hivemind's plain weighted mean)."""
+    """hivemind's averager plus what shoal needs (module docstring); ``robust=None`` keeps
+    hivemind's plain weighted mean."""
 
     # Hazard: hivemind caches the RPC table per class but finds the cache through the MRO, so a
     # plain DecentralizedAverager set up earlier in this process would lend us a table without
@@ -194,11 +185,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
 
     @contextlib.contextmanager
     def _kept_alive(self):
-        """Hold a strong reference to the running command's task. hivemind's command loop drops the
-        task it creates per command, and what a step waits on (its trigger, an MPFuture) refers to
-        it only weakly: a garbage collection while a step awaits its trigger destroyed the step
-        ("Task was destroyed but it is pending"), and its group waited for its parts until their
-        sender timeout."""
+        """Hold a strong reference to the running command's task: hivemind's command loop keeps
+        none, so a garbage collection could destroy a step that awaits its trigger."""
         task = asyncio.current_task()
         self._running.add(task)
         try:
@@ -207,8 +195,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             self._running.discard(task)
 
     async def _step(self, *, step: StepControl, **kwargs):
-        # A ban counts averaging rounds (one step each), whether or not a group formed: counted in
-        # all-reduces, a ban of our only possible partner never ended (no group, so no all-reduce).
+        # A ban counts averaging rounds (one step each), not all-reduces: a ban of our only possible
+        # partner must end even though no group forms.
         self._ban_list.next_round()
         _STEP_ROUND.set(self._ban_list.round)
         with self._kept_alive():
@@ -218,11 +206,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
                 self._end_groups(self._matchmaking.matched.pop(id(step), ()))
 
     def _end_groups(self, group_ids: Sequence[bytes]) -> None:
-        """The groups a finished step matched will never (again) be registered: a part for one of
-        them is refused at once. A step cancelled while it awaited its trigger (its round was
-        passed, or its sync timed out) had told its group it was in; without this, every member's
-        part to us waited the whole registration wait (0.4 x allreduce_timeout) and the members'
-        all-reduce stalled that long."""
+        """Remember the groups a finished step matched: they will never be registered, so a part
+        for one is refused at once rather than stalling its sender for the registration wait."""
         for group_id in group_ids:  # unregistered by now (hivemind's _register_allreduce_group)
             self._ended_groups[group_id] = None
         while len(self._ended_groups) > ENDED_GROUPS_KEPT:
@@ -277,11 +262,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             # Hold the stream until the sender has read that and hung up: returning with its parts
-            # still unread resets the stream, and the sender often saw a broken pipe instead of
-            # BAD_GROUP_ID, so it did not know to stop waiting for our parts. An honest sender hangs
-            # up as soon as it reads the answer (hivemind's _communicate_with_peer raises on a code
-            # that is not AVERAGED_PART); one message's trip on a live link takes far less than
-            # request_timeout, the time a follower gives a leader's answer.
+            # unread resets the stream, and the sender would see a broken pipe, not BAD_GROUP_ID.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(_drain(stream), timeout=min(self._registration_wait,
                                                                    self._unknown_group_wait))
@@ -416,26 +397,14 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
 
 def registration_wait(group_id: bytes, matchmaking: Matchmaking | None, *, known_group_wait: float,
                       unknown_group_wait: float) -> float:
-    """How long, from its first message, a part for ``group_id`` (neither registered nor ended) may
-    wait for the group's registration before it is answered BAD_GROUP_ID.
+    """How long a part for ``group_id`` (neither registered nor ended) may wait for the group's
+    registration before it is answered BAD_GROUP_ID (hivemind 1.1.12 registers a group only once
+    the step's trigger fired, so members triggered before us send first).
 
-    What hivemind 1.1.12 does: ``DecentralizedAverager._step`` registers a group
-    (``_register_allreduce_group``) once matchmaking returned it and the step's trigger fired,
-    before ``_aggregate_with_group`` builds the runner that sends parts. So an honest member sends
-    us a part only for a group it registered, having assembled it (the leader) or received it from
-    the leader. A leader hands the group to all its followers at once: each follower's
-    ``rpc_join_group`` stream awaits the same ``assembled_group`` future, then sends
-    BEGIN_ALLREDUCE. Until that message reaches us, our matchmaking still holds its
-    ``lock_looking_for_group`` (``look_for_group`` returns only with the group).
-
-    - A group we know (our step matched it and awaits its trigger, or we are assembling it):
-      ``known_group_wait`` (the sender timeout), since members triggered before us send first.
-    - A group we do not know, while we look for a group: it may be the one our leader is about to
-      send us, and another member can be that much ahead of us only by how much longer the leader's
-      message takes to reach us, network latency: ``unknown_group_wait`` (``request_timeout``, the
-      time a follower gives a leader's answer) is ample.
-    - Otherwise no step of ours can register it (one that gave up on matchmaking, or a group id we
-      were never in): 0, answered at once. A stranger cannot hold our handler for long."""
+    - A group we know (a step of ours matched it, or we assemble it): ``known_group_wait``.
+    - One we do not know, while we look for a group: our leader may be about to send it, so
+      ``unknown_group_wait`` (``request_timeout``, network latency).
+    - Otherwise no step of ours can register it: 0, so a stranger cannot hold our handler."""
     if matchmaking is None:  # (the averager is still starting: hivemind adds its handlers first)
         return 0.0
     if _knows_group(matchmaking, group_id):

@@ -64,10 +64,8 @@ logger = logging.getLogger(__name__)
 
 LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 RECENT_ALLREDUCES = 3  # the part timeouts follow the longest of the last few all-reduces
-# How long ``prepare`` waits for the averager to confirm a round's group bits. hivemind's own
-# ``set_group_bits(wait=True)`` waits on its process's reply with no timeout: with the averager
-# process killed (an out-of-memory kill) the prepare lane hung for good, and the node, which had
-# noticed the dead process and was leaving, hung in its shutdown waiting for that lane.
+# How long ``prepare`` waits for the averager to confirm a round's group bits: hivemind's own
+# ``set_group_bits(wait=True)`` has no timeout, and hangs for good if the averager process died.
 GROUP_BITS_WAIT_S = 5.0
 # ``average(keep_partial=True)`` keeps a result with at most this share missing (sub-groups): beyond
 # it, more of the vector would be our own values than the group's average.
@@ -105,18 +103,12 @@ class HivemindBackend:
         extra_code: str = EXTRA_CODE,
         mixing: bool = False,
     ):
-        """``admission``: a private swarm's admission key (``protocols.admission.admission_key``).
-        ``signer``: this peer's libp2p identity (the DHT's): our claims are signed with it and every
-        member's must be (``protocols.signed_claims``). Every real node has one; without it (tests
-        on bare hivemind DHTs) claims travel unsigned and unchecked. ``share_state``: serve our state
-        from the start (False for a peer that downloads the swarm's first: ``share_state``).
-        ``extra_numel``: a second vector of that many values averaged in the same all-reduce
-        (``average(extra=...)``), in bf16 and judged without work scaling: the inner optimizer's
-        moments. Every member of a run must agree on it (the parts are cut from both tensors).
-        ``extra_code``: that vector's codec both ways (``averaging.math.wire.mix_code``'s when it
-        carries anchors: ``averaging.engine.subgroups``). ``mixing``: it does (sub-groups), so the
-        reducers give a member whose claimed anchor is far from the rest weight 0 on it
-        (``averaging.math.fingerprints.far_members``)."""
+        """``admission``: a private swarm's key (``protocols.admission``). ``signer``: this peer's
+        libp2p identity, which signs our claims (without it, in tests on bare DHTs, claims travel
+        unsigned and unchecked). ``share_state``: serve our state from the start.
+        ``extra_numel``: a second vector averaged in the same all-reduce (``average(extra=...)``),
+        which every member of a run must agree on; ``extra_code`` its codec both ways. ``mixing``:
+        it carries anchors (sub-groups), so far members get weight 0 on it."""
         if signer is not None and signer.peer_id != str(dht.peer_id):
             raise ValueError("the signer must be the DHT's own identity")
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
@@ -272,9 +264,8 @@ class HivemindBackend:
         # a peer banned this round must not win a tie.
         gathered_by_peer = {peer: data for peer, data in result.gathered.items() if peer not in result.distrusted}
         if missing and keep_partial and missing <= KEEP_PARTIAL_MAX:
-            # Sub-groups (averaging.engine.subgroups): our own values stand for the share that never
-            # arrived (hivemind keeps them there), as if we had been alone for those coordinates;
-            # the next rounds' groups mix them like any other difference.
+            # Sub-groups: our own values stand for the share that never arrived (hivemind keeps them
+            # there); the next rounds' groups mix them like any other difference.
             logger.info(f"round {round}: kept a partial all-reduce: {missing:.1%} of the average never arrived "
                         "(a reducer failed, named in the log); our own values stand in for it")
         elif missing:
@@ -294,9 +285,8 @@ class HivemindBackend:
                               partial=missing, far=result.far)
 
     def _note_allreduce(self, seconds: float) -> None:
-        """An all-reduce succeeded in ``seconds``: scale the part timeouts to it. Only whole ones
-        measure the link: a partial one lasted as long as the timeout that failed it, and scaling
-        to that would make every later failure wait longer."""
+        """A whole all-reduce took ``seconds``: scale the part timeouts to it (a partial one lasted
+        as long as the timeout that failed it, so it measures nothing)."""
         self._recent_allreduce_s.append(seconds)
         sender, reducer = part_timeouts(self._recent_allreduce_s, self._allreduce_timeout)
         self._averager.set_part_timeouts(sender, reducer)
@@ -305,12 +295,9 @@ class HivemindBackend:
                        slices: int | None = None, same_state: SameState | None = None,
                        max_round: int = MAX_ROUND, check: CheckSlice | None = None) -> DownloadedState | None:
         """Fetch the shared state from all of ``peers`` at once, in ``slices`` slices (default: two
-        per donor); None if it cannot be completed from slices of one round.
-
-        ``timeout`` is how long a donor may stay silent; a slice also has a deadline that grows with
-        its size (``slice_deadline_s``). Threads: this runs in the caller's thread (the sync
-        worker's), which also calls ``progress(done_bytes, total_bytes)``; each slice is fetched by a
-        pool thread that waits on the averager process, where the network transfer runs."""
+        per donor); None if it cannot be completed from slices of one round. ``timeout``: how long a
+        donor may stay silent. Threads: runs (and calls ``progress``) in the caller's thread; each
+        slice is fetched by a pool thread that waits on the averager process."""
         donors = [peer for peer in dict.fromkeys(peers) if peer != self.peer_id]
         total = sum(self._state_lengths)
         if not donors or total == 0:
@@ -376,14 +363,9 @@ class HivemindBackend:
             self._averager.shutdown()
 
     def _let_answers_out(self) -> None:
-        """Before leaving, let our reducer finish the answers it owes. Our own all-reduce ends when
-        *our* results are in; the averages we reduce for the others may still be streaming to them
-        (a slow link: all of one sender's answers queue on our uplink), and shutting down cuts them:
-        each such member's round then comes back partial and folds. Seen on the real capped swarm
-        (benchmarks/results/speedup_real_state.md): the slowest peer finished the run's last round
-        first, left 20 ms later, and the fastest peer's stream from it ended a part short. Wait
-        while answers are streaming, then as long as an all-reduce takes for the last bytes to
-        leave the daemon's buffers; bounded by ``LEAVE_GRACE_S``."""
+        """Before leaving, let our reducer finish the answers it owes: our own all-reduce ends when
+        *our* results are in, and cutting the answers still streaming to the others would leave
+        their rounds partial. Bounded by ``LEAVE_GRACE_S``."""
         counters = self._averager.robust_counters
         deadline = time.monotonic() + LEAVE_GRACE_S
         while counters.answering > 0 and time.monotonic() < deadline:

@@ -3,9 +3,7 @@
 A mixin of ``ShoalAverager`` (``averaging.network.hivemind.averager``). ``fetch_slice`` and
 ``fetch_update`` block a host thread on an MPFuture while the transfer runs in the averager
 process (one task per fetch, bounded by its deadline so none lingers). Everything received is
-refused early where it could not be right: more bytes or parts than asked for (whole messages
-counted, each refused before it is read: ``_download``), metadata past the first message or its
-cap, compression, another dtype or size, another step, non-finite values.
+refused as early as it could not be right (``_download`` refuses a message before reading it).
 """
 
 from __future__ import annotations
@@ -168,15 +166,9 @@ class StateFetching:
     async def _download(self, peer: str, method: str, request: averaging_pb2.JoinRequest,
                         max_total_bytes: int) -> AsyncIterator[averaging_pb2.DownloadData]:
         """The donor's answer to ``request`` (one of our streaming RPCs ``method``), at most
-        ``max_total_bytes`` of messages in all, each refused before it is read.
-
-        Why not hivemind's stub: its reader (``P2P.receive_raw_data``, 1.1.12) reads whatever length
-        a message's 8-byte header announces, so one message of a hostile donor could fill our memory
-        before we saw it. This speaks the same framing as hivemind's ``P2P`` (``send_protobuf``: a
-        marker byte, ``MESSAGE_MARKER`` or ``ERROR_MARKER``, then the big-endian length in
-        ``HEADER_LEN`` bytes, then the message; the caller sends its request and then
-        ``END_OF_STREAM``; the donor's end of the stream ends the answer), to the handler name a
-        donor registers (``add_p2p_handlers`` with our prefix, named after our class, as the stub's)."""
+        ``max_total_bytes`` of messages in all, each refused before it is read. Not hivemind's stub:
+        its reader (1.1.12) allocates whatever length a message's header announces, so one hostile
+        message could fill our memory. This speaks hivemind's ``P2P`` framing (``send_protobuf``)."""
         handle = self._get_handle_name(self.prefix, method)
         _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), handle)
         try:
