@@ -37,9 +37,7 @@ MIN_DONOR_BYTES_PER_S = 128 * 1024  # a donor slower than 1 Mbit/s over a whole 
 
 # fetch(donor, index, count) -> (metadata, flat fp32 slice); raises on any failure.
 Fetch = Callable[[str, int, int], tuple[Any, torch.Tensor]]
-# same_state(metadata_a, metadata_b): whether two donors' slices of one round may be assembled
-# together (their claims describe one state). Donors whose claims differ serve different lineages;
-# the one most donors serve is assembled (``choose_state``).
+# same_state(metadata_a, metadata_b): whether two donors' slices of one round describe one state.
 SameState = Callable[[Any, Any], bool]
 
 
@@ -64,10 +62,8 @@ def slice_units(total: int, align: int = 1) -> int:
 
 
 def flat_slice(tensors: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
-    """Values ``[start, stop)`` of the concatenation of ``tensors`` (flattened), without building the
-    concatenation: a donor serving slice i of n copies 1/n of its state, not all of it.
-
-    Refuses non-fp32 tensors rather than casting: the joiner expects exact fp32 values."""
+    """Values ``[start, stop)`` of the flattened ``tensors``' concatenation, without building it;
+    fp32 only (the joiner expects exact values)."""
     if any(t.dtype != torch.float32 for t in tensors):
         raise ValueError(f"state tensors must be float32, got {sorted({str(t.dtype) for t in tensors})}")
     pieces, offset = [], 0
@@ -113,15 +109,13 @@ def choose_round(rounds: Iterable[int]) -> int | None:
     return max(votes, key=lambda round: (votes[round], round))
 
 
-# A state a donor serves: its round and its lineage, the index of the first state of that round
-# whose claim its own agrees with (``same_state``; 0 without one).
+# A state a donor serves: its round and lineage (the first state of that round it agrees with).
 StateKey = tuple[int, int]
 
 
 def choose_state(keys: Iterable[StateKey]) -> StateKey | None:
-    """The state most donors serve; ties go to the newest round, then to the lineage seen first.
-    None if no votes. A claim is a donor's word: a vote of donors, not the first donor to answer,
-    decides which state is assembled (one donor could otherwise pick it)."""
+    """The state most donors serve (ties: the newest round, then the lineage seen first), so that no
+    single donor picks it; None if no votes."""
     votes = Counter(keys)
     if not votes:
         return None
@@ -314,10 +308,7 @@ def download_slices(
 
 
 class _Fetches:
-    """The fetches in flight: one per donor at most, each with its start time, within a budget.
-
-    One thread per donor is enough: a donor has at most one fetch in flight, and a fetch that
-    outlives ``slice_timeout`` has its donor dropped, so its thread is never needed again."""
+    """The fetches in flight, one per donor at most (so one thread per donor), within a budget."""
 
     def __init__(self, fetch: Fetch, count: int, *, workers: int, slice_timeout: float | None, budget: int):
         self.fetch, self.count, self.slice_timeout, self.budget = fetch, count, slice_timeout, budget

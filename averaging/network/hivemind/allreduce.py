@@ -53,11 +53,9 @@ class RobustCounters:
         self._refused_returns = mp.Value("q", 0)  # reducers whose returned averages were refused
         self._clipped = mp.Value("q", 0)  # parts clipped or trimmed by the aggregator
         self._bans = mp.Value("q", 0)  # peers put on the ban list
-        # lattice-coded state values a reducer unwrapped near the edge of their range (overflow
-        # suspects: the group's anchors lie farther apart than its grid covers; averaging.math.lattice)
+        # lattice-coded values a reducer unwrapped near the edge of their range (overflow suspects)
         self._lattice_edges = mp.Value("q", 0)
-        # Senders whose answers this averager is still streaming as a reducer (not a count of
-        # refusals: a gauge). A peer about to leave waits for it to reach 0 (``HivemindBackend.shutdown``).
+        # A gauge: senders whose answers we still stream as a reducer (``HivemindBackend.shutdown`` waits for 0).
         self._answering = mp.Value("q", 0)
 
     @staticmethod
@@ -236,9 +234,8 @@ class CheckedPartContainer(TensorPartContainer):
             if peer_index in self.returns_average and part.shape == own.shape:
                 part = part - own  # (a wrong shape is refused below as it arrived)
             if residues and part.shape == own.shape:
-                # A residue's delta is the offset it stands for; the check below then sees shape and
-                # finiteness (norms of residues say little: the members check the state they rebuild,
-                # ``subgroups.state_problem``).
+                # A residue's delta is the offset it stands for (its norm says little: members check
+                # the state they rebuild, ``subgroups.state_problem``).
                 part = lattice.wrap(part)
             problem = None if peer_index in self.distrusted else robust.check_returned(
                 part, own, max_norm_ratio=self.max_norm_ratio)
@@ -267,9 +264,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         local_index = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
         container = self.tensor_part_container
         self.return_code = hivemind_codecs.average_return_code(container.compression)
-        # The payload's parts run tensor by tensor (the pseudo-gradient's, then an extra tensor's);
-        # our reducer's parts are a contiguous run of them: which are the extra's, and the message
-        # type each answer carries.
+        # Our reducer's parts are a contiguous run of the payload's (tensor 0's, then the extra's).
         first = sum(container.num_parts_by_peer[:self.ordered_peer_ids.index(self.peer_id)])
         own = range(first, first + len(self.parts_for_local_averaging))
         self._answer_types = hivemind_codecs.part_types(container.compression, container.num_parts_by_tensor)[

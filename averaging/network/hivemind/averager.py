@@ -1,26 +1,19 @@
 """``ShoalAverager``: hivemind's ``DecentralizedAverager`` plus what shoal needs of it.
 
-It adds a pluggable state provider, a state download cut into slices that several donors serve at
-once (``averaging.network.slices``), serving past outer steps to peers that catch up, robust
-aggregation (``averaging.network.hivemind.allreduce``), a private swarm's admission checks, and
-matchmaking with the ban list (``averaging.network.hivemind.matchmaking``). Its host-side owner is
-``averaging.network.hivemind.backend.HivemindBackend``.
+It adds a pluggable state provider, state slices served to several joiners at once and past outer
+steps to peers that catch up (``serving``, ``fetching``), robust aggregation (``allreduce``), a
+private swarm's admission checks, and matchmaking with the ban list (``matchmaking``). Its
+host-side owner is ``averaging.network.hivemind.backend.HivemindBackend``.
 
-Hazards this module owns (docs/hivemind.md):
-- The averager is a forked process sharing our buffer through shared memory. It must be created
-  before CUDA is initialised and before other threads start, and it sets SIGINT to ignored in
-  the parent: the caller restores its handler.
-- A state download runs one host thread per donor (``averaging.network.slices``), each blocked on
-  an MPFuture while the averager process receives its slice; donors serve slices from their
-  averager process, which asks the host's state-fetcher thread for a full copy of the state.
-- That fetcher thread takes no arguments: to ask the host for something else (a past outer step,
-  for a peer catching up) the averager process writes the request into a shared-memory slot
-  first, and one asyncio lock serializes every request to the host (``ShoalAverager._ask_host``).
-- Matchmaking for round r+1 may start while round r's all-reduce still runs (the prepare lane).
-  hivemind refuses a part for a not-yet-registered group as soon as *any* group (un)registers, so
-  a part waits for its group's registration instead (``registration_wait``), and is refused at
-  once for a group whose step ended without running it.
-- hivemind caches the RPC table per class but finds the cache through the MRO (see ``_rpc_handlers``).
+Hazards (docs/hivemind.md):
+- The averager is a forked process sharing our buffer through shared memory: create it before
+  CUDA is initialised and before other threads start; it leaves SIGINT ignored in the parent.
+- hivemind's state-fetcher thread (host) takes no arguments: to ask the host for a past outer step
+  the averager process writes the request into a shared-memory slot first, and one asyncio lock
+  serializes every request (``ShoalAverager._ask_host``).
+- Matchmaking for round r+1 may start while round r's all-reduce runs (the prepare lane), and
+  hivemind refuses a part for a not-yet-registered group whenever *any* group (un)registers: a
+  part waits for its group's registration instead (``registration_wait``).
 """
 
 from __future__ import annotations
@@ -73,10 +66,8 @@ logger = logging.getLogger(__name__)
 ASSEMBLY_LATENCY_S = 0.5  # a leader's group message to its followers, beyond request_timeout
 ENDED_GROUPS_KEPT = 256  # group ids of finished steps remembered (parts for them are refused at once)
 STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
-# The ban list's round at the start of the step whose all-reduce runs in this task. With the prepare
-# lane, round r+1's step (which counts a round) can start while round r's all-reduce still runs:
-# round r's failures must be struck in round r. Each step runs in a task of its own, so the value
-# set in ``_step`` is seen by its all-reduce only.
+# The ban list's round at the start of the step whose all-reduce runs in this task: round r+1's step
+# may start while round r's all-reduce runs, and round r's failures must be struck in round r.
 _STEP_ROUND: contextvars.ContextVar[int] = contextvars.ContextVar("shoal_step_round")
 
 
@@ -114,29 +105,23 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
                  registration_wait: float = 10.0, robust: RobustConfig | None = None,
                  admission: bytes | None = None, signed_claims: bool = False, far_state_numel: int = 0,
                  lattice: bool = False, **kwargs):
-        """``signed_claims``: every member's gathered claim must be signed by it
-        (``protocols.signed_claims``); a leader that relays a forged one is banned.
-        ``far_state_numel``: sub-groups, whose extra tensor carries the anchors (of that many values):
-        members whose claimed anchor is far from the rest get weight 0 on it (``_group_claims``).
-        ``lattice``: that tensor (anchor and momentum only) travels as lattice residues
-        (``averaging.math.lattice``; its codec is lat8)."""
+        """``signed_claims``: every member's gathered claim must be signed by it.
+        ``far_state_numel``: sub-groups, whose extra tensor carries that many values of state; far
+        members get weight 0 on it (``_group_view``). ``lattice``: it travels as lattice residues."""
         self._state_provider = state_provider
         self._far_state_numel = far_state_numel
         self._lattice = lattice and bool(far_state_numel)
         self._signed_claims = signed_claims
-        # A private swarm's admission key (protocols.admission): every request we serve and every
-        # member of a group we join must prove it; None (a public swarm) admits everyone.
+        # A private swarm's key (protocols.admission); None (a public swarm) admits everyone.
         self._admission = admission
         self._update_provider = update_provider
         self._registration_wait = registration_wait
         # Several threads (downloads, the prepare lane) send commands at once; a pipe has no lock
         # for concurrent writers.
         self._command_lock = threading.Lock()
-        # What the averager process asks the host for (see the module docstring); shared memory,
-        # created before the fork.
+        # What the averager process asks the host for (module docstring); shared memory.
         self._host_request = torch.full((1,), STATE_REQUEST, dtype=torch.int64).share_memory_()
-        # The all-reduce's sender and reducer timeouts, set by the host from measured all-reduces
-        # (0: as configured); shared memory, read by the averager process at each all-reduce.
+        # Sender and reducer timeouts set by the host (0: as configured); shared memory.
         self._part_timeouts = torch.zeros(2, dtype=torch.float64).share_memory_()
         self._host_lock: asyncio.Lock | None = None  # averager process, created on its event loop
         self._running: set[asyncio.Task] = set()  # averager process: commands in flight (_kept_alive)
@@ -145,16 +130,13 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         self._state_copy_lock: asyncio.Lock | None = None
         pins.check()  # the hivemind code we override is the code we reviewed
         self._robust = robust
-        # The ban list lives in the averager process (this object is forked with it); the counters
-        # are shared memory, for the host.
+        # The ban list lives in the averager process; the counters are shared memory, for the host.
         self._ban_list = BanList(robust.ban_rounds if robust is not None else 0)
-        # Reducers whose streams failed, counted in the ban list's rounds (RobustAllReduceRunner).
+
         self._strikes = Strikes(robust.strike_limit, robust.strike_window) if robust is not None else None
-        # How long a part for a group we do not know may wait while we look for one (registration_wait).
         self._unknown_group_wait = kwargs.get("request_timeout", 3.0)  # (3.0: hivemind's default)
         self.robust_counters = RobustCounters()
-        # Averager process: the fraction of the average each running group failed to deliver, and
-        # each running group's view (sub-groups).
+        # Averager process: each running group's missing fraction and view (sub-groups).
         self._partial: dict[bytes, float] = {}
         self._views: dict[bytes, GroupView] = {}
         # Averager process: groups our steps matched that will not run (any more), oldest first.
@@ -177,8 +159,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         matchmaking.ban_list = self._ban_list
         matchmaking.matched = {}
         matchmaking.leaders = {}
-        # A group must reach its followers before they give up (matchmaking.declared_expiration):
-        # a leader's answer can wait up to request_timeout behind its own join request, plus latency.
+        # A group must reach its followers before they give up: up to request_timeout, plus latency.
         matchmaking.potential_leaders.__class__ = ShoalPotentialLeaders
         matchmaking.potential_leaders.margin = matchmaking.request_timeout + ASSEMBLY_LATENCY_S
         self.__dict__["_matchmaking"] = matchmaking
@@ -245,9 +226,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
     async def rpc_aggregate_part(
         self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's, but a part for a group we have not registered yet waits for the registration
-        (bounded: ``registration_wait``) instead of being refused when another group (un)registers
-        (module docstring)."""
+        """hivemind's, but a part for a group not registered yet waits for it (``registration_wait``)."""
         request = await anext(stream)
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -273,8 +252,6 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
 
     # -- robust all-reduce (averager process) ------------------------------------------------
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
-        # The leader's group, vetted: size cap, our own entry, every member's signed claim,
-        # bandwidths dropped (vet_group).
         leader = self._matchmaking.leaders.pop(group_info.group_id, None)
         try:
             group_info = vet_group(group_info, peer_id=self.peer_id, bandwidth=self.bandwidth, mode=self.mode,
@@ -320,8 +297,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
                                            far_peers=far_peers, **common)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
-        # Lattice-coded state (``averaging.math.lattice``): residues on the group's grid go out, the
-        # group's mean on that grid comes back; a far member cannot decode it and keeps its own.
+        # Lattice-coded state: residues go out, the mean's residues come back; a far member cannot
+        # decode them and keeps its own.
         lattice_grid = view.lattice if view is not None else None
         raw = tensors[1].clone() if lattice_grid is not None else None
         decoded = False
@@ -413,9 +390,7 @@ def registration_wait(group_id: bytes, matchmaking: Matchmaking | None, *, known
 
 
 def _knows_group(matchmaking: Matchmaking, group_id: bytes) -> bool:
-    """Whether our matchmaking has this group: a step matched it (``ShoalMatchmaking.matched``,
-    until the step ends), a leader sent it to us (``leaders``), or we assembled it a moment ago
-    (``assembled_group``, until ``look_for_group`` returns it)."""
+    """Whether a step of ours matched this group, a leader sent it to us, or we just assembled it."""
     if any(group_id in groups for groups in getattr(matchmaking, "matched", {}).values()):
         return True
     if group_id in getattr(matchmaking, "leaders", {}):

@@ -137,8 +137,7 @@ class HivemindBackend:
             min_matchmaking_time=min_matchmaking_time,
             request_timeout=request_timeout,
             allreduce_timeout=allreduce_timeout,
-            # Until all-reduces are measured (then averaging.network.hivemind.parts scales them); hivemind
-            # requires sender < reducer timeout.
+            # Until all-reduces are measured (``parts.part_timeouts``); hivemind requires sender < reducer.
             sender_timeout=allreduce_timeout * SENDER_SHARE,
             reducer_timeout=allreduce_timeout * REDUCER_SHARE,
             compression=averager_compression(wire, numel=numel, target_group_size=target_group_size,
@@ -168,13 +167,10 @@ class HivemindBackend:
 
     def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float,
                 key_bits: str | None = None) -> None:
-        # Older rounds' steps stay: their syncs may still be queued on the sync lane (a sync can
-        # outlast a round, and the next one waits behind it); ``average`` cancels the ones it passed.
+        # Older rounds' steps stay (their syncs may still be queued); ``average`` cancels the ones it passed.
         self._settle_matchmaking(before=round)
         with self._averager._command_lock:
-            # The round goes into the matchmaking key (hivemind's group bits), so a peer still
-            # finishing round r-1 can never pull a peer of round r into its group (or wait for it);
-            # with sub-groups, our group's bits follow it.
+            # The round goes into the matchmaking key, so peers of rounds r-1 and r never meet.
             self._set_group_bits(round, key_bits if key_bits is not None else round_bits(round))
             proof = self._averager.proof()
             if self._signer is not None:
@@ -191,8 +187,7 @@ class HivemindBackend:
 
     def _set_group_bits(self, round: int, bits: str) -> None:
         """The round's group bits, confirmed within ``GROUP_BITS_WAIT_S`` or refused if the averager
-        process is gone. A live averager that is slow to answer is fine: the step sent next goes
-        down the same pipe after the bits, so it is matched with them."""
+        is gone (a slow one is fine: the next step goes down the same pipe after the bits)."""
         confirmed = self._averager.set_group_bits(bits, wait=False)
         try:
             confirmed.result(timeout=GROUP_BITS_WAIT_S)
@@ -202,9 +197,8 @@ class HivemindBackend:
             logger.debug(f"round {round}: the averager took over {GROUP_BITS_WAIT_S:g}s to confirm its group bits")
 
     def _settle_matchmaking(self, *, before: int, wait_s: float = 5.0) -> None:
-        """The group bits are the averager's, not a step's: changing them while an older round's
-        step is still looking for a group would move that step into this round's key. Let it find
-        its group (or give up) first; one still looking after ``wait_s`` is a round late, cancel it."""
+        """Let an older round's step find its group before the bits change (they are the averager's,
+        not a step's, and would move it into this round's key); cancel it after ``wait_s``."""
         with self._controls_lock:
             older = [c for r, c in self._controls.items() if r < before]
         deadline = time.monotonic() + wait_s
@@ -216,8 +210,7 @@ class HivemindBackend:
                 control.cancel()
 
     def share_state(self, allowed: bool) -> None:
-        # A request while we do not share gets an empty answer (``serving.rpc_download_state_slice``):
-        # the joiner's download takes that slice from another donor, and counts no vote of ours.
+        # While we do not share, a request gets an empty answer and the joiner asks another donor.
         if not self._averager.client_mode:  # a client serves nothing (nobody can connect to it)
             self._averager.allow_state_sharing = allowed
 
@@ -230,8 +223,7 @@ class HivemindBackend:
             if round is None and self._controls:
                 round = max(self._controls)
             control = self._controls.pop(round, None)
-            # Syncs run in round order: a step of an older round will never be averaged (that round
-            # was skipped or jumped); cancel it, so no group waits for it.
+            # Syncs run in round order: an older round's step will never run; cancel it.
             passed = [self._controls.pop(r) for r in [r for r in self._controls if round is not None and r < round]]
         for old in passed:
             if not old.done():
@@ -269,8 +261,7 @@ class HivemindBackend:
             logger.info(f"round {round}: kept a partial all-reduce: {missing:.1%} of the average never arrived "
                         "(a reducer failed, named in the log); our own values stand in for it")
         elif missing:
-            # Our vector stays as it was: the round folds, and the step the others applied is
-            # replayed from their history next round (SharedState.catch_up), not re-downloaded.
+            # Our vector stays as it was: the round folds, and the others' step is replayed next round.
             return AverageOutcome(ok=False, group=group, sync_s=sync_s, allreduce_s=allreduce_s, partial=missing,
                                   error=f"{PARTIAL_ERROR}: {missing:.1%} of the average never arrived (a "
                                         "reducer failed, named in the log); this round's work is kept for the next")

@@ -1,30 +1,20 @@
 """shoal's codecs (``averaging.math.codecs``) inside hivemind's butterfly all-reduce.
 
-What hivemind 1.1.12 does with a compression (``check_registry`` verifies each of these facts,
-through ``averaging.network.hivemind.pins``):
-1. A sender compresses each part with the averager's ``compression`` object; the message carries
-   its ``compression_type``, an int in the proto3 field ``Tensor.compression`` (enum
-   ``CompressionType``). proto3 enums are open: a value the enum does not define survives the wire.
-2. A receiver decodes with ``deserialize_torch_tensor``: a fixed registry,
-   ``_BASE_COMPRESSION_TYPES[CompressionType.Name(value)]``. ``Name`` raises for unknown values, so
-   a ``CompressionBase`` subclass alone is never used by a receiver.
-3. A reducer re-encodes each delta (average - that sender's part) with
-   ``serialize_torch_tensor(delta, value)``: the same registry, with the *sender's* value.
-4. A tensor is cut into parts of ``int(part_size_bytes / (element_size * estimate_compression_ratio))``
-   values, from the tensor's start. Every peer must cut alike (the reducer sizes its accumulators
-   from its own parts), so the codec settings are part of the run's protocol.
+What hivemind 1.1.12 does with a compression, which we rely on (``check_registry`` verifies it;
+docs/codecs.md, "What we rely on in hivemind 1.1.12"): a part carries its compression as an int in
+an open proto3 enum; a receiver decodes through a fixed registry keyed by the enum's ``Name``; a
+reducer re-encodes each delta with the *sender's* value; and parts are cut by
+``estimate_compression_ratio``, so every peer must cut alike (the codec is part of the protocol).
 
 Registration (``register``, at import; hazard: the averager is a forked process and inherits it,
-so import this module before creating the averager): each (send, return) pair of codes gets a new
-enum value ``7000 + 100 * send_bits + return_bits`` (an extra tensor's code ``7900 +`` its header
-id), the enum wrapper's ``Name`` learns them, and the registry maps each to a ``ReturnCodec`` that
-decodes any shoal code (hostile-input safe). A peer without the registration rejects these parts
-instead of misreading them.
+so import this module before creating the averager) adds an enum value per (send, return) pair of
+codes, ``7000 + 100 * send_bits + return_bits`` (an extra tensor's ``7900 +`` its header id), each
+mapped to a ``ReturnCodec`` that decodes any shoal code, hostile-input safe. A peer without the
+registration rejects these parts instead of misreading them.
 
-Returns: fp16 returns deltas, as hivemind does, which differ slightly per member; int8 and int4
-return the *average itself*, quantized once by its reducer, so every member ends with the same
-values (quantized deltas would make anchors drift apart: docs/codecs.md, "Return path"). That needs
-shoal's runner (``averaging.network.hivemind.allreduce``); ``ReturnCodec.compress`` refuses them.
+Returns: fp16 returns deltas, as hivemind does; int8 and int4 return the *average itself*, quantized
+once by its reducer, so every member ends with the same values (docs/codecs.md, "Return path").
+That needs shoal's runner (``allreduce``); ``ReturnCodec.compress`` refuses them.
 """
 
 from __future__ import annotations
@@ -224,7 +214,7 @@ def encode_average(average: torch.Tensor, return_code: str) -> tuple[bytes, torc
 
 def check_registry() -> None:
     """Raise ``HivemindChanged`` if hivemind's code or its compression enum no longer holds what
-    registration relies on (facts 1-4 above: ``pins.RELIED_ON``; the enum checks here)."""
+    registration relies on (module docstring: ``pins.RELIED_ON``; the enum checks here)."""
     pins.check()
     enum = runtime_pb2.CompressionType
     defined = set(getattr(getattr(enum, "_enum_type", None), "values_by_number", {}) or {})

@@ -28,9 +28,7 @@ from protocols.state_slices import encode_slice_request, encode_update_request
 
 FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
 UPDATE_VERSION = 1  # of a served outer step's metadata
-# What a download may cost us beyond the tensor's own bytes: a donor's metadata (a served state's
-# claim is a few hundred bytes), sent once, and each message's framing (hivemind's 9 bytes, field
-# tags and lengths, the first part's dtype and size: about 40 bytes in all).
+# What a download may cost beyond the tensor's own bytes: the donor's metadata and each message's framing.
 METADATA_CAP_BYTES = 64 * 1024
 MESSAGE_OVERHEAD_BYTES = 128
 
@@ -196,10 +194,9 @@ class StateFetching:
 
 
 class Received:
-    """A tensor as a donor streams it (hivemind's ``split_for_streaming`` parts), kept small: the
-    first part's header, each part's buffer and the first message's metadata, never the messages
-    (hazard: a part of a parsed protobuf message keeps the whole message alive, whatever else it
-    carried). ``add`` refuses, raising ``ValueError``, what no honest donor sends."""
+    """A tensor as a donor streams it, keeping each part's buffer and never the messages (hazard: a
+    part of a parsed protobuf keeps the whole message alive). ``add`` raises ``ValueError`` on what
+    no honest donor sends."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
