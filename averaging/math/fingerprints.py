@@ -143,24 +143,18 @@ class AnchorClaim:
     rounds_done: int  # outer steps this peer has applied (self-claimed: picks catch-ups, never the reference)
 
 
-# The far rule (``far_members``): a member beyond FAR_FACTOR x the typical member's distance plus
-# FAR_STEPS claimed steps on some chunk, and beyond FAR_RELATIVE of the anchors' RMS over the whole
-# anchor. Honest members lie a few outer steps apart, and the typical distance is often 0 in small
-# groups, hence the step slack and the relative floor (the figures: docs/scale.md, "Sub-groups").
+# The far rule (``far_members``): beyond FAR_FACTOR x the typical distance plus FAR_STEPS claimed
+# steps on some chunk, and beyond FAR_RELATIVE of the anchors' RMS overall (why: docs/scale.md).
 FAR_FACTOR = 4.0
 FAR_STEPS = 16.0
 FAR_RELATIVE = 0.5
 
 
 def far_members(claims: list[AnchorClaim], *, within_steps: float | None = None) -> list[bool]:
-    """Which members of a sub-group hold an anchor far from the rest, by the signed claims alone, so
-    every member and reducer computes the same answer. A far member gets weight 0 in the group's
-    mean state, so it neither pulls the mean nor widens the bound ``subgroups.state_problem`` checks.
-
-    A member's distance is the median over the others of the estimated RMS difference, per chunk;
-    the thresholds are the module's FAR_* constants. Below 3 members nobody is far.
-    ``within_steps`` (the lattice code's range): beyond that many claimed steps a member is far too,
-    as it could not decode the group's state."""
+    """Which members of a sub-group hold an anchor far from the rest (FAR_*), by the signed claims
+    alone, so every member and reducer agrees; a far member gets weight 0 in the group's mean state.
+    A member's distance is the median over the others, per chunk; below 3 members nobody is far.
+    ``within_steps`` (the lattice code's range): beyond it a member could not decode, so is far."""
     n = len(claims)
     if n < 3:
         return [False] * n
@@ -195,10 +189,8 @@ def anchor_rms(fp: Fingerprint) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class Consensus:
-    """The group's view of who holds the reference anchor; every member computes the same one.
-
-    ``contested``: another set of members, as large as the reference's, agrees on another anchor,
-    so the reference won a tie (a hash), not a majority."""
+    """Who holds the reference anchor, as every member computes it; ``contested``: the reference
+    won a tie, not a majority."""
 
     reference: str
     agreeing: frozenset[str]

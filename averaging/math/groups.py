@@ -17,9 +17,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Iterable
 
-# The assignment rule's version, in the run manifest (``averaging.sub_groups``): peers of different
-# rules would compute different groups, so a run's peers must share it. 1: hashed (``group_of``),
-# 2: balanced (``balanced_groups``).
+# The assignment rule's version, in the run manifest: 1 hashed (``group_of``), 2 balanced.
 RULE = 2
 ROUND_BITS = 4  # round % 16 in the key: neighbouring rounds never share a key (as round_bits always did)
 _HASH_BITS = 64
@@ -79,18 +77,14 @@ def most_published(published: Iterable[int | None]) -> int | None:
 
 
 def round_hash(peer_id: str, round: int, *, salt: str = "") -> int:
-    """A 64-bit blake2b digest of (salt, round, peer id): stable across processes and machines
-    (unlike ``hash``), so every peer computes every other peer's; seeded by the round, so the
-    order it gives changes every round."""
+    """A 64-bit blake2b digest of (salt, round, peer id): the same on every machine (unlike ``hash``)."""
     fields = (salt.encode(), str(int(round)).encode(), peer_id.encode())
     message = b"".join(len(field).to_bytes(4, "big") + field for field in fields)  # unambiguous framing
     return int.from_bytes(hashlib.blake2b(message, digest_size=_HASH_BITS // 8, person=_PERSON).digest(), "big")
 
 
 def group_of(peer_id: str, round: int, groups: int, *, salt: str = "") -> int:
-    """The hashed rule (the first one, kept so ``benchmarks/sim/scale_sim.py`` can compare): the top
-    log2(groups) bits of ``round_hash``, whoever else is live. The group for ``2 * groups`` is the
-    group for ``groups`` with one more bit appended."""
+    """Rule 1, kept for the simulator to compare: the top log2(groups) bits of ``round_hash``."""
     if not _is_power_of_two(groups):
         raise ValueError(f"groups ({groups}) must be a power of two")
     if groups == 1:
@@ -99,11 +93,9 @@ def group_of(peer_id: str, round: int, groups: int, *, salt: str = "") -> int:
 
 
 def balanced_groups(peer_ids: Iterable[str], round: int, groups: int, *, salt: str = "") -> dict[str, int]:
-    """Each of ``peer_ids``' group in ``round``: the peers ordered by ``round_hash`` (ties by id), the
-    one at rank ``i`` of ``n`` in group ``i * groups // n``. Sizes differ by one at most, and the
-    group for ``2 * groups`` is the group for ``groups`` with one more bit appended
-    (``(i * 2g // n) // 2 == i * g // n``), so peers whose counts differ by a doubling still
-    disagree on one key bit only."""
+    """Each peer's group in ``round``: rank ``i`` of ``n`` by ``round_hash`` goes to group
+    ``i * groups // n``. Sizes differ by one at most, and counts a doubling apart disagree on one
+    key bit only (``(i * 2g // n) // 2 == i * g // n``)."""
     if not _is_power_of_two(groups):
         raise ValueError(f"groups ({groups}) must be a power of two")
     order = sorted(set(peer_ids), key=lambda peer: (round_hash(peer, round, salt=salt), peer))

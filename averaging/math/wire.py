@@ -36,13 +36,10 @@ STATE_BYTES_PER_VALUE = 4  # the shared state is stored and downloaded as fp32
 # An extra vector averaged beside the pseudo-gradient (the inner optimizer's moments) goes both ways
 # in bf16: fp32's range (an Adam second moment spans tens of binades, which fp16 flushes to zero).
 EXTRA_CODE = "bf16"
-# Codes of a sub-group round's anchors and momenta (``mix_code``; why: docs/scale.md, "Sub-groups").
-# fp16 keeps anchors within about 2**-11 of the group's mean (bf16 would be coarser than an outer step).
+# Codes of a sub-group round's anchors and momenta (``mix_code``; why: docs/scale.md, "Sub-groups"):
+# the lattice code by default, fp16 on request, fp32 where reducers return deltas or moments ride.
 MIX_CODE = "fp16"
-# Where fp16 would not do: reducers that return deltas leave each member its own rounding, and the
-# inner optimizer's moments span more binades than fp16 keeps.
 MIX_CODE_EXACT = "fp32"
-# The default where fp16 would do: 1 byte a value, residues on a grid the claims set (``averaging.math.lattice``).
 LATTICE_CODE = "lat8"
 STATE_COMPRESSIONS = ("auto", "fp16", "fp32", LATTICE_CODE)
 
@@ -91,9 +88,7 @@ class WireFormat:
 
     @torch.no_grad()
     def to_send(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
-        """What this peer hands the all-reduce: ``Q(g)`` on the codec's grid (hivemind's re-encoding
-        of block-aligned parts then returns it bit-exactly), or ``g`` itself for float codes.
-        With error feedback ``g`` already carries the last residual (it lives in the parameters)."""
+        """What this peer hands the all-reduce: ``Q(g)`` on the codec's grid, or ``g`` for float codes."""
         if not self.quantized:
             return pseudo_grad
         return codecs.quantize(pseudo_grad, self.code, block_size=self.block_size)
@@ -112,9 +107,8 @@ def accounted_for(pseudo_grad: torch.Tensor, sent: torch.Tensor, *, averaged: bo
 
 
 def returned(average: torch.Tensor, own: torch.Tensor, return_code: str) -> torch.Tensor:
-    """What a member ends with when its reducers return in ``return_code``: ``own + R(average - own)``
-    for fp16 (hivemind's deltas: an error that differs per member), ``R(average)`` for int8/int4
-    (the quantized average, the same for every member). For the in-process backend."""
+    """What a member ends with when reducers return in ``return_code`` (for the in-process backend):
+    ``own + R(average - own)`` for fp16, ``R(average)`` for int8/int4."""
     if return_code == "fp32":
         return average.clone()
     if return_code in AVERAGE_RETURN_CODES:
@@ -136,10 +130,8 @@ def round_payload(numel: int, group_size: int, *, send_bytes_per_value: float, r
 
 
 def mix_code(wire: WireFormat, *, with_inner_state: bool, requested: str = "auto") -> str:
-    """The code of a sub-group round's extra vector (anchor, momentum and, with ``with_inner_state``,
-    the inner optimizer's moments): where reducers return the mean itself and no moments ride, the
-    lattice code (``requested`` "auto" or "lat8") or fp16 ("fp16"); else ``MIX_CODE_EXACT``, fp32
-    (``state_compression_problem`` says where a compact request is refused)."""
+    """The code of a sub-group round's extra vector: the lattice code or fp16 as ``requested`` where
+    reducers return the mean itself and no moments ride, else ``MIX_CODE_EXACT``."""
     compact = wire.return_code in AVERAGE_RETURN_CODES and not with_inner_state
     if not compact or requested == MIX_CODE_EXACT:
         return MIX_CODE_EXACT
