@@ -1,20 +1,14 @@
 """Do the peers of a group still hold the same anchor? A compact, tolerance-aware check.
 
-An exact checksum would flag every round: hivemind can end an all-reduce "successfully" while a
-failed reducer left each peer's part at its local value, and fp16 returns leave every peer slightly
-different. So the check measures *how far apart* anchors are.
+An exact checksum would flag every round: a failed reducer leaves each peer's part at its local
+value, and fp16 returns leave every peer slightly different. A fingerprint is, per chunk of the flat
+anchor, ``K`` random-sign projections ``s_k · x`` (float64, a fixed sign table of prime period):
+``E[(s·a - s·b)^2] = ||a - b||^2``, so fingerprints estimate each chunk's RMS difference.
 
-A fingerprint is, per chunk of the flat anchor, ``K`` random-sign projections ``s_k · x``
-(float64); ``E[(s·a - s·b)^2] = ||a - b||^2``, so fingerprints estimate each chunk's RMS difference
-without sending the anchor. The signs are a fixed table of prime period ``SIGN_PERIOD`` tiled over
-the chunk: one matmul per chunk, no per-round random numbers.
-
-Tolerance: peers agree when every chunk's estimated RMS difference is below ``rel_tol`` x the RMS
-of the last averaged pseudo-gradient on that chunk, plus ``abs_tol`` for float32 noise. fp16 drift
-moves an anchor at most ``lr / (1 - mu) * 2**-11`` of a pseudo-gradient per round (2 x 2**-11 at
-the default outer lr 1.0, momentum 0.5) and needs thousands of rounds to cross it; a failed part
-(about one pseudo-gradient) crosses it at once. int8/int4 returns carry the same bytes to every
-member, so they do not drift.
+Peers agree when every chunk's difference is below ``rel_tol`` x the RMS of the last averaged
+pseudo-gradient (plus ``abs_tol``). fp16 drift moves an anchor at most ``lr / (1 - mu) * 2**-11`` of
+a pseudo-gradient per round (2 x 2**-11 at the default outer lr 1.0, momentum 0.5), thousands of
+rounds below it; a failed part (about one pseudo-gradient) crosses it at once.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """The 1-byte lattice code of a sub-group's state: anchors and momenta as residues on a shared grid.
 
-Why: with sub-groups every all-reduce carries the members' anchors and momenta, 4 bytes a parameter
-each way in fp16 (docs/scale.md, "The lattice code"). Members' anchors lie a few outer steps apart,
-so a member sends each value's residue modulo ``q`` on a grid of ``q / 256``, and anyone holding a
-value within ``q / 2`` of it recovers the rest from its own.
+Why (docs/scale.md, "The lattice code"): members' anchors lie a few outer steps apart, so a member
+sends each value's residue modulo ``q`` on a grid of ``q / 256``, and anyone holding a value within
+``q / 2`` of it recovers the rest from its own: a quarter of fp32's bytes, half of fp16's.
 
-The grid (``group_lattice``), per fingerprint chunk, is derived by every member and reducer from the
-round's signed claims, so nobody sends or chooses it: half the range is the largest of
-``RANGE_STEPS`` x the median claimed step, ``RANGE_SPREAD`` x the largest distance between near
-members and ``MIN_HALF_RANGE``, capped at ``RANGE_CAP_STEPS`` steps so a liar cannot coarsen it.
-
-The round: members send residues (``to_residues_``); a reducer unwraps them against a near member's
-part (``reference_part``), averages, and returns the mean's residue, the same byte for everyone;
-members rebuild their values (``from_residues_``). A far member (``far``, which here also covers
-one beyond ``WITHIN_STEPS`` steps) cannot decode and downloads the group's state instead.
+The grid (``group_lattice``) is derived per fingerprint chunk from the round's signed claims by every
+member and reducer alike, so nobody sends or chooses it (``RANGE_CAP_STEPS`` bounds what a lying
+claim can coarsen). A reducer unwraps residues against a near member's part (``reference_part``) and
+returns the mean's residue; a far member (``far``) cannot decode and downloads the group's state.
 Values unwrapped near the range's edge are counted (``edge_values``): a grid too narrow shows there.
 """
 

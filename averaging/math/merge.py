@@ -22,10 +22,9 @@ import torch
 
 def merge_correction(new_anchor: torch.Tensor, old_anchor: torch.Tensor, snapshot_pseudo_grad: torch.Tensor | None,
                      *, contributed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """What to add to the live parameters (flat, CPU): ``new_anchor - params_snapshot`` if our
-    pseudo-gradient went into the new anchor, else ``new_anchor - old_anchor`` (fold it into the next).
-    With error feedback ``snapshot_pseudo_grad`` is what was sent (``averaging.math.wire.accounted_for``):
-    the parameters then keep the residual."""
+    """What to add to the live parameters: ``new_anchor - params_snapshot`` if our pseudo-gradient
+    went into the new anchor, else ``new_anchor - old_anchor`` (folded); with error feedback
+    ``snapshot_pseudo_grad`` is what was sent (``averaging.math.wire.accounted_for``)."""
     correction = torch.sub(new_anchor, old_anchor, out=out)
     if contributed:
         assert snapshot_pseudo_grad is not None

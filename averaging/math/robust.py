@@ -1,22 +1,15 @@
-"""Robust aggregation of one all-reduce part: the math a reducer applies to its senders' parts, and
-the checks a sender applies to what a reducer returns. Pure functions on tensors; the hivemind
-wiring is ``averaging.network.hivemind.allreduce``.
+"""Robust aggregation of one all-reduce part: the rules a reducer applies to its senders' parts and
+a sender to what a reducer returns. Pure functions; the hivemind wiring is
+``averaging.network.hivemind.allreduce``. Threat: a public swarm admits strangers, and one sender
+could otherwise decide the average (a weight of 1e30, a part x1000) or destroy it (NaN).
 
-Threat: a public swarm admits strangers. Without these rules one sender decides the average (a
-weight of 1e30, a part scaled ×1000, a sign flip) or destroys it (NaN, a part of the wrong shape).
-
-Rules, in the order a reducer applies them to part ``k``:
-1. ``check_part``: shape, dtype and finiteness, on arrival; a failing sender is refused at once.
-2. ``bound_weights``: the weight declared with the first part, clipped to ``max_weight_ratio`` x the
-   lower median and to ``max_weight``; above ``refuse_weight_ratio`` x it is a lie, refused.
-3. ``norm_outliers``: a part over ``max_norm_ratio`` x max(our own part's norm, the lower median)
-   is refused (our own norm, so a sender of zeros cannot make honest parts look large).
-4. ``aggregate``: ``mean``, ``centered_clip`` (the default) or ``trimmed_mean``.
-
-CenteredClip (Karimireddy et al., arXiv 2012.10333) starts at the coordinate-wise median with
-``τ = clip_ratio`` x the median distance to it: an attacker moves the result by at most τ x its
-weight share, and an honest group (nobody beyond τ) gets the weighted mean exactly. With two
-senders no rule outvotes anyone, and declared weights cannot be verified, only bounded.
+Rules, in the order a reducer applies them to a part (docs/design.md, "Robust aggregation"):
+``check_part`` on arrival; the weight declared first, refused above ``refuse_weight_ratio`` x the
+lower median (``weight_outliers``) and clipped (``bound_weights``); parts over ``max_norm_ratio`` x
+max(our own norm, the lower median) refused (``norm_outliers``); then ``aggregate``. CenteredClip
+(the default; Karimireddy et al., arXiv 2012.10333) starts at the coordinate-wise median: an
+attacker moves the result by at most τ x its weight share, and an honest group gets the weighted
+mean exactly. With two senders no rule outvotes anyone.
 """
 
 from __future__ import annotations

@@ -41,8 +41,7 @@ class AverageOutcome:
     # Fraction of the average that never arrived (a reducer failed): such a result is not ok (its
     # ``error`` starts with PARTIAL_ERROR) unless ``keep_partial`` (sub-groups).
     partial: float = 0.0
-    # Sub-groups: the members the group's view found far (``averaging.math.group_view``), as its
-    # reducers did; None where the backend formed no view (whole-swarm rounds).
+    # Sub-groups: the members the group view found far, as its reducers did; None: no view.
     far: frozenset[str] | None = None
 
 
@@ -51,9 +50,8 @@ class AveragingBackend(Protocol):
 
     def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float,
                 key_bits: str | None = None) -> None:
-        """Start matchmaking for ``round`` now, so the group is ready when the round ends.
-        ``key_bits``: the matchmaking key's bits (sub-groups: ``averaging.math.groups.group_key_bits``);
-        default the round's own, one group of everybody."""
+        """Start matchmaking for ``round`` now, so the group is ready when the round ends;
+        ``key_bits``: sub-groups' key (``groups.group_key_bits``), default the round's own."""
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
                 round: int | None = None, extra: torch.Tensor | None = None,
@@ -75,9 +73,8 @@ class AveragingBackend(Protocol):
 
     def fetch_update(self, peers: list[str], *, rounds_done: int, numel: int,
                      timeout: float) -> AppliedUpdate | None:
-        """The outer step that took the run from ``rounds_done`` to ``rounds_done + 1`` steps, from
-        the first of ``peers`` that still holds it (``SharedState.update_after``); None if none does.
-        Validated as a message (shape, dtype, finite, the step asked for), not yet as a state."""
+        """The outer step after ``rounds_done`` steps, from the first of ``peers`` that holds it, or
+        None; validated as a message, not yet as a state."""
 
     def share_state(self, allowed: bool) -> None:
         """Serve our shared state to joiners, or not: a peer still joining holds the initial weights,

@@ -83,9 +83,8 @@ def replay_problem(update: AppliedUpdate, rounds_done: int, numel: int, referenc
 
 # -- claims -----------------------------------------------------------------------------------------
 def capped(state: SharedState, claim: AnchorClaim) -> AnchorClaim:
-    """A claimed scale widens the tolerance of every comparison with that peer: it may not exceed
-    ``MAX_CLAIMED_SCALE_RATIO`` times ours (the same averaged pseudo-gradient's RMS on every honest
-    member, up to the return code's noise)."""
+    """``claim`` with its scale capped at ``MAX_CLAIMED_SCALE_RATIO`` x ours: a claimed scale widens
+    the tolerance of every comparison with that peer."""
     if claim.scale.shape != state.scale.shape:
         return claim  # another layout: the fingerprints will not compare either
     return AnchorClaim(claim.fingerprint, torch.minimum(claim.scale, MAX_CLAIMED_SCALE_RATIO * state.scale),
@@ -115,9 +114,8 @@ def matches(state: SharedState, fp: Fingerprint, claim: AnchorClaim) -> bool:
 
 
 def scales_agree(a: torch.Tensor, b: torch.Tensor, max_ratio: float = MAX_CLAIMED_SCALE_RATIO) -> bool:
-    """Whether two claimed scales are the same step's, chunk by chunk, within ``max_ratio``: honest
-    peers at one outer step applied the same averaged pseudo-gradient (the same bytes with int8/int4
-    returns), so their scales are equal up to the return codec's noise."""
+    """Whether two claimed scales are the same step's, chunk by chunk, within ``max_ratio`` (honest
+    peers at one outer step applied the same averaged pseudo-gradient)."""
     if a.shape != b.shape:
         return False
     low, high = torch.minimum(a, b), torch.maximum(a, b)
@@ -219,8 +217,7 @@ def check_state(state: SharedState, downloaded: DownloadedState, *, require_clai
             claim = state_claim(state, metadata)
         except MessageError as e:
             raise MessageError(f"state from {peer}: bad claim ({e})") from None
-        # The tolerance of the claimed scale, capped by ours once we have one (a donor cannot
-        # widen it at will); an exact copy of one donor's anchor matches to rounding.
+        # The claimed scale's tolerance, capped by ours once we have one.
         claim = capped(state, claim) if state.scale.any() else claim
         if not matches(state, fingerprint(tensors[0]), claim):
             raise MessageError(f"state from {peer}: the anchor does not match its donors' fingerprint "

@@ -63,8 +63,7 @@ class SharedState:
         self.initial = AnchorClaim(fingerprint(self.anchor), self.scale.clone(), 0)
         self.last_rms = 0.0  # RMS of the last applied pseudo-gradient
         self._history: deque[AppliedUpdate] = deque(maxlen=HISTORY_KEPT)
-        # Our claims before the last steps: a claim made before our last sync landed is stale, and
-        # a group may judge against it; we can still tell whether we agree with such a reference.
+        # Our claims before the last steps, for a group that judges against a stale reference.
         self._past_claims: deque[AnchorClaim] = deque(maxlen=HISTORY_KEPT)
 
     # -- the claim we make ---------------------------------------------------------------------
@@ -137,17 +136,14 @@ class SharedState:
 
     def catch_up(self, updates: list[AppliedUpdate], reference: AnchorClaim, *, rewind: int = 0,
                  work_rms: float = 0.0) -> bool:
-        """Replay missed outer steps (fetched from peers, in order) and keep them only if our anchor
-        then agrees with the reference's claim; else nothing changes and False is returned (the
-        caller re-syncs). ``rewind``: undo our own last steps first, from our history (for a step
-        applied on an anchor that lacked the one before it). ``work_rms`` widens the size bound on
-        replayed steps (``accept.MAX_CATCH_UP_TO_LAST_RATIO``)."""
+        """Replay missed outer steps (in order) and keep them only if our anchor then agrees with
+        the reference's claim, else change nothing and return False. ``rewind``: undo our own last
+        steps first; ``work_rms`` widens the size bound on replayed steps."""
         with self._lock:
             saved = (self.anchor.clone(), self.momentum.clone(), self.rounds_done, self.last_round,
                      self.scale, self.last_rms, self._claim, list(self._history), list(self._past_claims))
-            # Widened by our work, never introduced by it: a peer that applied no step yet (a joiner
-            # that trusted the records) has no size to judge by; one with little work in its first
-            # round would otherwise refuse the swarm's honest first steps.
+            # Widened by our work, never introduced by it: a peer with no step yet has no size to
+            # judge by, and little work in a first round would refuse honest steps.
             reference_rms = max(self.last_rms, work_rms) if self.last_rms > 0 else 0.0
             if (self._undo(rewind) and self._replay(updates, reference_rms)
                     and accept.claims_agree(self._current_claim(), reference, self.rel_tol, self.abs_tol)):
@@ -212,9 +208,8 @@ class SharedState:
 
     def adopt(self, state: DownloadedState, *, require_claim: bool = False, max_round: int = MAX_ROUND,
               reference: AnchorClaim | None = None, step: torch.Tensor | None = None) -> int:
-        """Replace our anchor and momentum with a downloaded state or a checkpoint, once
-        ``accept.check_state`` accepts it (it raises ``MessageError`` and nothing changes
-        otherwise); returns the global round of that state."""
+        """Replace our anchor and momentum with a downloaded state or a checkpoint that
+        ``accept.check_state`` accepts (else ``MessageError``); returns its global round."""
         rounds, scale = accept.check_state(self, state, require_claim=require_claim, max_round=max_round,
                                            reference=reference, step=step)
         with self._lock:

@@ -93,9 +93,8 @@ def judge(state: SharedState, gathered: Mapping[str, Any], *, round: int, self_i
             plans.append(CatchUp(agreeing, behind + 1, reference, rewind=1))
         verdict.catch_up, verdict.resync = tuple(plans), Resync(list(agreeing), reference)
     elif agreement.contested and self_id in agreement.agreeing:
-        # We won a tie, but a diverged member may simply be ahead of us (we folded a round that it
-        # averaged): replay its steps, verified against its claim, as it would have replayed ours had
-        # the tie gone the other way. A false claim costs a small fetch and changes nothing.
+        # We won a tie, but a diverged member may be ahead of us: replay its steps, verified against
+        # its claim (a false claim costs a small fetch and changes nothing).
         ahead = sorted(((claims[p].rounds_done - state.rounds_done, p) for p in agreement.diverged
                         if 0 < claims[p].rounds_done - state.rounds_done <= HISTORY_ROUNDS), reverse=True)
         verdict.catch_up = tuple(CatchUp((peer,), steps, claims[peer]) for steps, peer in ahead)  # furthest first

@@ -41,10 +41,8 @@ def part_timeouts(recent_allreduce_s: Iterable[float], allreduce_timeout: float)
 
 def balanced_part_size(numel: int, group_size: int, block_size: int, *, bytes_per_value: float,
                        max_part_bytes: int = HIVEMIND_PART_BYTES) -> int:
-    """Values per hivemind part: a multiple of ``block_size``, at most ``max_part_bytes`` once encoded,
-    and cutting the vector into a multiple of ``group_size`` near-equal parts. The part size is
-    fixed before the group is known, so pass the target group size; a smaller group still gets
-    block-aligned parts, less evenly spread."""
+    """Values per hivemind part: a multiple of ``block_size``, at most ``max_part_bytes`` encoded,
+    cutting the vector into a multiple of ``group_size`` (the target: fixed before the group) parts."""
     if numel < 0 or group_size < 1 or block_size < 1 or bytes_per_value <= 0:
         raise ValueError(f"bad arguments: numel={numel} group_size={group_size} block_size={block_size} "
                          f"bytes_per_value={bytes_per_value}")
