@@ -11,8 +11,7 @@ Library users import ``node.api``.
 """
 
 # Before anything below imports hivemind: its averager imports scipy.optimize, which shoal never
-# calls (~0.9 s of CPU at every start). See node.library.deferred_imports; SHOAL_DEFER_IMPORTS=0
-# turns it off (benchmarks.swarm.boot compares both).
+# calls (node.library.deferred_imports; SHOAL_DEFER_IMPORTS=0 turns it off).
 import os  # noqa: E402
 
 from node.library.deferred_imports import defer_unused_imports  # noqa: E402

@@ -58,10 +58,8 @@ def validate_shards_setting(setting: int | str) -> int | str:
 # of two and a peer writes to ``hash % count``, so a writer at any count up to the reader's lands in
 # a key the reader reads: peers need not agree on the count, and none is missed while it changes.
 AUTO_SHARDS = "auto"
-# One key below AUTO_MIN_PEERS; from there about one key per PEERS_PER_SHARD peers. Measured
-# (docs/scale.md, benchmarks/results/dht_shards.md): 4 keys at 16 peers cost the median peer 1.8x
-# one key's heartbeat traffic, at 32 peers 1.3x, at 48 peers 1.0x while the busiest node's load fell
-# to 0.41x; so sharding starts at 48 peers with 4 keys.
+# One key below AUTO_MIN_PEERS; from there about one key per PEERS_PER_SHARD peers: below 48 peers
+# sharding costs the median peer more than it saves the busiest node (docs/scale.md).
 AUTO_MIN_PEERS = 48
 PEERS_PER_SHARD = 12
 # A count comes down only once the swarm is this fraction below the size that raised it, so a

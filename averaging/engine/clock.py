@@ -18,10 +18,9 @@ T = TypeVar("T")
 
 
 class Clock(Protocol):
-    """Where the round engine reads time and waits. Both threads use it: ``now``/``monotonic`` on
-    the training thread and the worker's; ``sleep``/``sleep_until`` only on the worker's;
-    ``wait`` only on the training thread, for a job on the worker. Waiting on a job goes through
-    the clock too, so that a fake one knows the loop is idle and can let the worker's sleeps pass."""
+    """Where the round engine reads time and waits: ``now``/``monotonic`` on both threads,
+    ``sleep``/``sleep_until`` on the worker's, ``wait`` (for a worker job) on the training thread,
+    so that a fake clock knows when the loop is idle."""
 
     def now(self) -> float:
         """Unix seconds: the run's schedule (round deadlines) is in these."""

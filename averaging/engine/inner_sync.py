@@ -1,21 +1,10 @@
 """The training thread's side of averaging the inner optimizer's moments with every round.
 
-Why: in the simulated swarm (``benchmarks/sim/speedup.py``, ``+avgstate``) swapping each peer's AdamW
-moments for the peers' weighted mean at every outer step was the one lever that raised the
-speedup on every seed. With ``averaging.average_inner_state`` the moments ride the pseudo-gradient's
-all-reduce as its extra vector (``AveragingBackend.average(extra=...)``: bf16, judged without work
-scaling), so the group's mean arrives with the average and lands when the round is merged:
-
-- ``snapshot`` (at the round's end, with the parameters' snapshot) copies the moments into a flat
-  host vector, zeros for a parameter whose optimizer has not stepped yet (such a peer's weight is
-  its tokens: none);
-- ``land`` (at the merge, ``k`` inner steps later: 0 in blocking mode) replaces each moment ``now`` by
-  ``now + decay^k (mean - snapshot)`` (``averaging.math.inner_state.land``): exactly the moment of a
-  peer that started those ``k`` steps from the mean.
-
-AdamW's ``step`` (its bias correction) stays each peer's own. The layout (which moments, in which
-order) depends only on the model and which parameters Muon trains, so every peer of a run cuts the
-same vector; the run's manifest carries its hash (``describe``).
+With ``averaging.average_inner_state`` the moments ride the pseudo-gradient's all-reduce as its
+extra vector (why: ``averaging.math.inner_state``): ``snapshot`` copies them into a flat host vector
+at the round's end, and ``land`` applies the group's mean at the merge, ``k`` inner steps later.
+Every peer of a run must cut the same vector: the layout depends only on the model and which
+parameters Muon trains, and the run's manifest carries its hash (``describe``).
 """
 
 from __future__ import annotations
@@ -48,11 +37,9 @@ class _Slot:
 
 
 class InnerStateSync:
-    """Which inner-optimizer moments ride the all-reduce, and how they are read and landed.
-
-    Build it from the model before the optimizers exist (the averager is created, and forked, before
-    the model moves to its device), naming the parameters Muon will train, then ``bind`` the
-    optimizers once they do; or both at once (``of``)."""
+    """Which inner-optimizer moments ride the all-reduce, and how they are read and landed. Built
+    from the model before the optimizers exist (the averager forks before the model moves to its
+    device), then ``bind`` the optimizers; or both at once (``of``)."""
 
     def __init__(self, model: torch.nn.Module, *, muon: Iterable[torch.nn.Parameter] = ()):
         muon_ids = {id(p) for p in muon}

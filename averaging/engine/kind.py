@@ -1,15 +1,10 @@
 """What the two kinds of round share: the protocol the round frame drives, and how a round ended.
 
-A kind of round says how a peer meets its group (matchmaking key, attached claim, what rides the
-extra vector) and what it does with the group's answer, from "group formed" to "anchor moved":
-
-- ``averaging.engine.whole_swarm``: one group of everybody; the members' claims give a verdict
-  (consensus, catch-up, re-sync) and a split swarm's sides are merged at their reunion;
-- ``averaging.engine.subgroups``: groups that change every round; each mixes its members'
-  anchors and momenta beside the pseudo-gradient (far members, the lattice code).
-
-``averaging.engine.round`` drives either: snapshot -> pseudo-gradient -> exchange -> the kind's
-``end`` -> the weight carried forward -> the result handed back to the training thread.
+A kind of round says how a peer meets its group (matchmaking key, claim, what rides the extra
+vector) and what it does with the group's answer, from "group formed" to "anchor moved":
+``averaging.engine.whole_swarm`` (one group of everybody, a verdict on the anchor) or
+``averaging.engine.subgroups`` (groups that change every round and mix their members' state).
+``averaging.engine.round`` drives either.
 """
 
 from __future__ import annotations
@@ -101,10 +96,8 @@ def alone_or_fold(conclusion: RoundConclusion, state: SharedState, local_pseudo_
 def account(state: SharedState, conclusion: RoundConclusion, *, pseudo_grad: torch.Tensor, sent: torch.Tensor,
             old_anchor: torch.Tensor, in_group_step: bool, error_feedback: bool,
             out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """What the new anchor accounts for of our work, and the merge correction for the live parameters:
-    with error feedback only what was sent, so the residual stays in the parameters for the next
-    round (``averaging.math.wire``). ``in_group_step``: our work is in a step the group applied
-    though we did not apply it yet (a partial round we replay). (None: nothing; the correction.)"""
+    """(What the new anchor accounts for of our work or None, the merge correction); with error
+    feedback only what was sent (``averaging.math.wire``). ``in_group_step``: a partial round we replay."""
     accounted = accounted_for(pseudo_grad, sent, averaged=conclusion.applied == Applied.AVERAGED or in_group_step,
                               local=conclusion.applied == Applied.LOCAL, error_feedback=error_feedback)
     correction = merge_correction(state.anchor, old_anchor, accounted, out=out, contributed=accounted is not None)

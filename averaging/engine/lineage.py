@@ -1,40 +1,15 @@
 """Merging a split swarm's two lineages at the reunion, instead of dropping one side's work.
 
-While a swarm is split (an outage, a router restart), each side averages within itself and steps
-its own anchor: two lineages. When the sides meet, the group's consensus keeps one anchor
-(``averaging.state.verdict``) and the members holding the other re-sync to it, which alone would
-drop every outer step their side took apart. The rule here merges them: the swarm's anchor moves,
-over the outer steps after the reunion, to the two lineages' anchors averaged by the tokens each
-side trained since the split.
+While a swarm is split each side steps its own anchor; when the sides meet, the consensus keeps one
+anchor and the others re-sync to it (``averaging.state.verdict``), which alone would drop their
+side's outer steps. Instead the swarm's anchor moves, over the next outer steps, to the two anchors
+averaged by the tokens each side trained since the split, with an ordinary round: each re-syncing
+peer keeps ``(1 - mu) / lr`` of the distance to its own anchor in its parameters (``lineage_fold``),
+both sides weigh that contribution by their tokens since the split, and the outer step (which moves
+the anchor ``lr / (1 - mu)`` x a pseudo-gradient in all) does the rest.
 
-How, with the machinery every round already has (no extra message, no extra agreement):
-
-- each re-syncing peer keeps a share of the distance between the two anchors in its parameters
-  (``lineage_fold``): its next pseudo-gradient is ``(1 - mu) / lr * (kept - ours)`` plus its work
-  since the snapshot, weighted by its own tokens since the split;
-- each peer of the kept side adds its own tokens since the split to its next contribution's
-  weight (its pseudo-gradient is its ordinary one);
-- the group averages as always: the average carries ``T_ours / (T_kept + T_ours)`` of that scaled
-  distance, and the outer step applies it with its momentum. A single pseudo-gradient ``g`` moves
-  the anchor by ``lr / (1 - mu) * g`` in all (this step and the momentum's tail), so the
-  ``(1 - mu) / lr`` scale makes the total move the token-weighted share of the distance, no more.
-
-Folding a side's whole displacement since the split on top of the kept anchor instead would count
-what both sides learned twice (they train on the same data); docs/design.md has the measurement.
-
-When is a round a reunion, and not a member that slipped (a lost part, a bad disk)? Only when
-all of these hold, so no side's steps are counted twice:
-
-- the group is larger than every group we averaged in since the last *whole* round (a round
-  whose group was as large as any in the last ``window`` rounds);
-- our anchor took outer steps since that whole round (our side has work to weigh);
-- the peers on the other side (those we re-sync from, or those who diverged from us) were in none
-  of our groups since then (a slipped member re-syncs from peers it has just averaged with), and
-  one of them claims outer steps taken since that whole round (it stepped apart too: a member that
-  missed a round and is merely behind has not, and catches up instead).
-
-A side that never averaged with the other (a peer that joined during the split) has no whole round
-in common with it: its work is dropped as before, and the ``reunion`` event says so.
+A round is a reunion only when no side's steps would be counted twice (``LineageWatch.reunion``; the
+rules and why: docs/design.md, "Finding each other again after an outage").
 """
 
 from __future__ import annotations
@@ -46,11 +21,8 @@ import torch
 
 
 def lineage_fold(ours: torch.Tensor, kept: torch.Tensor, *, lr: float, mu: float) -> torch.Tensor:
-    """What a re-syncing peer adds to its parameters (which the re-sync put at ``kept`` plus its
-    local work) so that its next pseudo-gradient carries ``(1 - mu) / lr * (kept - ours)``: the
-    outer step then moves the anchor towards ``ours`` by this peer's token share of the distance
-    (the module's docstring). ``ours``: our anchor before the re-sync; ``kept``: the group's, both
-    before this round's outer step."""
+    """What a re-syncing peer adds to its parameters so that its next pseudo-gradient carries
+    ``(1 - mu) / lr * (kept - ours)`` (module docstring); both anchors before this round's step."""
     return ours.sub(kept).mul_((1 - mu) / lr)
 
 
@@ -67,9 +39,10 @@ class LineageWatch:
         self._apart_tokens = 0.0  # our tokens that reached our anchor since the whole round
 
     def reunion(self, *, group_size: int, others: Mapping[str, int], rounds_done: int) -> float | None:
-        """Our tokens since the split if this round meets ``others`` (the other side: the peers we
-        re-sync from, or those who diverged from us, with the outer steps each claims) as a reunion
-        (the module's rules); else None. ``rounds_done``: our outer steps before this round's."""
+        """Our tokens since the split if this round meets ``others`` (the other side, with the outer
+        steps each claims) as a reunion, else None: the group is larger than every group since the
+        last whole round, we stepped since, none of ``others`` was in our groups since (a slipped
+        member), and one of them stepped since (else it is only behind)."""
         if self._whole_rounds_done is None or rounds_done <= self._whole_rounds_done or not others:
             return None
         if max(others.values()) <= self._whole_rounds_done:  # they did not step apart: only behind

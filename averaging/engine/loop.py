@@ -4,20 +4,13 @@ One ``RoundEngine`` per peer, driven by the training loop with one ``after_step`
 step; the node and the library API both use it. The training loop never waits on the network
 unless it must:
 
-- **overlap** (default): rounds are wall-clock windows on the run's schedule. At the last step
-  boundary before the deadline the engine snapshots the parameters (device→pinned host, async on
-  CUDA) and hands the round to the worker (``begin_sync``; the worker's side is
-  ``averaging.engine.round``), while training goes on. ``try_merge`` at a later step boundary adds
-  the result in one fused pass (``averaging.math.merge``). A sync may outlast its round: the next
-  round's matchmaking then runs beside it (the worker's prepare lane), and if the running sync is
-  expected to end before the next deadline the next round's sync is queued behind it (its snapshot
-  taken at its own deadline, its pseudo-gradient corrected for the merge that had not happened yet:
-  double buffers). If not, the peer stays out of that round (``averaging.engine.policy``): its work
-  is folded into its next contribution, and the outer step it missed is replayed from the group's
-  history when it rejoins, not downloaded.
-- **blocking** (the OpenDiLoCo baseline): a fixed number of inner steps per round (fewer if the
-  deadline comes first), then the loop waits, idle, for the all-reduce at the round's deadline:
-  every peer waits for the slowest, and for the network.
+- **overlap** (default): at the last step boundary before the round's deadline the engine
+  snapshots the parameters (async on CUDA) and hands the round to the worker (``begin_sync``;
+  ``averaging.engine.round``) while training goes on; ``try_merge`` at a later step boundary adds
+  the result (``averaging.math.merge``). A sync may outlast its round: the next one is queued
+  behind it (double buffers) or the peer stays out of that round (``averaging.engine.policy``).
+- **blocking** (the OpenDiLoCo baseline): a fixed number of inner steps, then the loop waits for
+  the all-reduce at the round's deadline.
 
 Threads: ``after_step``/``begin_sync``/``try_merge`` run on the training thread; the round's sync
 runs on the worker's thread and is the only code that changes the anchor; the two meet through the
@@ -76,11 +69,9 @@ class RoundEngine:
                  swarm_lateness: Callable[[], Sequence[float]] | None = None,
                  inner_state: InnerStateSync | None = None, mixing: Mixing | None = None,
                  outer: OuterConfig | None = None):
-        """``inner_state``: average the inner optimizer's moments with every round (its backend was
-        built with ``extra_numel = inner_state.numel``; ``averaging.engine.inner_sync``). ``mixing``:
-        sub-group rounds (``averaging.engine.subgroups``; the backend's extra vector then starts with
-        the anchor and momentum: ``subgroups.state_numel``), else whole-swarm rounds. ``outer``: the
-        outer step's settings (default: the shared state's, which applies the steps)."""
+        """``inner_state``: average the inner optimizer's moments with every round (the backend was
+        built with ``extra_numel`` for them). ``mixing``: sub-group rounds (``averaging.engine.subgroups``),
+        else whole-swarm rounds. ``outer``: the outer step's settings (default: the shared state's)."""
         self.state, self.worker, self.layout = state, worker, layout
         self._params, self._schedule, self.config = params, schedule, config
         self.peer_id, self.device = peer_id, device
@@ -100,9 +91,8 @@ class RoundEngine:
         self._host_moments: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         self._steps = 0  # inner steps taken (the landing's k: steps since a round's snapshot)
         cuda = device.type == "cuda"
-        # Host staging for the parameter snapshots and the merge corrections: pinned so that
-        # device<->host copies are async. Two of each (slot 1 allocated when first needed): a sync
-        # queued behind a running one must not overwrite the buffers the running one still uses.
+        # Pinned host buffers for snapshots and merge corrections, two of each: a sync queued behind
+        # a running one must not overwrite the buffers the running one still uses.
         self._pinned = cuda
         self._host_params: list[torch.Tensor | None] = [layout.new_buffer(pin_memory=cuda), None]
         self._host_correction: list[torch.Tensor | None] = [layout.new_buffer(pin_memory=cuda), None]
@@ -214,9 +204,8 @@ class RoundEngine:
             self._decide(round)
 
     def _decide(self, round: int, *, not_before: float = 0.0) -> None:
-        """Join ``round`` (its matchmaking queued on the prepare lane, not before ``not_before``) or
-        stay out of it (``JoinPolicy``). Once per round: at its prepare time, or in ``begin_sync`` if
-        the window ends before that (blocking mode's early steps; steps longer than ``prepare_lead``)."""
+        """Join ``round`` (matchmaking queued on the prepare lane) or stay out of it (``JoinPolicy``);
+        once per round, at its prepare time or in ``begin_sync`` if the window ends before that."""
         self._decided_round = round
         decision = self.policy.decide(
             round, window=self.window, first_round=self._first_round, folded_tokens=self._folded_tokens,
@@ -276,9 +265,8 @@ class RoundEngine:
         return finished + jumped
 
     def _report_jumped(self, window: Window, next_round: int) -> list[RoundStats]:
-        """Rounds that ended while a step ran past the next deadline (a stalled machine): no window
-        of ours covered them. Each gets its record anyway (one per round: docs/metrics.md), with
-        no work and the reason, after the round that ended."""
+        """Rounds that ended while a step ran past the next deadline: each still gets its record
+        (one per round: docs/metrics.md), with no work and the reason."""
         reports: list[RoundStats] = []
         for round in range(window.round + 1, next_round):
             empty = Window(round, started=window.ended, ended=window.ended,
@@ -320,8 +308,7 @@ class RoundEngine:
             if problem is not None:
                 logger.warning(f"round {job.window.round}: {problem}; our own moments were kept")
         self.policy.note_lateness(result.lateness_s)
-        # In blocking mode the round's own wait is part of the round; in overlap mode a wait (only
-        # ``finish`` waits) is charged to the window that had to wait.
+        # Blocking mode: the wait is the round's own; overlap: charged to the window that waited.
         charged = job.window if self.config.mode == SyncMode.BLOCKING else self.window
         charged.wait_s += stall_s
         conclusion, window = result.conclusion, job.window
@@ -337,9 +324,8 @@ class RoundEngine:
         ), *(replace(stayed_out, rounds_done=result.rounds_done) for stayed_out in job.then)]
 
     def _snapshot_moments(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The inner optimizer's moments at the round's end, into ``slot``'s host buffers (made
-        when first needed), with the buffer their group mean will be written to; None if they do
-        not ride the all-reduce. A blocking copy: the moments change with the next step."""
+        """The moments at the round's end, copied (blocking: the next step changes them) into
+        ``slot``'s host buffers, with the buffer for their group mean; None if they do not ride."""
         if self.inner_state is None:
             return None
         if self._host_moments[slot] is None:

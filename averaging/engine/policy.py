@@ -22,9 +22,8 @@ logger = logging.getLogger(__name__)
 
 MAX_OUTSTANDING = 2  # syncs not yet merged: one running, one queued behind it
 LATENESS_ALPHA = 0.3  # EMA weight of the newest sync's lateness (its end minus its round's deadline)
-# A peer that starts training (joined, resumed) with less than this fraction of a round left stays
-# out of that round and brings its work to the next: its pseudo-gradient would be a sliver of an
-# honest one, and robust aggregation judges a group's parts against the reducer's own.
+# A peer that starts training with less than this fraction of a round left stays out of it: its
+# sliver of a pseudo-gradient would be judged against full ones.
 MIN_FIRST_WINDOW_FRACTION = 0.5
 
 
@@ -68,8 +67,7 @@ class JoinPolicy:
                  swarm_lateness: Callable[[], Sequence[float]] | None = None):
         self.config = config
         self._schedule = schedule
-        # The other live peers' published sync lateness (their progress records): the sync period
-        # is agreed on from everyone's, so that the peers average in the same rounds.
+        # The other live peers' published sync lateness, so that everyone agrees on the sync period.
         self._swarm_lateness = swarm_lateness
         self.lateness: float | None = None  # EMA of how long after its deadline our sync ends
         self._warned_round_seconds = False
@@ -88,10 +86,8 @@ class JoinPolicy:
 
     @property
     def agreed_lateness(self) -> float | None:
-        """The median of our sync lateness and the other live peers' published ones (every peer
-        reads the same records, so they agree on it up to a heartbeat; a minority claiming any
-        lateness cannot move the median out of the honest peers' range). Ours alone while nobody
-        else published one; None while nobody has measured any."""
+        """The median of our sync lateness and the other live peers' published ones: every peer
+        reads the same records, and a lying minority cannot move the median. None while unmeasured."""
         values = [v for v in (self._swarm_lateness() if self._swarm_lateness is not None else ()) if math.isfinite(v)]
         if self.lateness is not None:
             values.append(self.lateness)
@@ -99,10 +95,8 @@ class JoinPolicy:
 
     @property
     def sync_period(self) -> int:
-        """Every how many rounds this peer can sync: 1 while syncs end within a round of their
-        deadline; k when they take up to k rounds. Such a peer joins only rounds divisible by k.
-        k comes from the swarm's lateness (``agreed_lateness``), not ours alone: peers that each
-        chose k from their own would choose differently and meet only in pairs."""
+        """Every how many rounds this peer can sync (it joins only rounds divisible by k): k when
+        syncs take up to k rounds, from the swarm's lateness, so that all peers choose the same k."""
         lateness = self.agreed_lateness
         if lateness is None or self.config.mode == SyncMode.BLOCKING:
             return 1
@@ -123,10 +117,8 @@ class JoinPolicy:
                         f"so its peers average in rounds divisible by {self.sync_period}")
 
     def _started_late(self, round: int, window: Window, first_round: int, carrying: bool) -> bool:
-        """Whether our first window (since the engine started) covers less than
-        ``MIN_FIRST_WINDOW_FRACTION`` of ``round``: we joined or resumed near its deadline. Both
-        modes; only the first window (blocking mode restarts every window after its wait, and
-        that is lockstep, not lateness); never a blocking window that did its ``inner_steps``."""
+        """Whether our first window since the engine started covers less than
+        ``MIN_FIRST_WINDOW_FRACTION`` of ``round`` (never a blocking window that did its steps)."""
         if round != first_round or window.round != round or carrying:
             return False
         if self.config.mode == SyncMode.BLOCKING and window.steps >= self.config.inner_steps:
@@ -135,9 +127,8 @@ class JoinPolicy:
         return schedule.round_end(round) - window.started < MIN_FIRST_WINDOW_FRACTION * schedule.round_seconds
 
     def _can_join(self, round: int, outstanding: Sequence[Outstanding]) -> bool:
-        """Whether our sync of ``round`` can start at its deadline: no more than one sync ahead of
-        it, and that one expected to end by then (from how late past their deadlines recent syncs
-        ended). A wrong guess costs lateness, not correctness: the sync is queued and runs late."""
+        """Whether our sync of ``round`` can start at its deadline: at most one sync ahead of it,
+        expected to end by then (a wrong guess only makes the sync late)."""
         if self.config.mode == SyncMode.BLOCKING:
             return True
         period = self.sync_period

@@ -35,9 +35,8 @@ def newest_round(schedule: RoundSchedule, now: float) -> int:
 
 
 def download_horizon(schedule: RoundSchedule, now: float, download_timeout: float) -> int:
-    """The newest round a donor's slice may honestly carry during a download starting now: the
-    donors keep stepping while it runs (up to ``download_timeout``), and a bound fixed at the
-    start would refuse every donor that moved on during a long download."""
+    """The newest round a donor's slice may honestly carry during a download starting now: donors
+    keep stepping while it runs, up to ``download_timeout``."""
     return newest_round(schedule, now) + math.ceil(download_timeout / schedule.round_seconds)
 
 
@@ -54,9 +53,8 @@ class Recovery:
         return next((plan for plan in plans if self.catch_up(plan, round=round, work_rms=work_rms)), None)
 
     def catch_up(self, plan: CatchUp, *, round: int, work_rms: float = 0.0) -> bool:
-        """Replay ``plan.steps`` outer steps fetched from its donors, after undoing our own last
-        ``plan.rewind`` (``SharedState.catch_up``); ``work_rms`` is the RMS of our own
-        pseudo-gradient this round (a size a replayed step is judged against)."""
+        """Replay ``plan.steps`` fetched from its donors after undoing our last ``plan.rewind``
+        (``SharedState.catch_up``); ``work_rms``: our own pseudo-gradient's RMS, a size bound."""
         updates: list[AppliedUpdate] = []
         first = self.state.rounds_done - plan.rewind
         donors = list(plan.donors)
@@ -99,8 +97,7 @@ class Recovery:
                                            max_round=max(round, newest_round(self._schedule(), self.clock.now())),
                                            reference=resync.reference, step=step)
             except StateTooFarAhead as e:
-                # The donors stepped twice while we downloaded: retrying against this round's
-                # reference only gets further. The next group's verdict brings a fresh one.
+                # The donors stepped twice meanwhile: the next group's verdict brings a fresh reference.
                 logger.warning(f"round {round}: refused the state of {state.peer}: {e}; the next round's group "
                                "check will tell us again")
                 break

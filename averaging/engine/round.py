@@ -2,17 +2,10 @@
 
     job -> pseudo-gradient -> exchange -> the kind's end -> the weight carried forward -> result
 
-- **prepare** (the prepare lane, ``prepare_lead`` before the deadline): matchmaking under the
-  kind's key, with our claim attached;
-- **job** (at the deadline, ``RoundEngine.begin_sync``): the snapshot of the parameters and where
-  to write the merge correction, as one ``RoundJob``;
-- **exchange**: the pseudo-gradient, what the codec sends, the all-reduce (with the extra vector);
-- **end**: the kind of round (``averaging.engine.whole_swarm`` or ``averaging.engine.subgroups``)
-  takes the group's answer to a moved anchor and the merge correction;
-- **carry**: the weight our next contribution carries beyond its own tokens (``carried_weight``).
-
-The training thread merges the result (``RoundEngine.try_merge``); this worker thread is the only
-one that changes the anchor.
+Matchmaking (``prepare``) runs earlier on the prepare lane, with our claim attached; the job comes
+from ``RoundEngine.begin_sync``; the kind of round (``averaging.engine.kind``) turns the group's
+answer into a moved anchor and a merge correction. The training thread merges the result
+(``RoundEngine.try_merge``); this worker thread is the only one that changes the anchor.
 """
 
 from __future__ import annotations
@@ -72,15 +65,13 @@ class SyncResult:
     robust: dict[str, int] = field(default_factory=dict)
     lineage_merged: int = 0  # a reunion where we re-synced: our side's outer steps apart, merged
     reunion: bool = False  # the round met the other side of a split that stepped apart
-    # The group's mean of the inner optimizer's moments (``averaging.engine.inner_sync``), when they
-    # rode the all-reduce and the round's average was applied; None: keep our own.
+    # The group's mean of the inner optimizer's moments, when applied; None: keep our own.
     inner_state: torch.Tensor | None = None
 
 
 def carried_weight(weight: float, ending: RoundEnding) -> float:
-    """The weight our next contribution carries beyond its own tokens: this round's, if its work
-    reached no anchor, plus what the round gave back (partial rounds nobody applied, a split's
-    tokens apart)."""
+    """The weight our next contribution carries beyond its own tokens: this round's if its work
+    reached no anchor, plus what the round gave back."""
     return (0.0 if ending.reached else weight) + ending.given_back
 
 
@@ -95,8 +86,7 @@ class RoundRunner:
         # The extra vector sent and averaged, when the kind's state rides it (else the moments' own buffer is sent).
         self._extra = torch.zeros(kind.state_numel + extra_numel) if kind.state_numel else None
         self._schedule, self.clock = schedule, clock
-        # The payload's codec (error feedback: the residual lives in the live parameters, see
-        # averaging.math.wire) and, for the byte counts, whether we reduce nothing (client mode).
+        # The payload's codec and, for the byte counts, whether we reduce nothing (client mode).
         self.wire, self.client_mode = wire, client_mode
         self._pseudo_grad = layout.new_buffer()
         self._carried = 0.0  # weight of earlier work our next contribution carries (``carried_weight``)
@@ -127,9 +117,8 @@ class RoundRunner:
         extra = self._extra_vector(job.moments)
         sent, averaged, outcome, sync_s = self._exchange(job.round, pseudo_grad, weight, extra)
         robust = self._robust_since_last()
-        # Only a group's all-reduce tells how long the next one will take: a failed matchmaking
-        # (alone, or no group) ends on its own timeout, and peers with another history would then
-        # guess differently and stay out of different rounds.
+        # Only a group's all-reduce measures lateness: a failed matchmaking ends on its own timeout,
+        # and peers with other histories would then stay out of different rounds.
         allreduced = outcome.ok or outcome.partial > 0  # a partial result too: only its outcome is not ours
         lateness_s = self.clock.now() - self._schedule().round_end(job.round) if allreduced else None
         ending = self.kind.end(job.round, outcome, pseudo_grad=pseudo_grad, sent=sent, averaged=averaged,
@@ -168,9 +157,8 @@ class RoundRunner:
 
     def _exchange(self, round: int, pseudo_grad: torch.Tensor, weight: float,
                   extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, AverageOutcome, float]:
-        """The all-reduce at the round's deadline of what the codec can carry exactly (our own full
-        pseudo-gradient stays as the fallback of a local round): (sent, averaged, outcome, sync_s).
-        ``extra`` is averaged in place in the same all-reduce."""
+        """The all-reduce of what the codec carries exactly (our full pseudo-gradient stays for a
+        local round), ``extra`` in place beside it: (sent, averaged, outcome, sync_s)."""
         started = self.clock.monotonic()
         sent = self.wire.to_send(pseudo_grad)
         averaged = sent.clone()

@@ -34,14 +34,11 @@ class RoundStats:
     bytes_received: int = 0
     caught_up: int = 0  # outer steps we had missed and replayed from the group (instead of a re-sync)
     skipped: bool = False  # we stayed out of this round's sync (its work folded into the next)
-    # What robust aggregation refused during this round's sync (``AveragingBackend.robustness``),
-    # only the kinds that occurred: e.g. {"refused_parts": 2, "bans": 1}; {} on a clean round.
+    # What robust aggregation refused in this round's sync, kinds that occurred: {"bans": 1}; {} if none.
     robust: dict[str, int] = field(default_factory=dict)
-    # A split swarm's reunion at which we re-synced: our side's outer steps apart, merged into the
-    # group's anchor through our next contribution instead of dropped (``averaging.engine.lineage``).
+    # A reunion at which we re-synced: our side's outer steps apart, merged (``averaging.engine.lineage``).
     lineage_merged: int = 0
-    # The engine met the other side of a split that stepped apart too (either side): what the
-    # kept side's ``reunion`` event needs (a member that only missed a round is behind, not apart).
+    # The round met the other side of a split that stepped apart (the ``reunion`` event).
     lineage_reunion: bool = False
 
 
@@ -80,11 +77,8 @@ class StepTimer:
 
 @dataclass
 class Traffic:
-    """Cumulative averaging bytes, updated from the sync worker's and the training thread's side.
-
-    hivemind does not count bytes per averager (p2pd carries every stream), so shoal counts the
-    payload it knows it moved: all-reduce parts and downloaded state. Headers and DHT traffic are
-    not included."""
+    """Cumulative averaging bytes (all-reduce payloads and downloads, not headers or DHT traffic:
+    hivemind counts nothing per averager), updated from both threads."""
 
     sent: int = 0
     received: int = 0

@@ -2,24 +2,17 @@
 
 Each round the swarm splits into groups of about ``averaging.target_group_size`` (Moshpit SGD,
 arXiv:2103.03239), and each group averages its members' anchors and outer momenta beside the
-pseudo-gradient: averaging pseudo-gradients alone would let groups drift apart for good. The
-invariant: **every member of a group holds the same anchor right after the group's round** (the
-reducers return the same bytes to every member, and the members apply the same step); anchors
-across groups converge. This replaces the whole swarm's verdict (anchors of different groups differ
-by design) and its reunion logic (every round meets peers of other groups).
+pseudo-gradient, or groups would drift apart for good. The invariant: **every member of a group
+holds the same anchor right after the group's round**; anchors across groups converge.
 
-From "group formed" to "anchor moved" (``SubGroups.end``):
+From "group formed" to "anchor moved" (``SubGroups.end``): the group view says who is **far**
+(weight 0 in the mean state); **check** the average and the mean state against what the claims
+allow (``state_problem``); **mix**: take the group's state and apply its step (``SharedState.mix``;
+a far member of a lattice-coded group steps its own state and re-syncs); **account** for our work.
+A partial or failed round folds.
 
-1. the group's claims (signed, attached to matchmaking) say who is **far** from the rest: the
-   reducers gave its state weight 0; in a lattice-coded group it could not decode the mean either;
-2. **check** the average and the group's mean state against what the claims allow (``state_problem``);
-3. **mix**: take the group's state and apply its step (``SharedState.mix``); a far member of a
-   lattice-coded group applies the step to its own state and **re-syncs** from the near members;
-4. **account**: what the new anchor holds of our work, and the merge correction. A partial or
-   failed round folds: our stale anchor and the folded work offset each other in our next group.
-
-The extra vector is laid out as ``[anchor | momentum | the inner optimizer's moments, when they
-ride]``, in the run's state code (``averaging.math.wire.mix_code``: the lattice code, fp16 or fp32).
+The extra vector is ``[anchor | momentum | the inner optimizer's moments, when they ride]``, in the
+run's state code (``averaging.math.wire.mix_code``).
 """
 
 from __future__ import annotations
@@ -52,8 +45,7 @@ from protocols.messages import ClaimMessage, MessageError
 
 logger = logging.getLogger(__name__)
 
-# round -> (our group in that round, the round's group count): ``averaging.math.groups`` applied
-# to the live peers' records (``node.library.swarm``).
+# round -> (our group in that round, the round's group count), from the live peers' records.
 GroupPlan = Callable[[int], tuple[int, int]]
 
 
@@ -73,9 +65,8 @@ class Mixing:
 
 def one_group(donors: list[str], *, live: Iterable[str], round: int, groups: int, salt: str) -> list[str]:
     """Of ``donors`` (in the order to ask them), the members of the ``round`` group that holds the
-    most of them, in that order: a joiner's download assembles one state from several donors, and
-    only one group's members hold one state (ties: the group whose member comes first in
-    ``donors``). ``live``: the peers whose records we hold, whose hash order cut the groups."""
+    most of them: a download assembles one state, and only one group's members hold one state.
+    ``live``: the peers whose records we hold, whose hash order cut the groups."""
     if groups == 1 or not donors:
         return list(donors)
     order = {donor: i for i, donor in enumerate(donors)}
@@ -104,12 +95,10 @@ def unpack_state(extra: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.T
     return extra[:numel], extra[numel:2 * numel]
 
 
-# The bound on the group's mean state, in units of what the members' claims allow (``state_problem``):
-# a fingerprint's 4 projections estimate a chunk's RMS difference within a factor of about 3.7 at
-# the 1% tail (chi-square, 4 degrees of freedom), so 4 keeps honest rounds in.
+# The bound on the group's mean state, in units of what the claims allow (``state_problem``): 4
+# projections estimate a chunk's RMS difference within about 3.7x at the 1% tail.
 ESTIMATE_SLACK = 4.0
-# ...plus this many of the chunk's step sizes (our own pseudo-gradient's, or the last applied
-# step's): a member whose last sync landed after it made its claim sends an anchor a step from it.
+# ...plus this many step sizes: a member whose last sync landed after its claim is a step off it.
 STEP_SLACK = 4.0
 
 
@@ -129,19 +118,16 @@ def claims_by_peer(state: SharedState, gathered: Mapping[str, Any], *, round: in
 
 
 def left_out(claims: Mapping[str, ClaimMessage], far: frozenset[str], *, self_id: str) -> list[bool]:
-    """Per claim (in ``claims``' order), whether the group's mean state leaves that member out (the
-    group view's ``far``: its reducers gave it weight 0), so its distance must not widen our bound
-    (``state_problem``). If we are far ourselves nothing is left out: the mean is then the others',
-    far from us by our own distance."""
+    """Per claim, whether the group's mean state leaves that member out (the view's ``far``), so its
+    distance must not widen ``state_problem``'s bound; nothing if we are far ourselves."""
     if self_id in far:
         return [False] * len(claims)
     return [peer in far for peer in claims]
 
 
 def donors_if_far(claims: Mapping[str, ClaimMessage], far: frozenset[str], *, self_id: str) -> list[str] | None:
-    """If we are far from our lattice-coded group (its view's ``far``), the members that are not
-    (the donors of the group's state); else None. A far member cannot decode the group's state and
-    downloads it from them instead."""
+    """If we are far from our lattice-coded group, the near members to download its state from
+    (we cannot decode it); else None."""
     if self_id not in far:
         return None
     return [peer for peer in claims if peer not in far and peer != self_id]
@@ -152,20 +138,12 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
                   left_out: list[bool] | None = None) -> str | None:
     """Why the group's mean state must not be taken, or None.
 
-    A reducer returns its part of the mean itself, and our own part is all a member can check a
-    part against, which for an anchor bounds nothing (its norm is the weights' own). The members'
-    signed claims bound it instead: every rule the reducers apply (weights bounded, CenteredClip
-    from the coordinate median) leaves the result inside the bounding box of the members' anchors,
-    and any point of that box is within ``sqrt(n) x D`` of our anchor, ``D`` the farthest member's
-    distance (``||c - a||^2 <= sum_i ||x_i - a||^2 <= n D^2`` coordinate by coordinate). So per
-    fingerprint chunk: ``RMS(mean - ours) <= ESTIMATE_SLACK x sqrt(n) x D + STEP_SLACK x step``, with
-    ``D`` estimated from the claims, and the momentum likewise from the momentum fingerprints the
-    members' claims carry (``SharedState.claim_message(with_momentum=True)``); when a member's claim
-    lacks one, only by how far momenta can honestly lie apart (``1 / (1 - mu)`` steps, ``mu`` the
-    outer momentum). A member far
-    from the rest (``left_out``, from the group's view) is not in the mean and does not count in ``D``;
-    a stale member that is not that far widens ``D`` for everyone (its anchor is in the mean); a
-    reducer that lies gains at most that bound on its share. Non-finite values are refused first."""
+    Our own part bounds nothing for an anchor, so the members' signed claims do: every reducer rule
+    leaves the mean inside the bounding box of the members' anchors, within ``sqrt(n) x D`` of ours
+    (``D``: the farthest member's claimed distance). Per fingerprint chunk:
+    ``RMS(mean - ours) <= ESTIMATE_SLACK x sqrt(n) x D + STEP_SLACK x step``, the momentum likewise
+    (or, when a claim lacks its fingerprint, within ``1 / (1 - mu)`` steps). Members ``left_out`` of
+    the mean do not count in ``D``; non-finite values are refused first."""
     if not bool(torch.isfinite(anchor).all()) or not bool(torch.isfinite(momentum).all()):
         return "the group's mean anchor or momentum has NaN/inf values; it was not taken"
     ours = state.claim().fingerprint
@@ -199,10 +177,8 @@ def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedSta
 
 
 def group_rounds_done(state: SharedState, claims: list[ClaimMessage], *, round: int) -> int:
-    """The most outer steps a member of the group claims (its attached claim), counting ours, each
-    capped by the schedule (one step a round): the count every member takes with the group's mean
-    state, so that they serve one state to joiners (a download compares step counts). An inflated
-    claim moves only this count, which no rule of the math reads."""
+    """The most outer steps a member claims, ours included, capped by the schedule: the count every
+    member takes with the group's state, so they serve joiners one state (no math reads it)."""
     return max([state.rounds_done, *(m.rounds_done for m in claims if m.rounds_done <= round)])
 
 
@@ -210,13 +186,9 @@ def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: tor
              averaged: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
              alone: bool = False, self_id: str = "", lattice: bool = False) -> RoundConclusion:
     """Check and mix: if the round succeeded and both the average and the group's mean state
-    (``mixed``: the extra vector's head) are usable, take the group's state and apply its step, so
-    every member ends with the same anchor; otherwise our own step if alone, else the work folds.
-
-    ``lattice``: the state rode the lattice code, which a member far from its group cannot decode
-    (its averager kept our own state): such a member applies the group's step to its own state and
-    re-syncs from the near members (``resync``, no reference claim: they hold one state after the
-    round, and the download's donors must agree)."""
+    (``mixed``) are usable, take the group's state and apply its step, so every member ends with
+    the same anchor; otherwise our own step if alone, else the work folds. ``lattice``: a far
+    member cannot decode the state, so it applies the step to its own and re-syncs from the near ones."""
     conclusion = RoundConclusion(applied=Applied.FOLDED, group_size=max(1, len(outcome.group)), error=outcome.error)
     if outcome.ok and averaged is not None and mixed is not None:
         conclusion.group_size = len(outcome.group)

@@ -1,17 +1,10 @@
 """The whole-swarm round: one group of everybody, every member holding the same anchor.
 
-From "group formed" to "anchor moved" (``WholeSwarm.end``):
-
-1. **judge**: the members' claims give a ``Verdict`` (``averaging.state.verdict``): nothing to
-   do, catch up, or re-sync;
-2. **catch up** before the step: replay the outer steps we missed (``averaging.engine.recover``);
-3. **step**: apply the group's average if the round succeeded and it is usable; our own if we
-   are alone in the swarm; else nothing, and the work folds into our next contribution;
-4. **re-sync** after the step if no catch-up reached the group's anchor;
-5. **account**: what the new anchor holds of our work, and the merge correction;
-6. **settle**: a partial round (a reducer failed: the others applied a step we did not) is held
-   until a later round tells whether the group applied it; a split swarm's reunion merges the
-   side that re-synced into the next contribution (``averaging.engine.lineage``).
+From "group formed" to "anchor moved" (``WholeSwarm.end``): **judge** the members' claims
+(``averaging.state.verdict``), **catch up** on missed steps (``averaging.engine.recover``),
+**step** (the group's average, our own if alone, else the work folds), **re-sync** if no catch-up
+reached the group's anchor, **account** for our work in the merge correction, and **settle** partial
+rounds and a split swarm's reunion (``averaging.engine.lineage``).
 """
 
 from __future__ import annotations
@@ -68,8 +61,7 @@ class WholeSwarm:
                  peer_id: str, alone: Callable[[], bool]):
         self.state, self.outer, self.wire, self.recovery = state, outer, wire, recovery
         self.peer_id, self._alone = peer_id, alone
-        # What we sent in partial rounds, with its weight, until a later round tells whether the
-        # group applied that step (``_settle_partial``).
+        # What we sent in partial rounds, with its weight, until ``_settle_partial``.
         self._unconfirmed: list[tuple[torch.Tensor, float]] = []
         self._divergence = DivergenceWatch()
         self.lineage = LineageWatch()
@@ -111,10 +103,9 @@ class WholeSwarm:
 
     def _settle_partial(self, round: int, conclusion: RoundConclusion, resynced: bool,
                         correction: torch.Tensor) -> float:
-        """The first judged round after partial ones tells whether the group applied their steps:
-        each step we replayed (``caught_up``) carried one of them, oldest first. A partial round
-        whose step nobody applied gives its work back to the parameters (``correction``), and its
-        weight (returned) to the next contribution: our work is never counted twice, nor lost."""
+        """The first judged round after partial ones tells whether the group applied their steps
+        (each replayed step carried one, oldest first); one nobody applied gives its work back to
+        the parameters and its weight (returned) to the next contribution: never counted twice."""
         if not self._unconfirmed:
             return 0.0
         unconfirmed, self._unconfirmed = self._unconfirmed, []

@@ -21,9 +21,8 @@ T = TypeVar("T")
 
 class SyncWorker:
     def __init__(self, backend: AveragingBackend, *, allreduce_timeout: float, matchmaking_grace: float):
-        # Used from the worker's threads (jobs, and ``prepare`` on its own lane); the one other
-        # caller is DiLoCoSwarm.start turning on ``share_state`` from the training thread: a flag
-        # the averager's process reads (hivemind's allow_state_sharing), set once before the loop starts.
+        # Used from the worker's threads; the one other caller is DiLoCoSwarm.start setting
+        # ``share_state`` (a flag) from the training thread, once, before the loop starts.
         self.backend = backend
         self.allreduce_timeout = allreduce_timeout
         self.matchmaking_grace = matchmaking_grace  # how long past a deadline a group may still form

@@ -1,9 +1,10 @@
 """Blockwise int8 / int4 / int2 codecs for pseudo-gradients: pure torch, vectorised, any device.
 
 Why our own: hivemind's 8-bit codecs break on numpy 2, its blockwise one needs bitsandbytes, and
-the all-reduce needs two properties nobody else promises: *idempotence* (re-quantizing a quantized
-vector returns it bit-exactly, which makes error feedback exact, ``averaging.math.error_feedback``) and
-*hostile-input safety* (``decode`` raises ``MessageError`` and nothing else).
+the all-reduce needs *idempotence* (re-quantizing a quantized vector returns it bit-exactly, which
+makes error feedback exact, ``averaging.math.wire``) and *hostile-input safety* (``decode`` raises
+``MessageError`` and nothing else). The choice of levels and block sizes, with measured errors:
+docs/codecs.md.
 
 Format (little-endian), ``HEADER`` then per-block scales then the packed levels::
 
@@ -11,36 +12,11 @@ Format (little-endian), ``HEADER`` then per-block scales then the packed levels:
     scales: ceil(numel / block_size) x fp16      (blockwise codes only)
     payload: numel values of ``bits`` each, packed low bits first, zero padded to a whole byte
 
-A value decodes to ``level * scale * 2**exponent`` (fp32). The power-of-two ``exponent`` is chosen
-per tensor so the largest block scale lands in [2**14, 2**15]: fp16 scales then cover any fp32
-magnitude (1e-30 and 1e30 alike) and blocks down to 2**-28 of the largest keep full precision.
-
-Levels (symmetric, so a vector and its negation cost the same error):
-- int8: k in [-127, 127], scale = block absmax / 127; int4: k in [-7, 7], scale = absmax / 7.
-  Per element ``|x - q| <= (0.5 + 2**-11) * absmax / L``: half a step, plus fp16 rounding of the
-  scale (the largest element is clamped to +-L, never overflows).
-- int2: ternary {-v, 0, +v} in 2-bit fields (code 3 is invalid), v = least-squares magnitude of the
-  entries above 0.8 * mean|x| of the block. Measured relative RMS error ||x - q|| / ||x|| (2**22
-  values, block 256): Gaussian 0.435, Laplace 0.519, Student-t(3) 0.638. The alternatives:
-  4 levels {-3, -1, 1, 3} * absmax / 3 (no zero) scored 0.596 / 1.02 / 2.09 (worse than sending
-  nothing on heavy tails: every small entry becomes +-absmax/3), and ternary with v = absmax
-  0.808 / 0.832 / 0.800. Ternary least-squares is also contractive (||x - q||^2 = ||x||^2 -
-  m v^2 per block), which error feedback needs; threshold factors 0.7-1.0 are within 2%.
-
-Block size (default per code, ``DEFAULT_BLOCK_SIZE``). Relative RMS error at 32 / 64 / 128 / 256
-(bits per value including the fp16 scale: 16 / block):
-- int8, Gaussian: 0.0054 / 0.0059 / 0.0065 / 0.0070; Student-t(3): 0.0084 / 0.0108 / 0.0136 / 0.0171
-- int4, Gaussian: 0.097 / 0.108 / 0.117 / 0.126;     Student-t(3): 0.144 / 0.181 / 0.225 / 0.275
-- int2, Gaussian: 0.427 / 0.432 / 0.435 / 0.436;     Student-t(3): 0.609 / 0.632 / 0.642 / 0.646
-Block 64 costs 3% (int8) / 6% (int4) more bytes than an unscaled code and, on heavy tails, buys
-more than those bits would as extra levels; ternary barely depends on the block (its scale is a
-mean), so int2 uses 256 (2.06 bits instead of 2.25).
-
-Idempotence: the largest element of a block decodes to exactly ``L * scale`` (fp16 rounding of a
-scale is below half a level for L <= 127), so a second pass finds the same absmax, the same scale
-and, dividing exact multiples, the same levels; ternary finds v again (every kept entry is +-v, all
-above the new threshold). It holds for blocks whose scale stays a normal fp16 (within 2**28 of
-the tensor's largest block), which is every block of any realistic pseudo-gradient.
+A value decodes to ``level * scale * 2**exponent`` (fp32); the per-tensor power-of-two ``exponent``
+puts the largest block scale in [2**14, 2**15], so fp16 scales cover any fp32 magnitude. Levels
+are symmetric: int8 and int4 in [-L, L] with scale = block absmax / L; int2 is ternary {-v, 0, +v}
+with v the least-squares magnitude of the entries above ``TERNARY_THRESHOLD`` x mean|x|.
+Idempotence holds for blocks whose scale stays a normal fp16 (within 2**28 of the largest block).
 """
 
 from __future__ import annotations
@@ -60,7 +36,7 @@ MAX_BLOCK_SIZE = 1 << 16
 # The exponent keeps the largest scale in [2**14, 2**15]; -126 keeps 2**-e and 2**e finite in fp32.
 MIN_EXPONENT, MAX_EXPONENT = -126, 113
 SCALE_TOP_BINADE = 15
-TERNARY_THRESHOLD = 0.8  # of mean|x| per block; see the int2 numbers above
+TERNARY_THRESHOLD = 0.8  # of mean|x| per block (docs/codecs.md)
 FP32_MAX = torch.finfo(torch.float32).max
 FP16_MAX = torch.finfo(torch.float16).max
 FP16_MAX_EXPONENT = 112  # the fp16 code's exponent cap: 65504 * 2**112 < FP32_MAX

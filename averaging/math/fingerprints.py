@@ -1,32 +1,14 @@
 """Do the peers of a group still hold the same anchor? A compact, tolerance-aware check.
 
-hivemind can end an all-reduce "successfully" while peers hold different results (a reducer
-that died leaves its part at each peer's local value), and fp16 compression makes even a healthy
-all-reduce end with slightly different results on every peer: each peer adds
-``fp16(average - local)`` to its own local part. So an exact checksum would flag every round,
-and the check must measure *how far apart* anchors are.
+An exact checksum would flag every round: a failed reducer leaves each peer's part at its local
+value, and fp16 returns leave every peer slightly different. A fingerprint is, per chunk of the flat
+anchor, ``K`` random-sign projections ``s_k · x`` (float64, a fixed sign table of prime period):
+``E[(s·a - s·b)^2] = ||a - b||^2``, so fingerprints estimate each chunk's RMS difference.
 
-A fingerprint is, per chunk of the flat anchor, ``K`` random-sign projections ``s_k · x``
-(float64). For two peers, ``E[(s·a - s·b)^2] = ||a - b||^2`` (Johnson-Lindenstrauss), so the
-fingerprints estimate the RMS difference of every chunk without sending the anchor. The signs are
-a fixed table of period ``SIGN_PERIOD`` (a prime, so it does not line up with tensor shapes)
-tiled over the chunk: one matmul per chunk, no per-round random numbers.
-
-Tolerance. With fp16 (unit round-off ``u = 2**-11``) a peer's averaged pseudo-gradient is off by
-at most ``u * |avg - local|`` per element, and an error ``e`` in one averaged pseudo-gradient moves
-the anchor by ``lr / (1 - mu) * e`` over all later Nesterov steps (it enters once as ``(1 + mu) e``,
-then decays through the momentum buffer: ``lr * (1 + mu + mu**2 / (1 - mu))``). With
-lr 0.7, mu 0.9 that is ``7 u ~ 0.0034`` of one round's pseudo-gradient in the worst case, and in
-RMS about ``0.002 * sqrt(rounds)`` of it as errors random-walk. A failed part instead differs by
-about ``lr * (1 + mu) * |avg - local|``, i.e. about one pseudo-gradient. Peers therefore agree
-when every chunk's estimated RMS difference is below ``rel_tol`` (default 0.25) times the RMS of
-the last averaged pseudo-gradient on that chunk, plus ``abs_tol`` for float32 noise: fp16 drift
-needs thousands of rounds to reach it (and a resync then resets it), a failed part crosses it at
-once.
-
-With shoal's int codecs (``averaging.math.wire``) the same tolerance holds: error-fed sends are on the
-codec's grid, so every reducer averages identical values; fp16 returns are the bound above, and
-int8/int4 returns carry the quantized average itself, the same for every member (no drift).
+Peers agree when every chunk's difference is below ``rel_tol`` x the RMS of the last averaged
+pseudo-gradient (plus ``abs_tol``). fp16 drift moves an anchor at most ``lr / (1 - mu) * 2**-11`` of
+a pseudo-gradient per round (2 x 2**-11 at the default outer lr 1.0, momentum 0.5), thousands of
+rounds below it; a failed part (about one pseudo-gradient) crosses it at once.
 """
 
 from __future__ import annotations
@@ -105,10 +87,9 @@ def chunk_projections(values: torch.Tensor, chunk_len: int) -> torch.Tensor:
 
 def chunks_agree(values: torch.Tensor, first_chunk: int, claim: AnchorClaim, *, rel_tol: float = DEFAULT_REL_TOL,
                  abs_tol: float = DEFAULT_ABS_TOL) -> bool:
-    """Whether ``values`` (chunks ``first_chunk``, ``first_chunk + 1``, ... of an anchor, the last
-    one possibly the anchor's partial last chunk) match ``claim`` on those chunks, with the
-    tolerance of ``agree``: a state download checks each slice as it arrives, so that the donor of
-    a slice that does not match is known (and dropped) before the state is assembled."""
+    """Whether ``values`` (whole chunks of an anchor from ``first_chunk`` on) match ``claim`` on those
+    chunks, with ``agree``'s tolerance: a download checks each slice as it arrives, so a bad donor
+    is known before the state is assembled."""
     fp = claim.fingerprint
     rows = chunk_projections(values, fp.chunk_len)
     last = first_chunk + rows.shape[0]
@@ -156,52 +137,18 @@ class AnchorClaim:
     rounds_done: int  # outer steps this peer has applied (self-claimed: picks catch-ups, never the reference)
 
 
-# A sub-group member whose claimed anchor lies this many times farther from the others than the
-# group's typical member does, plus this many of the members' claimed steps, is "far": its anchor
-# and momentum get weight 0 in the group's mean and it adopts the group's (``far_members``).
-# Honest members of a group lie a few steps apart: their last groups' anchors differ (simulated:
-# about 1-2 pseudo-gradient RMS, the real model about twice that), and a claim made before the
-# member's last sync landed is one outer step (up to lr / (1 - mu) RMS) off. The typical distance
-# cannot be relied on for that slack: where most members come from one last group it is 0. A
-# chunk's estimate runs up to ~1.8x high at its 1% tail (4 projections). Measured on a real 8-peer
-# run in groups of 4 (scale_real_state16, the checkpoints): two members' anchors at most 1.7 outer
-# steps apart on any chunk, a claim before the last step landed 2.0 (an outer step is up to about
-# twice a pseudo-gradient's RMS, the claimed scale). 4 steps flagged one honest member per group in
-# that run's last round; 16 flagged none (a second run).
+# The far rule (``far_members``): beyond FAR_FACTOR x the typical distance plus FAR_STEPS claimed
+# steps on some chunk, and beyond FAR_RELATIVE of the anchors' RMS overall (why: docs/scale.md).
 FAR_FACTOR = 4.0
 FAR_STEPS = 16.0
-# ...and only beyond this share of the members' anchors' own RMS, over the whole anchor. Why: in a small
-# group, members from one earlier group hold the same anchor, so the median member's distance is
-# often 0 (groups of 3 drawn from 2 earlier groups always hold such a pair; groups of 4 often), and
-# the bar is then the 16 steps alone, which honest members crossed on real runs where a chunk's
-# claimed step was small next to how far the earlier groups had drifted apart (an 8-peer run in
-# groups of 4: one honest member flagged in each group of the last three rounds, the flagged ones
-# taking the others' state, anchors 0.92 relative apart at the end, scale_real_far16.md's fp16
-# run; attacks_far_state.md's clean run in groups of 3 likewise). Honest members of real runs lay
-# 0.05-0.13 of the weights' RMS apart (scale_real_*.md, max pairwise); a stranger's made-up anchor or
-# a peer back from a checkpoint long out of date is far more than half of it away.
 FAR_RELATIVE = 0.5
 
 
 def far_members(claims: list[AnchorClaim], *, within_steps: float | None = None) -> list[bool]:
-    """Which members of a sub-group hold an anchor far from the rest, by their claims alone, so
-    that every member and every reducer computes the same answer (each sees the same signed claims).
-
-    Member ``i``'s distance is the median over the others of the claims' estimated RMS difference,
-    per chunk; it is far where some chunk's exceeds ``FAR_FACTOR`` x the median member's distance
-    plus ``FAR_STEPS`` x the median claimed step (``scale``), and its distance over the whole anchor
-    exceeds ``FAR_RELATIVE`` x the median member's anchor RMS (``anchor_rms``: a fingerprint
-    estimates its own vector's norm too; pooled over the chunks, ``pooled_rms``).
-    Why: the group's mean state is checked
-    against the farthest claimed distance (``averaging.engine.subgroups.state_problem``), so a member
-    claiming a far anchor (a stranger, or a peer back from an old checkpoint) would widen that bound
-    for everybody, and its anchor would pull the mean; with weight 0 it pulls nothing and the bound
-    is the others'. The medians hold while fewer than half of the others are far; below 3 members
-    nobody can be told apart, and nobody is far.
-
-    ``within_steps`` (the lattice code: what its grid can cover, ``averaging.math.lattice``): a
-    member beyond ``FAR_FACTOR`` x the median member's distance and that many claimed steps is far
-    too, however near relative to the weights: such a member could not decode the group's state."""
+    """Which members of a sub-group hold an anchor far from the rest (FAR_*), by the signed claims
+    alone, so every member and reducer agrees; a far member gets weight 0 in the group's mean state.
+    A member's distance is the median over the others, per chunk; below 3 members nobody is far.
+    ``within_steps`` (the lattice code's range): beyond it a member could not decode, so is far."""
     n = len(claims)
     if n < 3:
         return [False] * n
@@ -212,10 +159,7 @@ def far_members(claims: list[AnchorClaim], *, within_steps: float | None = None)
     typical = own.median(dim=0).values
     step = torch.stack([c.scale for c in claims]).median(dim=0).values
     size = torch.stack([anchor_rms(c.fingerprint) for c in claims]).median(dim=0).values
-    # The relative test pools the chunks: a chunk's estimates come from 4 projections each, so the
-    # ratio of a chunk's distance to its size scatters several-fold and its largest over 64 chunks
-    # flagged honest members a tenth of the weights' RMS apart in a fifth of draws (a quarter of the
-    # bar); pooled over every chunk the estimates hold within ~10%.
+    # The relative test pools the chunks: one chunk's 4-projection estimate scatters several-fold.
     weights = claims[0].fingerprint.chunk_sizes()
     relative = pooled_rms(own, weights) / pooled_rms(size, weights).clamp_min(DEFAULT_ABS_TOL)  # [n]
     bound = FAR_FACTOR * typical + FAR_STEPS * step + DEFAULT_ABS_TOL  # (+ float32 noise, as ``agree``)
@@ -239,10 +183,8 @@ def anchor_rms(fp: Fingerprint) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class Consensus:
-    """The group's view of who holds the reference anchor; every member computes the same one.
-
-    ``contested``: another set of members, as large as the reference's, agrees on another anchor,
-    so the reference won a tie (a hash), not a majority."""
+    """Who holds the reference anchor, as every member computes it; ``contested``: the reference
+    won a tie, not a majority."""
 
     reference: str
     agreeing: frozenset[str]
@@ -259,13 +201,8 @@ def tie_rank(peer: str, salt: str) -> bytes:
 def consensus(claims: dict[str, AnchorClaim], *, rel_tol: float = DEFAULT_REL_TOL, abs_tol: float = DEFAULT_ABS_TOL,
               salt: str = "") -> Consensus:
     """Pick the reference anchor: the one most members agree with; a tie goes to the smallest
-    ``tie_rank`` (``salt``: the round, the same on every member).
-
-    Deterministic given the same claims and salt, so all members reach the same verdict without
-    another message. Members that do not agree with the reference must catch up or re-sync from
-    the agreeing ones. Nothing self-claimed decides a tie: a peer claiming more outer steps than
-    anyone would otherwise win every tie it is part of (docs/incidents.md).
-    """
+    ``tie_rank`` (``salt``: the round). Deterministic, so every member reaches the same verdict
+    without another message; nothing self-claimed decides a tie (docs/incidents.md)."""
     assert claims, "consensus of an empty group"
     peers = sorted(claims)
     agrees_with = {
@@ -332,12 +269,9 @@ class DivergenceReport:
 
 
 class DivergenceWatch:
-    """Which members keep holding an anchor the group does not. An honest member off the anchor
-    (it folded a round, or lost a part) catches up or re-syncs at once, so it is off for one group;
-    one that stays off is failing to re-sync, or lies about its anchor (a peer claiming a poisoned
-    anchor one step ahead is harmless to the majority, which keeps its anchor, but the operator
-    should see who it is). Only a peer that holds the majority's anchor judges:
-    in a contested or lost verdict we may be the odd one ourselves."""
+    """Which members keep holding an anchor the group does not: an honest one is off for one group,
+    so one that stays off fails to re-sync or lies, and the operator should see it. Only a peer
+    holding the majority's anchor judges (in a contested verdict we may be the odd one)."""
 
     def __init__(self):
         self._streaks: dict[str, int] = {}

@@ -1,15 +1,9 @@
 """What the members and reducers of a sub-group must agree on, computed once per group.
 
-Every member attaches a signed claim about its anchor to matchmaking, so every member and every
-reducer of a group holds the same claims. From them, one ``group_view`` call decides:
-
-- **far**: the members whose anchor lies far from the rest (the run's far rule,
-  ``averaging.math.lattice.left_out``). Reducers give their state weight 0 in the group's mean, and
-  the members' check of that mean leaves their distance out (``averaging.engine.subgroups``);
-- **the grid** of the lattice code, when the state rides it (``averaging.math.lattice``).
-
-The averager process computes the view for its reducers and hands ``far`` back with the round's
-outcome, so the engine reads the reducers' own decision instead of computing it a second time.
+From the members' signed claims (the same on every member and reducer) ``group_view`` decides the
+**far** members (``averaging.math.lattice.left_out``: weight 0 in the group's mean state) and the
+lattice code's **grid**. The averager process computes it for its reducers and hands ``far`` back
+with the round's outcome, so the engine reads the reducers' own decision.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Round-seeded averaging sub-groups: which peers average together in a round, computed by every peer alone.
 
-With one all-reduce group of everybody, each member talks to N - 1 others and one peer leaving
-mid-round spoils the round for all. Sub-groups of about ``target_group_size`` peers bound both, but
-only if the swarm agrees on who averages with whom without a coordinator. Every peer orders the
-live peers by a stable hash of (salt, round, peer id), cuts that order into ``groups`` equal runs
-(``balanced_groups``) and puts its run's index into hivemind's matchmaking key, so peers of one
-group find each other under one DHT key. The hash changes every round, so groups remix and what
-one group learned reaches the whole swarm in about log_G(N) rounds (Moshpit SGD,
-arXiv:2103.03239). These functions are pure: no DHT, no clock, no torch;
-``benchmarks/sim/scale_sim.py`` measures how they behave under churn and lagging live counts.
+Sub-groups of about ``target_group_size`` bound how many peers each member talks to and how many a
+leaver spoils, without a coordinator: every peer orders the live peers by a hash of (salt, round,
+peer id), cuts the order into ``groups`` equal runs (``balanced_groups``) and puts its run's index
+in hivemind's matchmaking key. The hash changes every round, so groups remix (Moshpit SGD,
+arXiv:2103.03239). Pure functions: no DHT, no clock, no torch.
 
-Why ranks, not the hash's top bits (``group_of``, the first rule: manifest ``averaging.sub_groups``
-1): a hash puts each peer in a group on its own, so group sizes are binomial. 16 real peers in 4
-hashed groups met in groups of 1 to 8 (a peer alone folds its round; the largest group takes the
-longest), ``scale_real_subgroups.md``. Ranks give sizes that differ by one at most. The price: a
-peer whose view of the live records differs (a record it has not seen yet, one that lingers) may
-rank itself a place or two off and, next to a cut, join the neighbouring group; it still meets a
-group, one member larger. Misses spread over the order shift the rank and the count alike, so the
-cut moves little: ``tests/unit/test_groups.py`` measures it.
+Ranks rather than the hash's top bits (``group_of``, rule 1), because hashed sizes are binomial
+(docs/scale.md); the price is that a peer with a slightly different live view may land in the
+neighbouring group, one member larger.
 """
 
 from __future__ import annotations
@@ -26,9 +17,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Iterable
 
-# The assignment rule's version, in the run manifest (``averaging.sub_groups``): peers of different
-# rules would compute different groups, so a run's peers must share it. 1: hashed (``group_of``),
-# 2: balanced (``balanced_groups``).
+# The assignment rule's version, in the run manifest: 1 hashed (``group_of``), 2 balanced.
 RULE = 2
 ROUND_BITS = 4  # round % 16 in the key: neighbouring rounds never share a key (as round_bits always did)
 _HASH_BITS = 64
@@ -40,12 +29,9 @@ def _is_power_of_two(value: int) -> bool:
 
 
 def group_count(live_peers: int, target_group_size: int) -> int:
-    """How many groups ``live_peers`` peers split into: 1 when ``target_group_size`` is 0 (everybody)
-    or the peers fit one group; else the smallest power of two that brings the mean group size to at
-    most ``target_group_size`` (so between half of it and all of it).
-
-    A power of two so that two peers whose live counts differ by a doubling disagree on one key bit
-    only (``group_of``'s top bits), and so that the count maps onto matchmaking key bits."""
+    """How many groups ``live_peers`` peers split into: 1 when ``target_group_size`` is 0 or they fit
+    one group; else the smallest power of two that brings the mean size to at most the target (a
+    power of two, so counts a doubling apart disagree on one key bit only)."""
     if live_peers < 0 or target_group_size < 0:
         raise ValueError(f"live_peers ({live_peers}) and target_group_size ({target_group_size}) must be >= 0")
     if target_group_size == 0 or live_peers <= target_group_size:
@@ -57,13 +43,8 @@ def group_count(live_peers: int, target_group_size: int) -> int:
 def settled_group_count(live_peers: int, target_group_size: int, current: int | None, *,
                         slack: float = 0.25) -> int:
     """``current`` while its mean group size stays within ``[target/2 * (1 - slack), target * (1 + slack)]``,
-    else ``group_count``.
-
-    Each peer counts the live peers from DHT records that lag (a joiner shows up late, a leaver
-    lingers until its record expires), so near a boundary of ``group_count`` raw estimates a peer or
-    two apart give different counts, and peers with different counts never meet (their keys differ).
-    The band keeps the count still while the swarm drifts by a few peers. ``current`` None (a
-    peer with no count yet) takes ``group_count``."""
+    else ``group_count``: live counts lag, and peers with different counts never meet, so the band
+    keeps the count still while the swarm drifts by a few peers."""
     if not 0 <= slack < 1:
         raise ValueError(f"slack ({slack}) must be in [0, 1)")
     fresh = group_count(live_peers, target_group_size)
@@ -76,14 +57,9 @@ def settled_group_count(live_peers: int, target_group_size: int, current: int | 
 
 def agreed_group_count(published: Iterable[int | None], live_peers: int, target_group_size: int, *,
                        slack: float = 0.25) -> int:
-    """The count to use this round from the counts the live peers published last round (progress
-    records) and our live count: the most common published count (ties to the smaller count, larger
-    groups) kept by ``settled_group_count``'s band.
-
-    A count derived from one's own history (``settled_group_count`` alone) can split the swarm for
-    good: a peer whose estimate crossed the band's edge a round before the others keeps its count while
-    theirs stays inside the band. Starting from what most peers used, every peer that sees about the
-    same records makes the same choice, and a minority that switched early is pulled back next round."""
+    """The count to use this round: the most common count the live peers published last round (ties
+    to the smaller), kept by ``settled_group_count``'s band. Starting from what most peers used
+    (not one's own history) pulls a minority that switched early back, instead of splitting the swarm."""
     current = most_published(published)
     if current is None:
         return group_count(live_peers, target_group_size)
@@ -101,18 +77,14 @@ def most_published(published: Iterable[int | None]) -> int | None:
 
 
 def round_hash(peer_id: str, round: int, *, salt: str = "") -> int:
-    """A 64-bit blake2b digest of (salt, round, peer id): stable across processes and machines
-    (unlike ``hash``), so every peer computes every other peer's; seeded by the round, so the
-    order it gives changes every round."""
+    """A 64-bit blake2b digest of (salt, round, peer id): the same on every machine (unlike ``hash``)."""
     fields = (salt.encode(), str(int(round)).encode(), peer_id.encode())
     message = b"".join(len(field).to_bytes(4, "big") + field for field in fields)  # unambiguous framing
     return int.from_bytes(hashlib.blake2b(message, digest_size=_HASH_BITS // 8, person=_PERSON).digest(), "big")
 
 
 def group_of(peer_id: str, round: int, groups: int, *, salt: str = "") -> int:
-    """The hashed rule (the first one, kept so ``benchmarks/sim/scale_sim.py`` can compare): the top
-    log2(groups) bits of ``round_hash``, whoever else is live. The group for ``2 * groups`` is the
-    group for ``groups`` with one more bit appended."""
+    """Rule 1, kept for the simulator to compare: the top log2(groups) bits of ``round_hash``."""
     if not _is_power_of_two(groups):
         raise ValueError(f"groups ({groups}) must be a power of two")
     if groups == 1:
@@ -121,11 +93,9 @@ def group_of(peer_id: str, round: int, groups: int, *, salt: str = "") -> int:
 
 
 def balanced_groups(peer_ids: Iterable[str], round: int, groups: int, *, salt: str = "") -> dict[str, int]:
-    """Each of ``peer_ids``' group in ``round``: the peers ordered by ``round_hash`` (ties by id), the
-    one at rank ``i`` of ``n`` in group ``i * groups // n``. Sizes differ by one at most, and the
-    group for ``2 * groups`` is the group for ``groups`` with one more bit appended
-    (``(i * 2g // n) // 2 == i * g // n``), so peers whose counts differ by a doubling still
-    disagree on one key bit only."""
+    """Each peer's group in ``round``: rank ``i`` of ``n`` by ``round_hash`` goes to group
+    ``i * groups // n``. Sizes differ by one at most, and counts a doubling apart disagree on one
+    key bit only (``(i * 2g // n) // 2 == i * g // n``)."""
     if not _is_power_of_two(groups):
         raise ValueError(f"groups ({groups}) must be a power of two")
     order = sorted(set(peer_ids), key=lambda peer: (round_hash(peer, round, salt=salt), peer))

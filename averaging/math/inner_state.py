@@ -1,18 +1,11 @@
 """Averaging the inner optimizer's moments across peers, landed late without losing the steps since.
 
-Why: in the simulated swarm (``benchmarks/sim/speedup.py``, rule suffix ``+avgstate``) replacing every
-peer's AdamW moments by the peers' token-weighted mean at each outer step was the one lever that
-raised the speedup on every seed (4 equal peers, overlap 1.65x -> 1.84x, blocking 1.81x -> 1.98x).
-In blocking mode the mean can be applied at the round's end; in overlap mode a peer keeps training
-while the all-reduce runs, so the mean lands ``k`` inner steps after the snapshot it was made of.
-
-Every per-parameter moment these optimizers keep is an exponential moving average of what each
-step feeds it: AdamW's ``exp_avg`` (``m <- b1 m + (1 - b1) g``) and ``exp_avg_sq``
-(``v <- b2 v + (1 - b2) g^2``), torch's Muon ``momentum_buffer`` (``b <- mu b + (1 - mu) g``).
-After ``k`` steps from a snapshot ``s`` a moment is ``decay^k s`` plus terms of those ``k`` steps'
-gradients alone, so swapping the snapshot for the mean ``a`` late is exact:
-``now + decay^k (a - s)`` is the moment a peer would hold had it started the round's steps from
-``a`` (``land``). The pure math lives here; nothing in it touches a network or an optimizer object.
+Why: averaging the moments raised the simulated speedup on every seed (docs/benchmarks.md, "The
+inner state averaged"). In overlap mode the mean lands ``k`` inner steps after its snapshot. Each
+moment (AdamW's ``exp_avg``/``exp_avg_sq``, Muon's ``momentum_buffer``) is an exponential moving
+average, so after ``k`` steps from a snapshot ``s`` it is ``decay^k s`` plus terms of those steps
+alone: ``now + decay^k (a - s)`` is exactly the moment had the steps started from the mean ``a``
+(``land``).
 """
 
 from __future__ import annotations

@@ -1,46 +1,14 @@
 """The 1-byte lattice code of a sub-group's state: anchors and momenta as residues on a shared grid.
 
-Why: with sub-groups every all-reduce carries the members' anchors and outer momenta beside the
-pseudo-gradient (``averaging.engine.subgroups``). In fp16 that is 4 bytes a parameter each way, about
-8x an int4 round; at 150M parameters on 50 Mbit/s links it decides whether a group's all-reduce
-fits a round (docs/scale.md). The members' anchors are close to each other (a few outer steps
-apart), so only the low-order part of each value differs between them: a member sends its value's
-residue modulo ``q`` on a grid of ``q / 256`` (one byte), and whoever holds a value within ``q / 2``
-of it recovers the rest from its own (the nearest point of the sender's residue class).
+Why (docs/scale.md, "The lattice code"): members' anchors lie a few outer steps apart, so a member
+sends each value's residue modulo ``q`` on a grid of ``q / 256``, and anyone holding a value within
+``q / 2`` of it recovers the rest from its own: a quarter of fp32's bytes, half of fp16's.
 
-The grid, per fingerprint chunk (``group_lattice``): every member and every reducer derives it from
-the same signed claims of the round (``averaging.math.fingerprints``), so nobody sends it and
-nobody can choose it alone. Half the range is the largest of
-- ``RANGE_STEPS`` x the members' median claimed step on the chunk (the RMS of their last averaged
-  pseudo-gradient): honest members of a group lie a few steps apart (1.7-2.0 on a real 8-peer run,
-  docs/scale.md), and a value's per-coordinate tail runs a few times its chunk's RMS;
-- ``RANGE_SPREAD`` x the largest distance the claims estimate between two members that are not far
-  (``far_members``), for groups whose members lie farther apart than the steps say (a peer that
-  folded several rounds);
-- ``MIN_HALF_RANGE``, so a grid exists before anyone averaged (every anchor is then the run's
-  initial one: the claims say they are equal);
-and at most ``RANGE_CAP_STEPS`` x that median step: the distances are the members' own word, and
-in a group of two (where nobody can be told far) a liar claiming a distant anchor would otherwise
-make the grid as coarse as it likes and round its partner's state away. Capped, a lie costs at
-most two steps of precision; a group whose honest members lie farther apart than the cap overflows
-on some values (counted: ``edge_values``), each then off by up to half the range, not more.
-The grid step is then a 128th of half the range: at least ``RANGE_STEPS / 128`` = 0.25 of a step,
-so a member's value lands within 0.125 of a step of its own send and within a step of the group's
-mean (half a step at the send, half at the return).
-
-The round: each member turns its state into residues (``to_residues_``); a reducer unwraps every
-sender's residues against a reference it holds (its own part, or a near member's when it is far
-itself: ``reference_part``), averages them with the usual robust rule (CenteredClip is translation
-invariant), and returns the mean's residue, the same byte for every member; every member unwraps
-that against its own residue (``wrap``: the delta to its own value) and rebuilds its value on the
-grid (``from_residues_``). Right while the group's values lie within ``q / 2`` of each other,
-coordinate by coordinate; a far member's do not (its anchor may be anywhere), so it cannot decode
-the group's state: it takes the group's state by a download instead (``averaging.engine.round``).
-In a lattice-coded group "far" also covers a member more than ``WITHIN_STEPS`` claimed steps from
-the others (``far``): the grid's range saturates there, and such a member, near by the weights'
-measure, would otherwise keep its own state round after round, never pulled in.
-A coordinate that unwraps near the edge of the range (``EDGE``) is counted: a range too narrow for
-the group's spread shows there (``edge_values``).
+The grid (``group_lattice``) is derived per fingerprint chunk from the round's signed claims by every
+member and reducer alike, so nobody sends or chooses it (``RANGE_CAP_STEPS`` bounds what a lying
+claim can coarsen). A reducer unwraps residues against a near member's part (``reference_part``) and
+returns the mean's residue; a far member (``far``) cannot decode and downloads the group's state.
+Values unwrapped near the range's edge are counted (``edge_values``): a grid too narrow shows there.
 """
 
 from __future__ import annotations

@@ -6,19 +6,13 @@ on training; the all-reduce and the outer step run in the background and produce
 
     params = params_snapshot + local_progress           (local_progress: the k new steps)
 
-and become ``anchor_{r+1} + local_progress``: the new shared point plus the work done since the
-snapshot, which the next pseudo-gradient then carries. This is the one-outer-step-delay scheme
-("overlapping communication" with tau = 1 in Streaming DiLoCo, arXiv 2501.18512; the "delayed"
-baseline of Eager Updates, arXiv 2502.12996). We pick it over the eager variant (apply the local
-pseudo-gradient at once as a stand-in, correct later) because its evidence holds at one outer
-step of delay, it needs no extra outer-state bookkeeping, and a failed round then degrades to
-"nothing happened" instead of to a locally-stepped anchor that disagrees with the group's.
+and become ``anchor_{r+1} + local_progress``. This is the one-outer-step-delay scheme (Streaming
+DiLoCo, arXiv 2501.18512, tau = 1), chosen over eager updates because it needs no extra outer state
+and a failed round degrades to "nothing happened".
 
-If this peer's pseudo-gradient did *not* make it into the average (it missed the group, the
-round failed, or it re-synced), the work before the snapshot is kept too: the parameters move
-by ``anchor_{r+1} - anchor_r`` only, so that work is folded into the next contribution. A
-partial result (our contribution went into the group's step, but part of the average never came
-back) is not applied, and merges as if averaged: the step is replayed next round.
+If our pseudo-gradient did *not* make it into the average, the parameters move by
+``anchor_{r+1} - anchor_r`` only, so the work before the snapshot is folded into the next
+contribution.
 """
 
 from __future__ import annotations
@@ -28,10 +22,9 @@ import torch
 
 def merge_correction(new_anchor: torch.Tensor, old_anchor: torch.Tensor, snapshot_pseudo_grad: torch.Tensor | None,
                      *, contributed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """What to add to the live parameters (flat, CPU): ``new_anchor - params_snapshot`` if our
-    pseudo-gradient went into the new anchor, else ``new_anchor - old_anchor`` (fold it into the next).
-    With error feedback ``snapshot_pseudo_grad`` is what was sent (``averaging.math.wire.accounted_for``):
-    the parameters then keep the residual."""
+    """What to add to the live parameters: ``new_anchor - params_snapshot`` if our pseudo-gradient
+    went into the new anchor, else ``new_anchor - old_anchor`` (folded); with error feedback
+    ``snapshot_pseudo_grad`` is what was sent (``averaging.math.wire.accounted_for``)."""
     correction = torch.sub(new_anchor, old_anchor, out=out)
     if contributed:
         assert snapshot_pseudo_grad is not None

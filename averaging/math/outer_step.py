@@ -17,16 +17,9 @@ from protocols.errors import ConfigError
 
 @dataclass(kw_only=True, slots=True)
 class OuterConfig:
-    """Outer optimizer: Nesterov SGD on pseudo-gradients.
-
-    The defaults are shoal's measured winners, not DiLoCo's 0.7 / 0.9 (tuned for ~500 inner steps
-    from a pretrained start; docs/benchmarks.md, "Does the swarm pay?"): at tens to hundreds of
-    inner steps from scratch, 1.0 / 0.5 ended lower in every run that compared them. Four real
-    peers with a 1:1.5:2:3 speed spread on 10 Mbit/s links, 15 rounds: eval 1.494 vs 1.588 (2
-    seeds, both lower); the simulation at 36 inner steps, 4 peers: 6-7% lower in both modes.
-    Momentum 0 won the simulation with equal peers at 8 inner steps and lost the real spread
-    swarm (1.530); 0.7 won the simulation at 40 inner steps by 0.7% and tied or lost the real
-    swarm at ~230 (1.466 vs 1.460, 2 seeds)."""
+    """Outer optimizer: Nesterov SGD on pseudo-gradients. The defaults, lr 1.0 and momentum 0.5 (not
+    DiLoCo's 0.7 / 0.9, tuned for ~500 inner steps from a pretrained start), did better at tens to
+    hundreds of inner steps from scratch (docs/benchmarks.md, "Outer rates")."""
 
     lr: float = 1.0
     momentum: float = 0.5
@@ -54,10 +47,7 @@ def outer_step_(
     nesterov: bool = True,
 ) -> torch.Tensor:
     """Apply one outer SGD step to ``anchor`` in place; returns the applied update (``anchor_old - anchor_new``).
-
-    Same arithmetic as ``torch.optim.SGD(lr, momentum=mu, nesterov=nesterov, dampening=0)`` with the
-    momentum buffer starting at zero (torch's first step, ``buf = g``, is ``mu * 0 + g``).
-    """
+    The arithmetic of ``torch.optim.SGD(lr, momentum=mu, nesterov=nesterov, dampening=0)``."""
     momentum.mul_(mu).add_(averaged_pseudo_grad)
     update = averaged_pseudo_grad.add(momentum, alpha=mu) if nesterov else momentum.clone()
     update.mul_(lr)

@@ -1,41 +1,15 @@
-"""Robust aggregation of one all-reduce part: the math a reducer applies to its senders' parts, and
-the checks a sender applies to what a reducer returns. Pure functions on tensors; the hivemind
-wiring is ``averaging.network.hivemind.allreduce``.
+"""Robust aggregation of one all-reduce part: the rules a reducer applies to its senders' parts and
+a sender to what a reducer returns. Pure functions; the hivemind wiring is
+``averaging.network.hivemind.allreduce``. Threat: a public swarm admits strangers, and one sender
+could otherwise decide the average (a weight of 1e30, a part x1000) or destroy it (NaN).
 
-Threat: a public swarm admits strangers. Without these rules one sender decides the average (a
-weight of 1e30, a part scaled ×1000, a sign flip) or destroys it (NaN, a part of the wrong shape).
-
-Rules, in the order a reducer applies them to part ``k``:
-1. ``check_part``: shape, dtype and finiteness, on arrival. A failing sender is refused at once.
-2. ``bound_weights``: a sender's weight is what it declared with its first part (fixed for the
-   round), clipped to ``max_weight_ratio`` × the lower median positive weight of the part's
-   senders and to ``max_weight`` (what a round's length allows). Negative or non-finite: refused
-   (rule 1); above ``refuse_weight_ratio`` × the reference (ours, or that median): refused
-   (``weight_outliers``), since no honest peer does a hundred times the work of its group.
-3. ``norm_outliers``: a part whose L2 norm is above ``max_norm_ratio`` × the reference (the larger
-   of the reducer's own part's norm and the senders' lower median norm) is refused. The reducer's own
-   part is in the reference so that a sender of zeros cannot make honest parts look large; the
-   median is the lower one, so that with two senders a ×1000 part cannot halve its own bar.
-4. ``aggregate``: ``mean`` (hivemind's Σwx/Σw), ``centered_clip`` or ``trimmed_mean``.
-
-Why ``centered_clip`` is the default (``RobustConfig.aggregation``): CenteredClip (Karimireddy, He,
-Jaggi, arXiv 2012.10333; BTARD, arXiv 2106.11257, ran it inside hivemind's all-reduce) moves from a
-centre ``v`` by the weighted mean of ``clip_τ(x_i - v)``. We start at the coordinate-wise median
-(unweighted: a sender's weight buys no say in where the centre is) and take ``τ = clip_ratio`` ×
-the median distance of the parts to it, so τ scales with the honest spread. Then:
-- every clipped part lies within τ of the centre, so the result does too: an attacker of any size
-  moves the result by at most ``τ × its weight share`` (one iteration), never to its own values;
-- when no part is further than τ from the centre (an honest group), one iteration returns the
-  weighted mean exactly: a public run pays nothing in accuracy for being robust.
-A coordinate-wise trimmed mean discards the extremes of every coordinate even in an honest group
-(it is not the weighted mean there) and ignores weights in what it drops; it is offered for runs
-that want it. More CenteredClip iterations converge towards the clipped fixed point, which only
-resists an attacker holding less than half of the (bounded) weight; one is the default.
-
-Limits, stated plainly: no rule outvotes anyone with two senders (the median of two is their
-mean); with three, one attacker still moves the result by up to τ·(its share). Weights cannot be
-verified: ``max_weight_ratio`` bounds how much a liar gains, at the cost of under-weighting an
-honest peer that really did more than that many times the median work.
+Rules, in the order a reducer applies them to a part (docs/design.md, "Robust aggregation"):
+``check_part`` on arrival; the weight declared first, refused above ``refuse_weight_ratio`` x the
+lower median (``weight_outliers``) and clipped (``bound_weights``); parts over ``max_norm_ratio`` x
+max(our own norm, the lower median) refused (``norm_outliers``); then ``aggregate``. CenteredClip
+(the default; Karimireddy et al., arXiv 2012.10333) starts at the coordinate-wise median: an
+attacker moves the result by at most τ x its weight share, and an honest group gets the weighted
+mean exactly. With two senders no rule outvotes anyone.
 """
 
 from __future__ import annotations
@@ -112,11 +86,8 @@ def check_part(part: torch.Tensor, shape: torch.Size, dtype: torch.dtype = torch
 
 
 def check_returned(delta: torch.Tensor, own: torch.Tensor, *, max_norm_ratio: float) -> str | None:
-    """Why a reducer's returned delta (average - our part) must not be applied, or None.
-
-    Only our own part is trusted here, so the bound is relative to it: the average a reducer
-    claims may be at most ``max_norm_ratio`` × our part's norm. With a zero part (a peer that made
-    no step) only shape and finiteness can be checked."""
+    """Why a reducer's returned delta (average - our part) must not be applied, or None. Only our
+    own part is trusted, so the average may be at most ``max_norm_ratio`` x its norm."""
     if delta.shape != own.shape or delta.dtype != own.dtype:
         return f"returned {list(delta.shape)[:4]} {delta.dtype}, expected {list(own.shape)} {own.dtype}"
     if not bool(torch.isfinite(delta).all()):
@@ -146,11 +117,8 @@ def norm_outliers(part_norms: Sequence[float], *, own_norm: float, max_norm_rati
 # -- 2. weights --------------------------------------------------------------------------------
 
 def weight_outliers(weights: Sequence[float], *, own_weight: float, max_ratio: float) -> list[int]:
-    """Indices of declared weights above ``max_ratio`` × max(our own weight, the lower median of
-    the positive ones): not work a peer did in a round next to ours, but a lie (the weight attack
-    declares 1e30). Clipping alone (``bound_weights``) would keep such a sender in every group with
-    the largest share a weight may have; refusing it bans it. Honest spreads of speed are far
-    below the default ratio (100) and are only clipped."""
+    """Indices of declared weights above ``max_ratio`` x max(our own weight, the lower median of
+    the positive ones): a lie, not work, so refused (and banned) rather than only clipped."""
     positive = [w for w in weights if w > 0]
     if not positive:
         return []
@@ -159,9 +127,8 @@ def weight_outliers(weights: Sequence[float], *, own_weight: float, max_ratio: f
 
 
 def bound_weights(weights: Sequence[float], *, max_ratio: float, max_weight: float = 0.0) -> list[float]:
-    """Each weight clipped to ``max_ratio`` × the lower median of the positive ones and to
-    ``max_weight`` (if > 0). Weights must already be valid (``check_weight``). The lower median:
-    with two senders the plain median (their mean) would let a huge weight raise its own cap."""
+    """Each (valid) weight clipped to ``max_ratio`` x the lower median of the positive ones (with two
+    senders the plain median would let a huge weight raise its own cap) and to ``max_weight``."""
     positive = [w for w in weights if w > 0]
     if not positive:
         return [float(w) for w in weights]
@@ -191,10 +158,8 @@ def coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
 
 def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], config: RobustConfig, *,
               work_scaled: bool | None = None) -> Aggregate:
-    """The aggregate of ``parts`` (same shape, finite) under ``config.aggregation``, in the parts' dtype.
-    Weights are used as given (bound them first); if none is positive, all count equally (hivemind
-    would divide by zero). ``work_scaled`` (default ``config.judge_by_work``): CenteredClip judges
-    a sender that did more than the median work within a wider radius (``work_radii``)."""
+    """The aggregate of ``parts`` under ``config.aggregation`` with bounded ``weights`` (all equal if
+    none is positive); ``work_scaled``: CenteredClip's radius grows with work (``work_radii``)."""
     if work_scaled is None:
         work_scaled = config.judge_by_work
     assert parts and len(parts) == len(weights)
@@ -214,14 +179,9 @@ def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], config: R
 
 
 def work_radii(w: torch.Tensor) -> torch.Tensor:
-    """Each sender's clipping radius, in units of ``tau``: ``sqrt(max(1, w_i / median(w)))``. An inner
-    optimizer's displacement over k steps grows like k along the gradient's consistent directions
-    and like sqrt(k) along its noise, so next to peers that did less an honest fast peer's part
-    looks far (the issue's 1/1.5/2/3 swarm: the peer doing 43% of the work was the only one ever
-    clipped). The square root is the conservative end, and the rule only widens: a sender at or
-    below the median work keeps the radius it had, so an equal-work group is judged exactly as
-    before. Weights are bounded first (``bound_weights``), so a peer lying about its work gains at
-    most ``sqrt(max_weight_ratio)`` x the radius."""
+    """Each sender's clipping radius, in units of ``tau``: ``sqrt(max(1, w_i / median(w)))``. A peer
+    that did more inner steps moves farther, so without this an honest fast peer looks far; weights
+    are bounded first, so a liar gains at most ``sqrt(max_weight_ratio)`` x the radius."""
     reference = float(w.median())
     if not reference > 0:
         return torch.ones_like(w)
@@ -261,9 +221,8 @@ def _trimmed_mean(stacked: torch.Tensor, w: torch.Tensor, trim_fraction: float) 
 # -- 4. bans -----------------------------------------------------------------------------------
 
 class BanList:
-    """Peers excluded for a number of averaging rounds after they sent or returned something refused
-    (``next_round`` once per averaging step, group or not). Lives in the averager process (one per
-    averager); not thread-safe (its event loop owns it)."""
+    """Peers excluded for ``rounds`` averaging rounds after they sent or returned something refused
+    (``next_round`` once per averaging step). Averager process, its event loop only."""
 
     def __init__(self, rounds: int):
         self.rounds = rounds
@@ -294,34 +253,19 @@ class BanList:
 
 def struck_reducers(reducers: Sequence[str], failed: Sequence[str]) -> list[str]:
     """The failed reducers to strike after one all-reduce: all of ``failed`` if fewer than half of
-    the other reducers failed too, else none. ``reducers``: the group's reducers other than us (and
-    other than peers we excluded from the start). When most of them failed for us, the likelier
-    fault is our own link, and nobody is struck; in a pair (one other reducer) we cannot tell whose
-    link failed, so nobody is struck either."""
+    the other ``reducers`` (the group's, less us) failed too, else none: then, or in a pair, our
+    own link is as likely the fault."""
     failed = [peer for peer in dict.fromkeys(failed) if peer in reducers]
     others = len(set(reducers)) - 1  # the reducers other than one failed reducer (the same for each)
     return failed if failed and 2 * (len(failed) - 1) < others else []
 
 
 class Strikes:
-    """Reducers whose stream failed (it ended early, reset, timed out, or answered BAD_GROUP_ID):
-    ``strike(peer, round)`` is True once a peer has ``limit`` strikes in the last ``window_rounds``
-    rounds, and then clears its record (the caller bans it). At most one strike per peer and round.
-
-    Why strikes and not a ban at the first failure: honest reducers fail too (transport resets,
-    about once in 15-20 rounds in this project's swarms). Numbers for the default, 5 strikes in 20
-    rounds, with an honest peer failing independently with probability p per round:
-    - p = 1/15: the strikes in a 20-round window are about Poisson(4/3), P(>= 5) = 1.2%; a ban
-      starts in a given round with probability at most p * P(Binomial(19, p) >= 4) = 0.23%: one
-      false ban per 440 rounds or more (simulated, with the record cleared at each ban: one per
-      ~740). 4 in 20 would give one per ~120 to 200 rounds, 3 in 20 one per ~40;
-    - p = 1/20: Poisson(1), P(>= 5) = 0.37%, one false ban per 1,500 rounds or more.
-    (While banned, a peer is in none of our groups, so it gathers no strikes: fewer still.) A peer
-    that fails every round is banned at its 5th; one that fails in at most 4 of any 20 rounds is
-    never banned (it folds at most a fifth of the rounds of the groups it joins).
-
-    Rounds are the ban list's (``BanList.round``, one per averaging step). Lives in the averager
-    process beside the ban list; not thread-safe (its event loop owns it)."""
+    """Reducers whose stream failed: ``strike(peer, round)`` is True once a peer has ``limit``
+    strikes in the last ``window_rounds`` rounds (the ban list's), then clears its record (the caller
+    bans it). Strikes, not a ban at the first failure, because honest reducers fail now and then: at
+    the defaults a reducer failing once in 15 rounds starts a ban in at most 0.23% of rounds
+    (docs/security.md). Averager process only, not thread-safe."""
 
     def __init__(self, limit: int, window_rounds: int):
         assert limit >= 0 and window_rounds >= max(1, limit)

@@ -5,39 +5,14 @@ for them (error feedback), and what one all-reduce costs in bytes.
 its block size and return code; ``node.library.config.sync_shared_fields`` puts them in the run
 manifest) plus one per-peer switch, ``error_feedback``.
 
-Error feedback. A quantized send drops up to half a quantization step per element; fed back, what
-a round drops re-enters the next one instead of being lost, so over ``T`` rounds the group receives
-``sum g_t - r_T``, off by one residual however long the run, where plain quantization errors add up.
+Error feedback (docs/codecs.md): the residual ``r = g - Q(g)`` lives in the live parameters, not in
+a buffer. When a round is averaged the merge leaves the parameters at ``new_anchor - r`` (plus new
+work), so the next pseudo-gradient carries it; a folded round keeps all of ``g``, a re-sync keeps
+the offset, and checkpoints and downloads hold the shared state only, identical on every peer.
 
-Where the residual lives: in the live parameters, not in a buffer. A peer sends ``q = Q(g)`` of its
-pseudo-gradient ``g = anchor - params``; when that round is really averaged, the merge moves the
-parameters to ``new_anchor - (g - q)`` plus the work done since the snapshot (``accounted_for``
-returns ``q`` instead of ``g`` for ``merge_correction``), so the next pseudo-gradient is
-``(g - q) + new work``: the residual ``r = g - q`` rides along. Every case is then exact with no
-state of its own:
-
-- a **folded** round (failed, or averaged without us) accounts for nothing: the parameters keep
-  all of ``g``, the residual of earlier rounds included, for the next contribution;
-- a **local** round (alone in the swarm) applies the full ``g`` to the anchor: nothing was sent,
-  nothing is left over;
-- a **re-sync** replaces the anchor; the parameters keep their offset from it, residual included,
-  as they keep any local progress;
-- a **checkpoint** holds the shared state only (anchor, momentum), byte-identical on every peer
-  and independent of the codec. Like the progress made since the last round, the residual is this
-  peer's unsent work and is not in it;
-- the residual is per peer and never sent: a state download carries anchor and momentum only.
-
-A buffer would need each of these as a code path of its own (commit on success only, kept through
-a re-sync, saved in checkpoints, which would then differ between peers). The cost: the inner
-optimizer trains from ``new_anchor - r`` instead of ``new_anchor``, an offset of at most half a
-quantization step, which the next round sends anyway.
-
-Exactness needs what the peer quantizes to be exactly what goes on the wire: ``q`` is on the
-codec's grid and the codec is idempotent (``averaging.math.codecs``), so re-encoding a part returns
-``q`` bit-exactly *if every part starts on a block boundary*; the network seam cuts parts that way
-(``averaging.network.hivemind.parts.balanced_part_size``).
-
-fp16 and fp32 keep hivemind's own codecs (no error feedback: fp16's rounding is ~2**-11 relative).
+Hazard: exactness needs re-encoding a part to return ``Q(g)`` bit-exactly, which holds only if
+every part starts on a block boundary (``averaging.network.hivemind.parts.balanced_part_size``).
+fp16 and fp32 keep hivemind's own codecs, without error feedback.
 """
 
 from __future__ import annotations
@@ -61,23 +36,10 @@ STATE_BYTES_PER_VALUE = 4  # the shared state is stored and downloaded as fp32
 # An extra vector averaged beside the pseudo-gradient (the inner optimizer's moments) goes both ways
 # in bf16: fp32's range (an Adam second moment spans tens of binades, which fp16 flushes to zero).
 EXTRA_CODE = "bf16"
-# With sub-groups (``averaging.engine.subgroups``) the anchors and outer momenta ride the all-reduce too
-# (``mix_code`` picks their code). In fp16, 4 bytes a parameter each way: 11 significant bits under a
-# power-of-two scale per part (values down to 2**-28 of a part's largest keep them all), so a
-# member's anchor lands within about 2**-11 of its own size of the group's mean, a few thousandths of
-# the change an outer step makes to a typical weight, and every member takes the same bytes where
-# reducers return the mean itself (int8/int4 returns: the default). bf16 (8 bits) would snap anchors
-# to 2**-9 of their size, coarser than an outer step's change to many of them. The default is the
-# 1-byte lattice code (``LATTICE_CODE``) where fp16 would do; fp16 stays selectable.
+# Codes of a sub-group round's anchors and momenta (``mix_code``; why: docs/scale.md, "Sub-groups"):
+# the lattice code by default, fp16 on request, fp32 where reducers return deltas or moments ride.
 MIX_CODE = "fp16"
-# Where fp16 would not do: reducers that return deltas (fp16/fp32 payloads) leave each member its own
-# rounding of what it sent (members of a group 2**-12 of a weight apart), and the inner optimizer's
-# moments (``averaging.average_inner_state``) span more binades than fp16 keeps.
 MIX_CODE_EXACT = "fp32"
-# ``averaging.state_compression = "auto"`` (the default) or "lat8": 1 byte a value, residues on a grid
-# the group's claims set (``averaging.math.lattice``), where fp16 would do (reducers return the mean,
-# no moments ride). Measured against fp16: the same learning (simulated, 16 peers in groups of 4:
-# eval 1.6073 against 1.6057), 0.56x the all-reduce payload on 8 real peers (docs/scale.md).
 LATTICE_CODE = "lat8"
 STATE_COMPRESSIONS = ("auto", "fp16", "fp32", LATTICE_CODE)
 
@@ -126,9 +88,7 @@ class WireFormat:
 
     @torch.no_grad()
     def to_send(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
-        """What this peer hands the all-reduce: ``Q(g)`` on the codec's grid (hivemind's re-encoding
-        of block-aligned parts then returns it bit-exactly), or ``g`` itself for float codes.
-        With error feedback ``g`` already carries the last residual (it lives in the parameters)."""
+        """What this peer hands the all-reduce: ``Q(g)`` on the codec's grid, or ``g`` for float codes."""
         if not self.quantized:
             return pseudo_grad
         return codecs.quantize(pseudo_grad, self.code, block_size=self.block_size)
@@ -137,11 +97,8 @@ class WireFormat:
 def accounted_for(pseudo_grad: torch.Tensor, sent: torch.Tensor, *, averaged: bool, local: bool,
                   error_feedback: bool) -> torch.Tensor | None:
     """How much of the snapshot's pseudo-gradient the new anchor accounts for (``merge_correction``'s
-    ``snapshot_pseudo_grad``), or None if nothing (a folded round: the parameters keep it all).
-
-    Averaged with error feedback: only what was sent, so the parameters keep the residual ``g - q``
-    for the next round (see the module docstring). Averaged without it: all of ``g`` (the residual
-    is dropped). Local (alone): the anchor took the full ``g``."""
+    ``snapshot_pseudo_grad``), or None for a folded round. With error feedback only what was sent,
+    so the parameters keep the residual (module docstring)."""
     if averaged:
         return sent if error_feedback else pseudo_grad
     if local:
@@ -150,9 +107,8 @@ def accounted_for(pseudo_grad: torch.Tensor, sent: torch.Tensor, *, averaged: bo
 
 
 def returned(average: torch.Tensor, own: torch.Tensor, return_code: str) -> torch.Tensor:
-    """What a member ends with when its reducers return in ``return_code``: ``own + R(average - own)``
-    for fp16 (hivemind's deltas: an error that differs per member), ``R(average)`` for int8/int4
-    (the quantized average, the same for every member). For the in-process backend."""
+    """What a member ends with when reducers return in ``return_code`` (for the in-process backend):
+    ``own + R(average - own)`` for fp16, ``R(average)`` for int8/int4."""
     if return_code == "fp32":
         return average.clone()
     if return_code in AVERAGE_RETURN_CODES:
@@ -162,13 +118,9 @@ def returned(average: torch.Tensor, own: torch.Tensor, return_code: str) -> torc
 
 def round_payload(numel: int, group_size: int, *, send_bytes_per_value: float, return_bytes_per_value: float,
                   client_mode: bool = False) -> tuple[int, int]:
-    """(sent, received) bytes of one member's all-reduce payload, sends and returns each in their code.
-
-    A full member reduces 1/n of the vector: it sends the other (n-1)/n to their reducers in the send
-    code and returns the averaged deltas of its 1/n to the n-1 others in the return code; it
-    receives the same amounts. A client (it reduces nothing) sends its whole vector in the send code
-    and receives the whole average back in the return code. Message headers (24 bytes a part for
-    shoal's codecs) are not counted."""
+    """(sent, received) bytes of one member's all-reduce payload, headers not counted: a full member
+    sends (n-1)/n of its vector and returns its 1/n share to the n-1 others; a client sends all of
+    it and receives all of the average."""
     if group_size <= 1:
         return 0, 0
     if client_mode:
@@ -178,10 +130,8 @@ def round_payload(numel: int, group_size: int, *, send_bytes_per_value: float, r
 
 
 def mix_code(wire: WireFormat, *, with_inner_state: bool, requested: str = "auto") -> str:
-    """The code of a sub-group round's extra vector (anchor, momentum and, with ``with_inner_state``,
-    the inner optimizer's moments): where reducers return the mean itself and no moments ride, the
-    lattice code (``requested`` "auto" or "lat8") or fp16 ("fp16"); else ``MIX_CODE_EXACT``, fp32
-    (``state_compression_problem`` says where a compact request is refused)."""
+    """The code of a sub-group round's extra vector: the lattice code or fp16 as ``requested`` where
+    reducers return the mean itself and no moments ride, else ``MIX_CODE_EXACT``."""
     compact = wire.return_code in AVERAGE_RETURN_CODES and not with_inner_state
     if not compact or requested == MIX_CODE_EXACT:
         return MIX_CODE_EXACT

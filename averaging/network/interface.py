@@ -1,10 +1,9 @@
 """"Average these tensors": the one interface the round engine needs from the network.
 
-Two implementations: ``averaging.network.hivemind.backend.HivemindBackend`` (butterfly all-reduce
-over the DHT, for real runs and integration tests) and ``averaging.network.local.LocalBackend``
-(threads in one process, for fast unit tests of the engine and the library). The backend owns the buffer the network writes into; callers hand it a
-vector and get the average back only when the round succeeded, so a failed or half-finished
-all-reduce can never leak into the model.
+Two implementations: ``averaging.network.hivemind.backend.HivemindBackend`` (real runs and
+integration tests) and ``averaging.network.local.LocalBackend`` (in-process, for unit tests). The
+backend owns the buffer the network writes into, so a failed or half-finished all-reduce never
+leaks into the model.
 """
 
 from __future__ import annotations
@@ -39,13 +38,10 @@ class AverageOutcome:
     sync_s: float = 0.0  # from the trigger to the averaged result
     allreduce_s: float = 0.0  # from the later of the trigger and the scheduled start to the result
     error: str | None = None
-    # Fraction of the average that never arrived (a reducer failed). Such a result is not ok: our
-    # own values on the missing share would put our anchor where no other member's is. Its
-    # ``error`` (the round record's) starts with PARTIAL_ERROR. With ``keep_partial`` (sub-groups,
-    # where members' anchors differ anyway) it is ok, and this says how much of it is our own.
+    # Fraction of the average that never arrived (a reducer failed): such a result is not ok (its
+    # ``error`` starts with PARTIAL_ERROR) unless ``keep_partial`` (sub-groups).
     partial: float = 0.0
-    # Sub-groups: the members the group's view found far (``averaging.math.group_view``), as its
-    # reducers did; None where the backend formed no view (whole-swarm rounds).
+    # Sub-groups: the members the group view found far, as its reducers did; None: no view.
     far: frozenset[str] | None = None
 
 
@@ -54,45 +50,35 @@ class AveragingBackend(Protocol):
 
     def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float,
                 key_bits: str | None = None) -> None:
-        """Start matchmaking for ``round`` now, so the group is ready when the round ends.
-        ``key_bits``: the matchmaking key's bits (sub-groups: ``averaging.math.groups.group_key_bits``);
-        default the round's own, one group of everybody."""
+        """Start matchmaking for ``round`` now, so the group is ready when the round ends;
+        ``key_bits``: sub-groups' key (``groups.group_key_bits``), default the round's own."""
 
     def average(self, vector: torch.Tensor, *, weight: float, timeout: float,
                 round: int | None = None, extra: torch.Tensor | None = None,
                 keep_partial: bool = False) -> AverageOutcome:
         """Average ``vector`` (flat fp32 CPU) in place with the group prepared for ``round`` (default:
-        the last one prepared), weighted by ``weight``. ``prepare`` may run concurrently (another
-        thread: matchmaking for the next round starts while this one's all-reduce runs). ``extra``:
-        a second vector averaged in place in the same all-reduce (a backend built for one; every
-        member sends one), with its own codec and robust rule: the inner optimizer's moments.
-        ``keep_partial`` (sub-groups): a result with up to half of it missing is ok, our own values
-        standing for the missing share (``partial`` says how much); else such a result is not ok."""
+        the last one prepared), weighted by ``weight``. ``prepare`` may run concurrently on another
+        thread. ``extra``: a second vector averaged in place in the same all-reduce, with its own
+        codec and rule. ``keep_partial`` (sub-groups): a result with up to half missing is ok."""
 
     def download_state(self, peers: list[str], *, timeout: float, progress: Progress | None = None,
                        same_state: Callable[[Any, Any], bool] | None = None,
                        max_round: int = MAX_ROUND,
                        check: CheckSlice | None = None,
                        ) -> DownloadedState | None:
-        """Fetch the shared state from ``peers`` (the hivemind backend spreads it over all of them);
-        None if no consistent state could be had. ``progress(done_bytes, total_bytes)`` is called
-        in the calling thread, never backwards, ending at total_bytes on success. With
-        ``same_state(metadata_a, metadata_b)``, parts of the state come only from donors whose
-        metadata it says describe one state (``averaging.state.accept.same_state``); none that claims a round
-        past ``max_round`` (the schedule's round: a claimed round is not trusted); none whose
-        values ``[start, stop)`` of the flat state ``check(start, stop, metadata, values)``
-        refuses (``averaging.state.accept.slice_check``: they do not match the fingerprint they should)."""
+        """Fetch the shared state from ``peers``; None if no consistent state could be had.
+        ``progress(done_bytes, total_bytes)`` is called in the calling thread. Parts come only from
+        donors that ``same_state`` says serve one state, claim no round past ``max_round`` and whose
+        values ``check`` accepts (``averaging.state.accept``)."""
 
     def fetch_update(self, peers: list[str], *, rounds_done: int, numel: int,
                      timeout: float) -> AppliedUpdate | None:
-        """The outer step that took the run from ``rounds_done`` to ``rounds_done + 1`` steps, from
-        the first of ``peers`` that still holds it (``SharedState.update_after``); None if none does.
-        Validated as a message (shape, dtype, finite, the step asked for), not yet as a state."""
+        """The outer step after ``rounds_done`` steps, from the first of ``peers`` that holds it, or
+        None; validated as a message, not yet as a state."""
 
     def share_state(self, allowed: bool) -> None:
-        """Serve our shared state to joiners, or not. A peer that is itself still joining holds the
-        run's initial weights: were it to serve them, joiners started with it would outvote the
-        donors that hold the run's real state (a download assembles the state most donors serve)."""
+        """Serve our shared state to joiners, or not: a peer still joining holds the initial weights,
+        and joiners served by it could outvote the donors of the real state."""
 
     def robustness(self) -> dict[str, int]:
         """What robust aggregation refused since start, by kind (``refused_parts``,

@@ -1,12 +1,9 @@
 """An in-process ``AveragingBackend`` for unit tests: threads meet in a ``LocalHub``.
 
-It averages exactly (weighted mean) and gathers every member's report, like a healthy butterfly
-all-reduce without compression, so tests of the worker and of round logic run in milliseconds.
-With ``return_code`` each member gets ``own + R(mean - own)`` instead, as from hivemind's reducers
-returning deltas in that code (``averaging.math.wire.returned``). Sends arrive as given (the round
-engine quantizes them). Sub-groups' extra vectors go as the real reducers take them: the group's
-view (``averaging.math.group_view``) leaves far members out of the mean and, in a lattice-coded
-group, the state travels as residues on the group's grid (``averaging.math.lattice``).
+It averages exactly (weighted mean) and gathers every member's report, like a healthy all-reduce
+without compression, so engine tests run in milliseconds; with ``return_code`` each member gets
+``averaging.math.wire.returned`` instead. A sub-group's extra vectors go as the real reducers take
+them, from the group's view: far members left out, the lattice code's residues on its grid.
 Integration tests always use the real hivemind backend.
 """
 

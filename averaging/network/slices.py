@@ -1,16 +1,12 @@
 """A joiner's state download, spread over several donors in slices.
 
-Why: one donor serving the whole state is a choke point (hivemind issue #169) and a single point
-of failure halfway through a large download. The shared state (all tensors concatenated into one
-flat fp32 vector) is cut into ``count`` contiguous slices. Each donor serves at most one slice at a
-time, so k healthy donors share the load; a donor that fails, stalls or sends something invalid is
-dropped and its slice goes to another; slices are assembled only when all come from one state (one
-round, and donors whose fingerprints agree: two donors that diverged are never mixed).
+Why: one donor serving the whole state is a choke point (hivemind issue #169) and a single point of
+failure. The flat fp32 state is cut into ``count`` slices; each donor serves at most one at a time,
+a donor that fails, stalls or lies is dropped and its slice goes to another, and slices are
+assembled only when all come from one state (one round, donors whose fingerprints agree).
 
-This module is pure: no hivemind, no processes. The network fetch of one slice is a callable the
-caller supplies (``HivemindBackend`` routes it through its averager process); unit tests use fakes.
-The donor-side cutting lives here too, so both ends share one definition of "slice i of n"; the
-request's wire encoding is in ``protocols.state_slices``.
+Pure: no hivemind, no processes; the fetch of one slice is a callable the caller supplies. The
+donor-side cutting lives here too, so both ends share one definition of "slice i of n".
 
 Threads: ``download_slices`` runs in the caller's thread and calls ``progress`` there; ``fetch``
 runs in a pool with one thread per donor. All bookkeeping (``_Book``) stays in the caller's thread.
@@ -41,18 +37,14 @@ MIN_DONOR_BYTES_PER_S = 128 * 1024  # a donor slower than 1 Mbit/s over a whole 
 
 # fetch(donor, index, count) -> (metadata, flat fp32 slice); raises on any failure.
 Fetch = Callable[[str, int, int], tuple[Any, torch.Tensor]]
-# same_state(metadata_a, metadata_b): whether two donors' slices of one round may be assembled
-# together (their claims describe one state). Donors whose claims differ serve different lineages;
-# the one most donors serve is assembled (``choose_state``).
+# same_state(metadata_a, metadata_b): whether two donors' slices of one round describe one state.
 SameState = Callable[[Any, Any], bool]
 
 
 # -- what "slice i of n" means, on both ends -------------------------------------------------------
 def slice_bounds(total: int, index: int, count: int, align: int = 1) -> tuple[int, int]:
-    """``[start, stop)`` of slice ``index`` of ``count`` over ``total`` values, every boundary a
-    multiple of ``align`` (but the end): sizes differ by at most ``align``. A state is cut at the
-    anchor's fingerprint chunks (``align`` = ``consistency.chunk_length`` of the anchor), so that
-    each slice of the anchor holds whole chunks and is checked against a claim as it arrives."""
+    """``[start, stop)`` of slice ``index`` of ``count`` over ``total`` values, every boundary but the
+    end a multiple of ``align`` (the anchor's fingerprint chunk: ``slice_alignment``)."""
     assert 0 <= index < count and total >= 0 and align >= 1
     units = slice_units(total, align)
     return min(total, units * index // count * align), min(total, units * (index + 1) // count * align)
@@ -70,10 +62,8 @@ def slice_units(total: int, align: int = 1) -> int:
 
 
 def flat_slice(tensors: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
-    """Values ``[start, stop)`` of the concatenation of ``tensors`` (flattened), without building the
-    concatenation: a donor serving slice i of n copies 1/n of its state, not all of it.
-
-    Refuses non-fp32 tensors rather than casting: the joiner expects exact fp32 values."""
+    """Values ``[start, stop)`` of the flattened ``tensors``' concatenation, without building it;
+    fp32 only (the joiner expects exact values)."""
     if any(t.dtype != torch.float32 for t in tensors):
         raise ValueError(f"state tensors must be float32, got {sorted({str(t.dtype) for t in tensors})}")
     pieces, offset = [], 0
@@ -119,15 +109,13 @@ def choose_round(rounds: Iterable[int]) -> int | None:
     return max(votes, key=lambda round: (votes[round], round))
 
 
-# A state a donor serves: its round and its lineage, the index of the first state of that round
-# whose claim its own agrees with (``same_state``; 0 without one).
+# A state a donor serves: its round and lineage (the first state of that round it agrees with).
 StateKey = tuple[int, int]
 
 
 def choose_state(keys: Iterable[StateKey]) -> StateKey | None:
-    """The state most donors serve; ties go to the newest round, then to the lineage seen first.
-    None if no votes. A claim is a donor's word: a vote of donors, not the first donor to answer,
-    decides which state is assembled (one donor could otherwise pick it)."""
+    """The state most donors serve (ties: the newest round, then the lineage seen first), so that no
+    single donor picks it; None if no votes."""
     votes = Counter(keys)
     if not votes:
         return None
@@ -162,12 +150,9 @@ class Assembled:
 
 
 class _Book:
-    """Who fetches what, and which round each slice's region of the buffer holds.
-
-    Owned by the thread running ``download_slices``; fetch threads never touch it. Pending slices
-    are derived, not queued: a slice is pending when it is not in flight and its region does not
-    hold the target round. So a failed fetch, a discarded stale slice and a change of target
-    round all put slices back to work without extra code paths."""
+    """Who fetches what, and which state each slice's region of the buffer holds. Owned by the
+    thread running ``download_slices``. A slice is pending when it is not in flight and its region
+    does not hold the target state (derived, not queued: failures and a new target need no code)."""
 
     def __init__(self, donors: list[str], lengths: Sequence[int], count: int, same_state: SameState | None = None,
                  max_round: int = MAX_ROUND, align: int = 1, check: CheckSlice | None = None):
@@ -286,17 +271,10 @@ def download_slices(
     """Fetch the state (tensors of ``lengths`` fp32 values, concatenated) as ``count`` slices from
     ``donors``, at most one fetch in flight per donor; None if it cannot be completed.
 
-    A fetch that raises, returns an invalid slice, or runs past ``slice_timeout`` seconds drops its
-    donor and its slice goes to another. ``progress(done_bytes, total_bytes)`` is called at the
-    start and whenever the bytes held for the target round grow; it never goes backwards (after a
-    change of round it pauses until the refetched slices overtake it) and ends at total_bytes.
-    With ``same_state``, donors whose claims describe different states of one round serve
-    different lineages, and the lineage most donors serve is assembled (``choose_state``); the
-    others are left idle. A donor that serves a round past ``max_round`` is dropped like one that
-    sent an invalid slice, and so is one whose slice ``check`` refuses (a slice that does not match
-    the fingerprint it should: the donor is named when its slice arrives, not after assembly).
-    Slice boundaries are multiples of ``align`` (``slice_bounds``; the donors cut the same way).
-    """
+    A fetch that raises, runs past ``slice_timeout``, serves a round past ``max_round`` or a slice
+    that ``check`` refuses drops its donor, and its slice goes to another. With ``same_state`` the
+    lineage most donors serve is assembled (``choose_state``). ``progress(done_bytes, total_bytes)``
+    never goes backwards and ends at total_bytes."""
     donors = list(dict.fromkeys(donors))  # a donor listed twice must not get two slices at once
     total = sum(lengths)
     if any(length < 0 for length in lengths) or not 1 <= count <= min(MAX_SLICES, max(slice_units(total, align), 1)):
@@ -330,10 +308,7 @@ def download_slices(
 
 
 class _Fetches:
-    """The fetches in flight: one per donor at most, each with its start time, within a budget.
-
-    One thread per donor is enough: a donor has at most one fetch in flight, and a fetch that
-    outlives ``slice_timeout`` has its donor dropped, so its thread is never needed again."""
+    """The fetches in flight, one per donor at most (so one thread per donor), within a budget."""
 
     def __init__(self, fetch: Fetch, count: int, *, workers: int, slice_timeout: float | None, budget: int):
         self.fetch, self.count, self.slice_timeout, self.budget = fetch, count, slice_timeout, budget

@@ -26,22 +26,15 @@ if TYPE_CHECKING:
 MAX_AVERAGE_TO_LOCAL_RATIO = 100.0
 # A claimed scale widens the tolerance of every comparison with that peer; at most this many times ours.
 MAX_CLAIMED_SCALE_RATIO = 2.0
-# A replayed outer step may be at most this many times larger (RMS) than the larger of the last one
-# we applied and our own pseudo-gradient of the round being concluded (our work: a sample of what an
-# honest round's step is). A replay is also checked against the claimed fingerprint, but whoever
-# claims a fingerprint can craft a step that reaches it from our anchor (our state is public): this
-# bounds what one such step can move us, to the order of what a peer moves the all-reduce's result.
+# A replayed outer step may be at most this many times larger (RMS) than the larger of our last step
+# and our own pseudo-gradient this round: a claimed fingerprint can be reached by a crafted step (our
+# state is public), so this bounds how far one such step moves us.
 MAX_CATCH_UP_TO_LAST_RATIO = 10.0
 
 
-# A donor's momentum may be at most this many times the RMS of the last step its state claims
-# (its scale), over (1 - outer momentum): honest momentum is a geometric sum of recent steps,
-# ``m = g_t + mu g_(t-1) + ...``, so ``|m| <= max|g| / (1 - mu)``; the factor allows recent steps
-# this much larger than the last one (a short round after a stall makes a small last step). It
-# bounds what a donor serving the true anchor with poisoned momentum can inject (the anchor is
-# checked against the group's claim; the momentum, identical on honest peers, is not
-# fingerprinted): loose, it still stops gross injection, and a member it pushes off the group's
-# anchor re-syncs.
+# A donor's momentum may be at most this many times its claimed last step's RMS over (1 - mu):
+# honest momentum is a geometric sum of recent steps, and it is not fingerprinted, so this loose
+# bound is what stops a donor with the true anchor from injecting a poisoned momentum.
 MAX_MOMENTUM_TO_STEP_RATIO = 1000.0
 
 
@@ -64,10 +57,7 @@ def claims_agree(ours: AnchorClaim, reference: AnchorClaim, rel_tol: float, abs_
 # -- the round's average and replayed steps -------------------------------------------------------
 def check_average(averaged: torch.Tensor, local: torch.Tensor, reference_rms: float = 0.0) -> str | None:
     """Why an averaged pseudo-gradient from the network must not be applied, or None if it may.
-
-    The size check compares with our own pseudo-gradient, or with the last one we applied when
-    ours is zero (a peer that joined at the deadline and made no step); with neither, only
-    finiteness is checked."""
+    Its size is compared with our own pseudo-gradient, else with the last one we applied."""
     if not torch.isfinite(averaged).all():
         return "the averaged pseudo-gradient has NaN/inf values; it was not applied"
     reference = max(rms(local), reference_rms)
@@ -93,9 +83,8 @@ def replay_problem(update: AppliedUpdate, rounds_done: int, numel: int, referenc
 
 # -- claims -----------------------------------------------------------------------------------------
 def capped(state: SharedState, claim: AnchorClaim) -> AnchorClaim:
-    """A claimed scale widens the tolerance of every comparison with that peer: it may not exceed
-    ``MAX_CLAIMED_SCALE_RATIO`` times ours (the same averaged pseudo-gradient's RMS on every honest
-    member, up to the return code's noise)."""
+    """``claim`` with its scale capped at ``MAX_CLAIMED_SCALE_RATIO`` x ours: a claimed scale widens
+    the tolerance of every comparison with that peer."""
     if claim.scale.shape != state.scale.shape:
         return claim  # another layout: the fingerprints will not compare either
     return AnchorClaim(claim.fingerprint, torch.minimum(claim.scale, MAX_CLAIMED_SCALE_RATIO * state.scale),
@@ -125,9 +114,8 @@ def matches(state: SharedState, fp: Fingerprint, claim: AnchorClaim) -> bool:
 
 
 def scales_agree(a: torch.Tensor, b: torch.Tensor, max_ratio: float = MAX_CLAIMED_SCALE_RATIO) -> bool:
-    """Whether two claimed scales are the same step's, chunk by chunk, within ``max_ratio``: honest
-    peers at one outer step applied the same averaged pseudo-gradient (the same bytes with int8/int4
-    returns), so their scales are equal up to the return codec's noise."""
+    """Whether two claimed scales are the same step's, chunk by chunk, within ``max_ratio`` (honest
+    peers at one outer step applied the same averaged pseudo-gradient)."""
     if a.shape != b.shape:
         return False
     low, high = torch.minimum(a, b), torch.maximum(a, b)
@@ -135,11 +123,9 @@ def scales_agree(a: torch.Tensor, b: torch.Tensor, max_ratio: float = MAX_CLAIME
 
 
 def same_state(state: SharedState, a: Any, b: Any) -> bool:
-    """Whether two donors' state metadata describe the same anchor (up to the noise of the
-    all-reduce's return codec): the slices of a download must all come from one state. Their
-    scales must agree too: a claimed scale widens the tolerance of the comparison itself, so a
-    donor claiming a huge one would otherwise "agree" with every state and serve slices into
-    any download (and a fresh joiner, which has no scale of its own to cap it with, adopted it)."""
+    """Whether two donors' state metadata describe the same anchor, so their slices may be
+    assembled together. Their scales must agree too: a huge claimed scale would otherwise widen the
+    tolerance until it "agrees" with every state."""
     try:
         ours, theirs = state_claim(state, a), state_claim(state, b)
     except MessageError:
@@ -163,15 +149,10 @@ def momentum_problem(state: SharedState, momentum: torch.Tensor, claim: AnchorCl
 
 # -- a download, slice by slice and whole -----------------------------------------------------------
 def slice_check(state: SharedState, reference: AnchorClaim | None = None) -> CheckSlice:
-    """A state download's per-slice check (``download_slices(check=...)``): the anchor values
-    of a slice must match, chunk by chunk, the group's ``reference`` claim when the donor's
-    state is at that claim's step, else the donor's own claim. The donor of a slice that does
-    not is dropped and named when its slice arrives; the momentum half is checked with the
-    whole state (``check_state``).
-
-    A state of no outer step is the run's initial weights with zero momentum, which we built
-    ourselves: checked against those, not against anyone's claim (a donor serving other weights
-    as the initial state would otherwise win whenever it answered first)."""
+    """A state download's per-slice check (``download_slices(check=...)``): a slice's anchor values
+    must match the group's ``reference`` claim when the donor is at its step, else the donor's own
+    claim; the momentum is checked with the whole state (``check_state``). A state of no outer step
+    must be the run's initial weights, which we built ourselves."""
     numel = state.layout.numel
 
     def check(start: int, stop: int, metadata: Any, values: torch.Tensor) -> str | None:
@@ -208,15 +189,10 @@ def check_state(state: SharedState, downloaded: DownloadedState, *, require_clai
     """Validate a downloaded state (or a checkpoint) before ``SharedState.adopt`` takes it; returns
     its (round, rounds_done) and scale, or raises MessageError.
 
-    A state from the network must carry its donors' claim (``require_claim``) and its anchor
-    must match it: slices assembled from donors that held different anchors, or a donor whose
-    data is not what it claims, are refused. A checkpoint has no claim (its file is verified).
-    A round past ``max_round`` (the schedule's) is refused: it would name our checkpoints.
-
-    A re-sync also passes the group's ``reference`` claim (the anchor the majority agreed on): the
-    donors' own claims are then not enough, since a donor can serve a state that matches a claim
-    of its own making. A state one outer step past the reference (the donor applied this round's
-    ``step`` already) is checked by undoing that step (``anchor_before_step``)."""
+    A state from the network must match its donors' claim (``require_claim``; a checkpoint has
+    none) and claim no round past ``max_round``. A re-sync also checks against the group's
+    ``reference`` claim, since a donor can make up a claim that matches its own state; a state one
+    step past it is checked by undoing that ``step`` (``anchor_before_step``)."""
     metadata, tensors, peer = downloaded.metadata, downloaded.tensors, downloaded.peer
     numel = state.layout.numel
     if not isinstance(metadata, dict) or metadata.get("v") != STATE_VERSION:
@@ -241,8 +217,7 @@ def check_state(state: SharedState, downloaded: DownloadedState, *, require_clai
             claim = state_claim(state, metadata)
         except MessageError as e:
             raise MessageError(f"state from {peer}: bad claim ({e})") from None
-        # The tolerance of the claimed scale, capped by ours once we have one (a donor cannot
-        # widen it at will); an exact copy of one donor's anchor matches to rounding.
+        # The claimed scale's tolerance, capped by ours once we have one.
         claim = capped(state, claim) if state.scale.any() else claim
         if not matches(state, fingerprint(tensors[0]), claim):
             raise MessageError(f"state from {peer}: the anchor does not match its donors' fingerprint "

@@ -35,10 +35,9 @@ from protocols.messages import MAX_ROUND, ClaimMessage
 
 logger = logging.getLogger(__name__)
 
-# A peer up to this many outer steps behind catches up by replaying them instead of downloading the
-# whole state (8 bytes/param). Every peer keeps two more (fp16, 2 bytes/param each): the donors of
-# a catch-up are applying the current round's step while the peer that is behind asks for the older
-# ones, and peers with fast links may already have applied the next round's too (docs/incidents.md).
+# A peer up to this many outer steps behind catches up by replaying them (2 bytes/param each)
+# instead of downloading the state (8); every peer keeps two more, as donors may be a step or two
+# ahead while a peer asks (docs/incidents.md).
 HISTORY_ROUNDS = 2
 HISTORY_KEPT = HISTORY_ROUNDS + 2
 
@@ -64,8 +63,7 @@ class SharedState:
         self.initial = AnchorClaim(fingerprint(self.anchor), self.scale.clone(), 0)
         self.last_rms = 0.0  # RMS of the last applied pseudo-gradient
         self._history: deque[AppliedUpdate] = deque(maxlen=HISTORY_KEPT)
-        # Our claims before the last steps: a claim made before our last sync landed is stale, and
-        # a group may judge against it; we can still tell whether we agree with such a reference.
+        # Our claims before the last steps, for a group that judges against a stale reference.
         self._past_claims: deque[AnchorClaim] = deque(maxlen=HISTORY_KEPT)
 
     # -- the claim we make ---------------------------------------------------------------------
@@ -120,11 +118,9 @@ class SharedState:
 
     def mix(self, anchor: torch.Tensor, momentum: torch.Tensor, pseudo_grad: torch.Tensor, *, round: int,
             rounds_done: int) -> None:
-        """A sub-group round (``averaging.engine.subgroups``): take the group's mean anchor and outer
-        momentum at the group's step count (``rounds_done``: the most any member claimed), then
-        apply the group's step, in one change (a donor's reader never sees half of it). Every member
-        of the group ends with the same state. Such a step cannot be replayed by a peer that lacks
-        the mix, so none is served (``update_after``)."""
+        """A sub-group round: take the group's mean anchor and momentum at the group's step count,
+        then apply the group's step, in one change under the lock. Such a step cannot be replayed
+        without the mix, so none is served (``update_after``)."""
         with self._lock:
             self.anchor.copy_(anchor)
             self.momentum.copy_(momentum)
@@ -140,22 +136,14 @@ class SharedState:
 
     def catch_up(self, updates: list[AppliedUpdate], reference: AnchorClaim, *, rewind: int = 0,
                  work_rms: float = 0.0) -> bool:
-        """Replay missed outer steps (fetched from peers, in order), then check that our anchor now
-        agrees with the reference's claim; if it does not, nothing changes and False is returned
-        (the caller falls back to a full download). The check is what makes a donor's word
-        unnecessary: an update that does not lead to the reference's anchor is never kept.
-
-        With ``rewind``, our own last ``rewind`` steps are undone first, from our history (fp16:
-        off by its rounding, like a replayed step): for a peer that applied a step on an anchor
-        that lacked the one before it, which replaying alone cannot fix. ``work_rms`` (the RMS of
-        our own pseudo-gradient this round) widens the size bound on replayed steps
-        (``accept.MAX_CATCH_UP_TO_LAST_RATIO``)."""
+        """Replay missed outer steps (in order) and keep them only if our anchor then agrees with
+        the reference's claim, else change nothing and return False. ``rewind``: undo our own last
+        steps first; ``work_rms`` widens the size bound on replayed steps."""
         with self._lock:
             saved = (self.anchor.clone(), self.momentum.clone(), self.rounds_done, self.last_round,
                      self.scale, self.last_rms, self._claim, list(self._history), list(self._past_claims))
-            # Widened by our work, never introduced by it: a peer that applied no step yet (a joiner
-            # that trusted the records) has no size to judge by; one with little work in its first
-            # round would otherwise refuse the swarm's honest first steps.
+            # Widened by our work, never introduced by it: a peer with no step yet has no size to
+            # judge by, and little work in a first round would refuse honest steps.
             reference_rms = max(self.last_rms, work_rms) if self.last_rms > 0 else 0.0
             if (self._undo(rewind) and self._replay(updates, reference_rms)
                     and accept.claims_agree(self._current_claim(), reference, self.rel_tol, self.abs_tol)):
@@ -205,12 +193,8 @@ class SharedState:
             return self.anchor.clone()
 
     def shared_state(self) -> tuple[dict, list[torch.Tensor]]:
-        """A consistent copy for a peer that downloads our state (hivemind's fetcher thread).
-
-        ``claim`` is the fingerprint of this anchor: a joiner assembling slices from several donors
-        takes slices only from donors whose claims agree (``accept.same_state``), so that two donors
-        that diverged cannot be mixed into a state that neither holds, and checks the assembled
-        anchor against it (``adopt``). Checkpoints keep the other fields only (``node.library.resume``)."""
+        """A consistent copy for a peer that downloads our state (hivemind's fetcher thread), with
+        our claim, so a joiner mixes slices only from donors that agree (``accept.same_state``)."""
         with self._lock:
             metadata = {
                 "v": STATE_VERSION,
@@ -224,9 +208,8 @@ class SharedState:
 
     def adopt(self, state: DownloadedState, *, require_claim: bool = False, max_round: int = MAX_ROUND,
               reference: AnchorClaim | None = None, step: torch.Tensor | None = None) -> int:
-        """Replace our anchor and momentum with a downloaded state or a checkpoint, once
-        ``accept.check_state`` accepts it (it raises ``MessageError`` and nothing changes
-        otherwise); returns the global round of that state."""
+        """Replace our anchor and momentum with a downloaded state or a checkpoint that
+        ``accept.check_state`` accepts (else ``MessageError``); returns its global round."""
         rounds, scale = accept.check_state(self, state, require_claim=require_claim, max_round=max_round,
                                            reference=reference, step=step)
         with self._lock:

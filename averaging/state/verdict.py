@@ -7,9 +7,8 @@ after it, each member decodes the others' claims, finds the anchor most of them 
 (download the state from these donors, checked against this reference). ``judge`` only reads the
 state; the round engine acts on the verdict (``averaging.engine.recover``).
 
-The claims describe anchors *before* this round's step, so recovery comes first: a peer that
-missed up to ``HISTORY_ROUNDS`` steps replays them before it applies this one, and every peer
-applies the same steps in the same order; only a peer that cannot catch up re-syncs.
+The claims describe anchors *before* this round's step, so recovery comes first and every peer
+applies the same steps in the same order.
 """
 
 from __future__ import annotations
@@ -94,20 +93,15 @@ def judge(state: SharedState, gathered: Mapping[str, Any], *, round: int, self_i
             plans.append(CatchUp(agreeing, behind + 1, reference, rewind=1))
         verdict.catch_up, verdict.resync = tuple(plans), Resync(list(agreeing), reference)
     elif agreement.contested and self_id in agreement.agreeing:
-        # We won a tie, but a diverged member may simply be ahead of us (we folded a round that it
-        # averaged): replay its steps, verified against its claim, as it would have replayed ours had
-        # the tie gone the other way. A false claim costs a small fetch and changes nothing.
+        # We won a tie, but a diverged member may be ahead of us: replay its steps, verified against
+        # its claim (a false claim costs a small fetch and changes nothing).
         ahead = sorted(((claims[p].rounds_done - state.rounds_done, p) for p in agreement.diverged
                         if 0 < claims[p].rounds_done - state.rounds_done <= HISTORY_ROUNDS), reverse=True)
         verdict.catch_up = tuple(CatchUp((peer,), steps, claims[peer]) for steps, peer in ahead)  # furthest first
     elif self_id in agreement.agreeing and state.last_round < round - 1:
-        # We did not apply the last round's step (we stayed out of that round, or our round failed),
-        # and the members that did are fewer than those that did not: we win, and they, one step
-        # ahead, wait for us ("ahead, not apart" above) until the next round finds them apart and
-        # re-syncs them, losing their group's step (16 peers: 6 averaged in the swarm's first group
-        # while 10 joiners stayed out of it, and all 6 re-synced two rounds later). So replay the
-        # step, verified against their claim, from two or more members that agree on it: a group's
-        # step (a lone peer's is not ours to take; the tie above is the one-to-one case).
+        # We missed the last round's step and the members that applied it are fewer: we win, but
+        # would later force them to re-sync and lose their step (docs/incidents.md). So replay it,
+        # verified against their claim, when two or more members agree on it (a group's step).
         ahead = sorted(p for p in agreement.diverged if claims[p].rounds_done == state.rounds_done + 1)
         if len(ahead) >= 2 and all(accept.claims_agree(claims[p], claims[ahead[0]], state.rel_tol, state.abs_tol)
                                    for p in ahead[1:]):

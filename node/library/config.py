@@ -46,27 +46,21 @@ class RoundConfig:
 class AveragingConfig:
     """How pseudo-gradients are averaged (hivemind butterfly all-reduce)."""
 
-    # int4 sends with int4 returns of the average: chosen by the benchmarks (docs/benchmarks.md, Compression):
-    # 3.8x fewer bytes than fp16 and eval loss within 0.3% of it at equal tokens.
+    # int4 sends with int4 returns of the average: the benchmarks' choice (docs/benchmarks.md, Compression).
     compression: str = "int4"  # fp32 | fp16 | int8 | int4 | int2 (docs/codecs.md)
     block_size: int = 0  # int codes: values per fp16 scale; 0 = the code's default (64 int8/int4, 256 int2)
     # int codes: how reducers return averages, fp16 (deltas) | int8 | int4 (the average itself) |
     # auto (int8 for int8 sends, int4 for int4 and int2)
     return_compression: str = "auto"
     error_feedback: bool = True  # int codes: what quantization drops re-enters the next round (per peer)
-    # 0 = one group of everybody each round (up to 64). Else sub-groups: each round the swarm splits
-    # into groups of about this size (8-16 for a large swarm) that change every round, and each
-    # group averages its members' anchors and outer momenta with the pseudo-gradient (2 bytes a
-    # parameter each way more; see state_compression), so anchors agree within a group and
-    # converge across groups (averaging.engine.subgroups, docs/scale.md). Shared. Only partly hardened
-    # against strangers (docs/security.md): prefer private swarms.
+    # 0 = one group of everybody each round (up to 64). Else sub-groups of about this size (8-16 for
+    # a large swarm) that change every round and also average their members' anchors and momenta
+    # (averaging.engine.subgroups, docs/scale.md). Shared. Only partly hardened against strangers
+    # (docs/security.md): prefer private swarms.
     target_group_size: int = 0
     # Sub-groups: the code of the anchors and momenta on the wire. "auto" (or "lat8"): the 1-byte
-    # lattice code where reducers return the average (int8/int4, the default) and no inner moments
-    # ride, else fp32. Residues on a grid the group's claims set (averaging.math.lattice): half
-    # fp16's bytes, every member's state within a quarter of an outer step of the group's mean; a
-    # member far from its group downloads the group's state instead. "fp16" and "fp32" force those.
-    # Shared.
+    # lattice code (averaging.math.lattice) where reducers return the average and no inner moments
+    # ride, else fp32; "fp16" and "fp32" force those. Shared.
     state_compression: str = "auto"
     min_group_size: int = 2
     matchmaking_seconds: float = 3.0  # hivemind min_matchmaking_time
@@ -82,17 +76,13 @@ class AveragingConfig:
     # (honest ones fail now and then: docs/security.md, "Reducers that fail rounds"); 0 = never.
     strike_limit: int = 5
     strike_window: int = 20
-    # The run's progress records (every peer's heartbeat) under this many DHT keys, which spreads the
-    # reads over more DHT nodes (measured: docs/scale.md): "auto" (each peer follows the swarm's size:
-    # one key below 48 peers, then about one per 12; protocols.keys.auto_progress_shards), or a fixed
-    # power of two. Shared: every peer of a run must read and write alike.
+    # The run's progress records under this many DHT keys, spreading the reads over more DHT nodes
+    # (docs/scale.md): "auto" (follows the swarm's size: protocols.keys.auto_progress_shards) or a
+    # fixed power of two. Shared.
     progress_shards: int | str = AUTO_SHARDS
-    # Average the inner optimizer's moments (AdamW's two, Muon's one) with every round, beside the
-    # pseudo-gradient, in bf16: each peer's next steps start from the group's moments. Simulated, it
-    # lifts 4 equal peers from 1.81x to 1.98x a lone peer in blocking mode (1.65x -> 1.70x in
-    # overlap, where the mean lands a few steps late); on the real swarm, at 46-192 inner steps a
-    # round, it did not pay. It costs about 8.5x a round's bytes (AdamW: two bf16 vectors of the
-    # model's size beside an int4 one): docs/benchmarks.md. Shared.
+    # Average the inner optimizer's moments (AdamW's two, Muon's one) with every round, in bf16. It
+    # helped in simulation but not on the real swarm, and costs about 8.5x a round's bytes
+    # (docs/benchmarks.md, "The inner state averaged"). Shared.
     average_inner_state: bool = False
 
     def __post_init__(self):

@@ -4,9 +4,8 @@ hivemind's averager module imports ``scipy.optimize`` at load (``hivemind.averag
 for one call: ``optimize_parts_lp``, the linear program that sizes each peer's part of the vector by
 its declared bandwidth. shoal never declares a bandwidth and drops any a group declares
 (``averaging.network.hivemind.allreduce.vet_group``), so ``load_balance_peers`` takes its equal-parts
-branch and scipy.optimize is never called. Importing it costs ~0.75 s of CPU (``python -X
-importtime``: 754 ms of hivemind's 1.24 s on this machine), paid by every ``shoal`` command and by
-every peer of a many-peer start on a shared machine, where boot CPU is what delays joining.
+branch and scipy.optimize is never called. Importing it is most of hivemind's import time
+(docs/hivemind.md), paid by every ``shoal`` command and every peer of a many-peer start.
 
 ``importlib.util.LazyLoader`` does not survive here: torch's import walks ``sys.modules`` through
 ``inspect.getmodule``, which reads every module's ``__file__`` and so loads a lazy module at once.

@@ -3,11 +3,9 @@
 With ``averaging.target_group_size = 0`` every round is one group of everybody, and every member
 refuses a group larger than ``averaging.robust.max_group_size`` (64, ``leader_group_cap``):
 hivemind's leaders stop gathering there, so a larger swarm splits each round into several groups.
-Those apply different averages, and shoal's consistency check, which expects one anchor for the
-whole swarm, then sends members of the smaller groups to re-sync to the others' anchor (simulated
-at 256 peers: 46-60% of members a round; docs/scale.md). Sub-groups (``averaging.target_group_size``
-of 8-16: ``averaging.engine.subgroups``) are the design for such swarms; a peer says so once, when it
-first sees the swarm cross the cap (and again if it crosses again after shrinking).
+Those apply different averages, and the consistency check, which expects one anchor for the whole
+swarm, then sends many members to re-sync every round (docs/scale.md). Sub-groups are the design for
+such swarms; a peer says so once when it sees the swarm cross the cap (again if it crosses again).
 """
 
 from __future__ import annotations

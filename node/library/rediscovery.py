@@ -4,8 +4,8 @@ Why it is needed (hivemind 1.1.12, ``dht/protocol.py`` and ``dht/node.py``): a D
 peer from its routing table when an RPC to it fails, and learns peers only from RPCs it receives
 and from lookups through peers it already knows; nothing re-dials a dropped peer. So after a
 split of a few seconds each half's routing tables hold only that half, every lookup stays inside
-it, and the halves never meet again (issue 31 measured two 2-peer swarms for good after a 30 s
-outage); a restarted bootstrap comes back with an empty table. hivemind's bootstrap does what
+it, and the halves never meet again (docs/design.md, "Finding each other again after an outage");
+a restarted bootstrap comes back with an empty table. hivemind's bootstrap does what
 heals this, once, at start: ping the initial peers (a ping adds each side to the other's table),
 then look up our own id (``find_nearest_nodes``) to fill the table. ``reconnect`` repeats those
 steps, inside the DHT's process, for the peers we know of:

@@ -99,11 +99,8 @@ class LiveRound:
 def donor_order(records: Mapping[str, ProgressRecord], *, me: str, max_rounds_done: int,
                 rng: random.Random | None = None) -> list[str]:
     """The peers to download the swarm's state from, in the order to ask them: the most outer steps
-    first (a joiner wants the newest state), but a count is a donor's own word, so it counts only
-    up to what the schedule allows (``max_rounds_done``: one step a round) and donors that tie are
-    shuffled. A record claiming an impossible count used to head every join; now it ties at most
-    with the honest peers that hold the newest state, and the download assembles the state most
-    donors serve (``averaging.network.slices``). Client-mode peers accept no connections."""
+    first, counted only up to what the schedule allows (a count is a donor's own word), ties
+    shuffled; client-mode peers accept no connections."""
     donors = [p for p, record in records.items() if p != me and record.mode != "client"]
     (rng or random.Random()).shuffle(donors)
     return sorted(donors, key=lambda p: -min(records[p].rounds_done or 0, max_rounds_done))  # stable
@@ -271,16 +268,10 @@ class DiLoCoSwarm:
                            period=period)
 
     def _group_plan(self, round: int) -> tuple[int, int]:
-        """Our sub-group in ``round`` and the round's group count (the prepare lane's thread): the
-        count most live peers published (``agreed_group_count``, from every live record, ours
-        included), kept while the live peers fit it; the group from our rank among the live peers in
-        a hash order of (run, round, id) that every peer computes alike (``averaging.math.groups``).
-
-        Every live record, not only the peers that count as members (``present_peers``): members
-        are the peers met in a group lately, so with them 16 real peers split for good into 8 that
-        counted 8 live peers (one group, the bare round key) and 8 that counted 16 (two groups
-        under other keys), and the two halves never met again. Records that never average (a
-        stranger's) can push the count up, thinning the groups: docs/security.md."""
+        """Our sub-group in ``round`` and the round's group count (the prepare lane's thread), from
+        every live record (``averaging.math.groups``). Every live record, not only the members met
+        lately: counted from members, a swarm can split for good (docs/incidents.md); strangers'
+        records can thin the groups instead (docs/security.md)."""
         records = self._monitor.peers  # one snapshot for the count and the cut (the monitor swaps its dict whole)
         count = self._agreed_group_count(records)
         return group_among(self.peer_id, records, round, count, salt=self.run_id), count
@@ -297,15 +288,10 @@ class DiLoCoSwarm:
 
     def _alone(self) -> bool:
         """Whether a round that found no group applies our own pseudo-gradient (we define the shared
-        model). Not while another peer is known, nor within two rounds of a peer downloading our
-        state: that joiner holds our anchor as it was, and a local step now would leave it one step
-        behind unseen (our next report may predate the step), to be found only after both moved on:
-        a re-sync. Nor within two rounds of hearing another peer: on a link that an all-reduce
-        saturates, records miss their TTL and peers seem to leave for a round or two (a peer at
-        1.1 Mbit/s logged peers=1 for two rounds and stepped alone twice, off the swarm's lineage).
-        Folding the round instead costs nothing; the work goes into our next contribution.
-        Only peers that count as members (``node.library.acquaintances``: met in a group lately, or
-        new) keep us from it: records that never average with us cannot stop a lone peer's training."""
+        model). Not while another member is known (``node.library.acquaintances``), nor within two
+        rounds of a peer downloading our state (it would be left a step behind unseen) or of hearing
+        another peer (records can miss their TTL on a saturated link: docs/incidents.md). Folding
+        the round instead costs nothing."""
         now, wait = time.time(), ALONE_AFTER_ROUNDS * self._monitor.schedule.round_seconds
         recent = now - self._served_at < wait or now - self._monitor.others_seen_at < wait
         others = [p for p in self._monitor.peers if p != self.peer_id]
@@ -357,11 +343,8 @@ class DiLoCoSwarm:
         Returns what was downloaded (``donors``, ``round``, ``seconds``), if anything;
         ``progress(done_bytes, total_bytes)`` follows the download (from another thread)."""
         joined = self._initial_sync(progress)
-        # Whatever came of it, our state is now the one we train on: serve it. Until now it was
-        # the run's initial weights (or a checkpoint's), and joiners started beside us would have
-        # counted it as a vote against the donors holding the swarm's state (benchmarks.swarm.scale_real:
-        # at 8-16 peers started at once, joiners assembled round 0 from one another while the
-        # organiser held round 2-5, and it then re-synced to their majority, losing its steps).
+        # Our state is now the one we train on: serve it. Until now it was the initial weights, and
+        # joiners would have counted it as a vote against the swarm's state (docs/design.md).
         self._backend.share_state(True)
         self._monitor.start()
         self._loop.start()
@@ -482,12 +465,10 @@ class DiLoCoSwarm:
             return None
         if before_first_step((self._monitor.peers[p] for p in donors),
                              first_round_left_s=self._monitor.schedule.round_end(1) - self._directory.now()):
-            # Nobody has applied an outer step: the swarm's shared model is the run's initial
-            # weights, which we built from the run's seed too. Downloading them cost minutes on
-            # slow links (92 s at 1.1 Mbit/s in benchmarks.swarm.sync_modes, shared with the donor's
-            # all-reduce traffic), and the donors' state had moved on by then. A lone peer that
-            # steps alone at round 1's deadline before it hears of us leaves us a step behind: our
-            # first averaged round finds it and replays that step (before_first_step).
+            # Nobody has applied an outer step: the shared model is the run's initial weights, which
+            # we built from the run's seed too, so skip a download that costs minutes on slow links.
+            # A peer that steps alone before it hears of us leaves us a step behind: our first
+            # averaged round replays it (before_first_step).
             logger.info("the swarm has not applied an outer step yet: starting from the run's initial weights, "
                         "as every peer does (nothing to download)")
             return None

@@ -1,40 +1,20 @@
 """Robust aggregation inside hivemind's butterfly all-reduce (the rules are ``averaging.math.robust``).
 
-What hivemind 1.1.12 does, and what we change (``averaging.network.hivemind.pins`` fails if any of
-this code moves):
-- ``TensorPartReducer`` sums ``weight × part`` as parts arrive, with the weight each message
-  carries, and checks nothing; a wrong-shape part raises inside ``add_`` after the part was
-  counted, so honest senders wait for the reducer timeout. ``RobustPartReducer`` keeps every
-  sender's part until the part index is complete, checks each on arrival (a failing sender is
-  failed at once: ``on_sender_failed`` before its part is counted, so nobody waits for it), fixes
-  each sender's weight to the one it declared first, and aggregates with ``averaging.math.robust``.
-- ``AllReduceRunner`` builds its reducer and part container in ``__init__`` and uses neither
-  there; ``RobustAllReduceRunner`` replaces the reducer after ``super().__init__`` and gives the
-  container the class ``CheckedPartContainer`` (same state, one method more), whose
-  ``register_processed_part`` checks every delta a reducer returns: a bad one, and every later
-  part from that reducer, is replaced by zeros (we keep our local values, as hivemind does for a
-  reducer that failed), and the reducer is reported. Either way the result is partial (counted in
-  the container's ``failed_size``), and the host does not apply it (``HivemindBackend.average``).
-- With int8/int4 returns (``hivemind_codecs.AVERAGE_RETURN_CODES``) a reducer quantizes each
-  part's average once and sends every member those same bytes (``_accumulate_parts_streaming``
-  instead of hivemind's, which re-encodes each member's delta); the container turns the average
-  into the member's delta before its check. Every member, the reducer too, then ends with the same
-  values, so quantized returns do not make anchors drift apart.
-- A peer on the ban list (``averaging.math.robust.BanList``, one per averager process) is kept out of
-  our groups (``averaging.network.hivemind.matchmaking``); in a group that holds it anyway (another
-  leader's), it is treated as failed from the start of the round: its parts are not counted and
-  ours are not sent to it.
-- A reducer whose stream fails (ends early, resets, times out, answers BAD_GROUP_ID) leaves our
-  result partial, so nobody's round applies. hivemind only keeps our local values for its share.
-  ``RobustAllReduceRunner`` notes each such reducer. When the all-reduce ends it strikes them
-  (``averaging.math.robust.Strikes``, one per averager process) if only a minority of the group's
-  other reducers failed for us (``struck_reducers``). A reducer with enough strikes is banned.
-- hivemind has no hook for either class (the averager constructs them by name), so
-  ``ShoalAverager._run_allreduce_inplace_`` (``averaging.network.hivemind.averager``) is a copy of
-  hivemind's that constructs ``RobustAllReduceRunner``.
+What we change in hivemind 1.1.12 (``averaging.network.hivemind.pins`` fails if this code moves):
+- ``RobustPartReducer`` keeps every sender's part until the part index is complete, checks each on
+  arrival (a bad sender fails before its part is counted, so nobody waits for it), pins each
+  sender's weight to the first it declared, and aggregates with ``averaging.math.robust``.
+- ``CheckedPartContainer`` checks every delta a reducer returns; a bad one (and that reducer's
+  later parts) becomes zeros, the result is partial and the host does not apply it.
+- With int8/int4 returns a reducer quantizes each part's average once and sends every member the
+  same bytes, so quantized returns do not make anchors drift apart.
+- Banned peers are failed from the start of a round; reducers whose streams fail are struck
+  (``robust.Strikes``) unless most reducers failed for us.
+- hivemind constructs these classes by name, so ``ShoalAverager._run_allreduce_inplace_`` is a
+  copy of hivemind's that builds ``RobustAllReduceRunner``.
 
-Everything here runs in the averager process, on its event loop. Counters live in shared memory
-(``RobustCounters``) so the host process can read them.
+Everything here runs in the averager process, on its event loop; ``RobustCounters`` is shared
+memory read by the host.
 """
 
 from __future__ import annotations
@@ -73,11 +53,9 @@ class RobustCounters:
         self._refused_returns = mp.Value("q", 0)  # reducers whose returned averages were refused
         self._clipped = mp.Value("q", 0)  # parts clipped or trimmed by the aggregator
         self._bans = mp.Value("q", 0)  # peers put on the ban list
-        # lattice-coded state values a reducer unwrapped near the edge of their range (overflow
-        # suspects: the group's anchors lie farther apart than its grid covers; averaging.math.lattice)
+        # lattice-coded values a reducer unwrapped near the edge of their range (overflow suspects)
         self._lattice_edges = mp.Value("q", 0)
-        # Senders whose answers this averager is still streaming as a reducer (not a count of
-        # refusals: a gauge). A peer about to leave waits for it to reach 0 (``HivemindBackend.shutdown``).
+        # A gauge: senders whose answers we still stream as a reducer (``HivemindBackend.shutdown`` waits for 0).
         self._answering = mp.Value("q", 0)
 
     @staticmethod
@@ -112,14 +90,10 @@ class RobustPartReducer(TensorPartReducer):
                  local_sender_index: int | None, refuse: Callable[[int, str], None],
                  return_code: str | None = None, extra_parts: Sequence[bool] = (), extra_code: str | None = None,
                  far_senders: frozenset[int] = frozenset()):
-        """``extra_parts[i]``: our part ``i`` is of the extra tensor (``PayloadCompression``): judged
-        without work scaling (a moment is not work: a peer that did more steps has no longer ones),
-        and with ``return_code`` returned as its average in ``extra_code``. ``far_senders``: with
-        sub-groups, the members whose claimed anchor is far from the rest
-        (``averaging.math.fingerprints.far_members``): weight 0 on the extra tensor's parts (they
-        take the others' mean), unless nobody else sent one. With ``extra_code`` lat8 the extra parts
-        are lattice residues (``averaging.math.lattice``): each sender's are unwrapped against a
-        near member's before they are judged, and the mean's residue is returned."""
+        """``extra_parts[i]``: our part ``i`` is of the extra tensor (judged without work scaling,
+        returned in ``extra_code``). ``far_senders``: members whose anchor is far from the rest get
+        weight 0 on the extra parts unless nobody else sent one. With lat8 the extra parts are
+        lattice residues, unwrapped against a near member's before they are judged."""
         self.config, self.local_sender_index, self.refuse = config, local_sender_index, refuse
         self.far_senders = far_senders
         self.return_code, self.extra_code = return_code, extra_code
@@ -260,9 +234,8 @@ class CheckedPartContainer(TensorPartContainer):
             if peer_index in self.returns_average and part.shape == own.shape:
                 part = part - own  # (a wrong shape is refused below as it arrived)
             if residues and part.shape == own.shape:
-                # A residue's delta is the offset it stands for; the check below then sees shape and
-                # finiteness (norms of residues say little: the members check the state they rebuild,
-                # ``subgroups.state_problem``).
+                # A residue's delta is the offset it stands for (its norm says little: members check
+                # the state they rebuild, ``subgroups.state_problem``).
                 part = lattice.wrap(part)
             problem = None if peer_index in self.distrusted else robust.check_returned(
                 part, own, max_norm_ratio=self.max_norm_ratio)
@@ -291,9 +264,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         local_index = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
         container = self.tensor_part_container
         self.return_code = hivemind_codecs.average_return_code(container.compression)
-        # The payload's parts run tensor by tensor (the pseudo-gradient's, then an extra tensor's);
-        # our reducer's parts are a contiguous run of them: which are the extra's, and the message
-        # type each answer carries.
+        # Our reducer's parts are a contiguous run of the payload's (tensor 0's, then the extra's).
         first = sum(container.num_parts_by_peer[:self.ordered_peer_ids.index(self.peer_id)])
         own = range(first, first + len(self.parts_for_local_averaging))
         self._answer_types = hivemind_codecs.part_types(container.compression, container.num_parts_by_tensor)[
@@ -343,12 +314,9 @@ class RobustAllReduceRunner(AllReduceRunner):
             raise
 
     def strike_failed_reducers(self, *, round: int | None = None) -> list[str]:
-        """Strike the reducers whose stream failed in this all-reduce, unless most of the group's
-        other reducers failed for us too (then our own link is the likelier fault:
-        ``robust.struck_reducers``), and ban those that reached the strike limit (``robust.Strikes``).
-        ``round``: the ban list's round when this all-reduce's step began (default: its round now).
-        Call it once, after the all-reduce ended; returns the peers struck. Peers already banned
-        (refused in this round, or excluded from its start) are not struck."""
+        """Strike the reducers whose stream failed, unless most of the others failed for us too
+        (``robust.struck_reducers``), and ban those at the strike limit; returns the peers struck.
+        Call once, after the all-reduce; ``round`` is the ban list's round when its step began."""
         if self.strikes is None or not self.failed_reducers:
             return []
         reducers = [str(peer) for peer, parts in zip(self.ordered_peer_ids, self.tensor_part_container.num_parts_by_peer)
@@ -370,22 +338,16 @@ class RobustAllReduceRunner(AllReduceRunner):
         return struck
 
     async def _drop_absent_sender(self, peer_id: PeerID) -> None:
-        """A peer that answers BAD_GROUP_ID does not run this group (a leader listed it, but it gave
-        up on matchmaking, or its step ended: ``ShoalAverager.rpc_aggregate_part``), so it will never
-        send us its parts either. Fail it as a sender now, instead of after the sender timeout: every
-        member's all-reduce would wait that long for it. If it does send later, its parts are
-        refused and its own result is partial."""
+        """A peer that answers BAD_GROUP_ID does not run this group and will never send us parts:
+        fail it as a sender now rather than after the sender timeout."""
         if peer_id in self.sender_peer_ids and peer_id not in self.banned_senders:
             logger.warning(f"group {self.group_id.hex()[:8]}: {peer_id} does not run this group; its parts are not "
                            "waited for")
             await self._ban_sender(peer_id)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        """As a reducer, one sender's parts in and our answers out (``_reduce_parts``), and a
-        warning that says why when the sender's stream stopped short. hivemind fails such a sender
-        without a word (its ``_ban_sender`` logs nothing), and the sender then reads our answer
-        stream ending a part or more short ("sent 2 parts, but we expected 3"): about one peer-round
-        in a hundred ended so with no warning on either side (docs/limitations.md)."""
+        """As a reducer, one sender's parts in and our answers out (``_reduce_parts``), with a
+        warning that says why when the sender's stream stopped short (hivemind logs nothing)."""
         answered, why, hung_up = 0, "", False
         started = asyncio.get_running_loop().time()
         if self.counters is not None:
@@ -543,22 +505,11 @@ def vet_group(group_info: GroupInfo, *, peer_id: PeerID, bandwidth: float | None
               signed_prefix: str | None = None) -> GroupInfo:
     """The group to run, with every declared bandwidth replaced by None; raises ``GroupRefused``.
 
-    In hivemind 1.1.12 a follower takes the leader's peer order and gathered metadata
-    (``[bandwidth, mode, user data]`` per peer, relayed by the leader, unsigned) as sent
-    (``Matchmaking.follower_assemble_group``), and each peer's share of the vector comes from those
-    bandwidths (``load_balance_peers``). So a leader could make one peer reduce everything by
-    forging the others' bandwidths. shoal never declares a bandwidth, so we drop them all: every
-    reducer gets an equal share, whatever the leader says, and the peer order (random, chosen by
-    the leader) then only decides which equal share each reducer gets. A leader can still forge
-    another peer's mode (claim it is a client, which reduces nothing); each peer refuses a group
-    that misstates its own entry, so an honest reducer never takes part in such a group.
-
-    With ``signed_prefix`` (every real node: ``protocols.signed_claims``) each member's user data
-    must be a claim signed by that member for this run and its declared mode: a leader that
-    forges or alters a third member's claim or mode is caught too (``ForgedGroup``).
-
-    In a private swarm (``admission``) every member's user data must carry its proof of the swarm
-    key (``protocols.admission``): a leader cannot slip in a peer that lacks it."""
+    hivemind takes the leader's (unsigned) metadata as sent and splits the vector by the declared
+    bandwidths, so a leader could make one peer reduce everything; shoal declares none, so dropping
+    them gives every reducer an equal share. Each peer refuses a group that misstates its own entry;
+    with ``signed_prefix`` every member's claim must be signed by it (``ForgedGroup``), and with
+    ``admission`` carry its proof of the swarm key."""
     peers, gathered = group_info.peer_ids, group_info.gathered
     if len(peers) > max_group_size:
         raise GroupRefused(f"group of {len(peers)} peers, over the cap of {max_group_size}")

@@ -1,31 +1,19 @@
 """``ShoalAverager``: hivemind's ``DecentralizedAverager`` plus what shoal needs of it.
 
-It adds a pluggable state provider, a state download cut into slices that several donors serve at
-once (``averaging.network.slices``), serving past outer steps to peers that catch up, robust
-aggregation (``averaging.network.hivemind.allreduce``), a private swarm's admission checks, and
-matchmaking with the ban list (``averaging.network.hivemind.matchmaking``). Its host-side owner is
-``averaging.network.hivemind.backend.HivemindBackend``.
+It adds a pluggable state provider, state slices served to several joiners at once and past outer
+steps to peers that catch up (``serving``, ``fetching``), robust aggregation (``allreduce``), a
+private swarm's admission checks, and matchmaking with the ban list (``matchmaking``). Its
+host-side owner is ``averaging.network.hivemind.backend.HivemindBackend``.
 
-Hazards this module owns (docs/hivemind.md):
-- The averager is a forked process sharing our buffer through shared memory. It must be created
-  before CUDA is initialised and before other threads start, and it sets SIGINT to ignored in
-  the parent: the caller restores its handler.
-- A state download runs one host thread per donor (``averaging.network.slices``), each blocked on
-  an MPFuture while the averager process receives its slice; donors serve slices from their
-  averager process, which asks the host's state-fetcher thread for a full copy of the state.
-- That fetcher thread takes no arguments: to ask the host for something else (a past outer step,
-  for a peer catching up) the averager process writes the request into a shared-memory slot
-  first, and one asyncio lock serializes every request to the host (``ShoalAverager._ask_host``).
-- Matchmaking for round r+1 may start while round r's all-reduce still runs (the prepare lane).
-  hivemind's ``rpc_aggregate_part`` refuses a part for a group it has not registered yet as soon
-  as *any* group (un)registers, and a group registers only once its step is triggered: the end of
-  round r's all-reduce would then refuse round r+1's early parts. ``ShoalAverager`` waits for the
-  registration instead, for up to the sender timeout, unless the step that matched the group has
-  ended without running it (cancelled while it awaited its trigger): then it refuses at once, and
-  the members stop waiting for us (``RobustAllReduceRunner._drop_absent_sender``). A group we do
-  not know waits at most ``request_timeout``, and only while we look for a group; otherwise it is
-  refused at once (``registration_wait``): a stranger cannot hold a handler for the sender timeout.
-- hivemind caches the RPC table per class but finds the cache through the MRO (see ``_rpc_handlers``).
+Hazards (docs/hivemind.md):
+- The averager is a forked process sharing our buffer through shared memory: create it before
+  CUDA is initialised and before other threads start; it leaves SIGINT ignored in the parent.
+- hivemind's state-fetcher thread (host) takes no arguments: to ask the host for a past outer step
+  the averager process writes the request into a shared-memory slot first, and one asyncio lock
+  serializes every request (``ShoalAverager._ask_host``).
+- Matchmaking for round r+1 may start while round r's all-reduce runs (the prepare lane), and
+  hivemind refuses a part for a not-yet-registered group whenever *any* group (un)registers: a
+  part waits for its group's registration instead (``registration_wait``).
 """
 
 from __future__ import annotations
@@ -78,10 +66,8 @@ logger = logging.getLogger(__name__)
 ASSEMBLY_LATENCY_S = 0.5  # a leader's group message to its followers, beyond request_timeout
 ENDED_GROUPS_KEPT = 256  # group ids of finished steps remembered (parts for them are refused at once)
 STATE_REQUEST = -1  # the host-request slot's value for "the state" (else: an update's rounds_done)
-# The ban list's round at the start of the step whose all-reduce runs in this task. With the prepare
-# lane, round r+1's step (which counts a round) can start while round r's all-reduce still runs:
-# round r's failures must be struck in round r. Each step runs in a task of its own, so the value
-# set in ``_step`` is seen by its all-reduce only.
+# The ban list's round at the start of the step whose all-reduce runs in this task: round r+1's step
+# may start while round r's all-reduce runs, and round r's failures must be struck in round r.
 _STEP_ROUND: contextvars.ContextVar[int] = contextvars.ContextVar("shoal_step_round")
 
 
@@ -98,20 +84,16 @@ class GroupResult:
 
 
 def leader_group_cap(target_group_size: int | None, robust: RobustConfig | None) -> int | None:
-    """The largest group we accept (``ShoalAverager._max_group_size``, checked by
-    ``allreduce.vet_group``: a group over ``robust.max_group_size`` is an attack) and so the size at
-    which our hivemind leader stops gathering followers (the backend passes it as hivemind's
-    ``target_group_size``). With no target size, hivemind's leader would gather everyone looking
-    under the round's key, so past the cap (64 peers) no group could form at all; capped, hivemind
-    splits the key into several groups of at most the cap. A target size below the cap is the cap."""
+    """The largest group we accept (``allreduce.vet_group`` refuses larger ones), passed to hivemind
+    as ``target_group_size`` so that its leader stops gathering there: uncapped, a swarm larger than
+    the cap could form no group at all."""
     caps = [c for c in (target_group_size, robust.max_group_size if robust is not None else None) if c]
     return min(caps) if caps else None
 
 
 class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
-    """hivemind's averager plus what it lacks: a pluggable state provider, a state download cut
-    into slices that several donors serve at once (``averaging.network.slices``), and robust aggregation
-    (``averaging.network.hivemind.allreduce``; ``robust=None`` keeps hivemind's plain weighted mean)."""
+    """hivemind's averager plus what shoal needs (module docstring); ``robust=None`` keeps
+    hivemind's plain weighted mean."""
 
     # Hazard: hivemind caches the RPC table per class but finds the cache through the MRO, so a
     # plain DecentralizedAverager set up earlier in this process would lend us a table without
@@ -123,29 +105,23 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
                  registration_wait: float = 10.0, robust: RobustConfig | None = None,
                  admission: bytes | None = None, signed_claims: bool = False, far_state_numel: int = 0,
                  lattice: bool = False, **kwargs):
-        """``signed_claims``: every member's gathered claim must be signed by it
-        (``protocols.signed_claims``); a leader that relays a forged one is banned.
-        ``far_state_numel``: sub-groups, whose extra tensor carries the anchors (of that many values):
-        members whose claimed anchor is far from the rest get weight 0 on it (``_group_claims``).
-        ``lattice``: that tensor (anchor and momentum only) travels as lattice residues
-        (``averaging.math.lattice``; its codec is lat8)."""
+        """``signed_claims``: every member's gathered claim must be signed by it.
+        ``far_state_numel``: sub-groups, whose extra tensor carries that many values of state; far
+        members get weight 0 on it (``_group_view``). ``lattice``: it travels as lattice residues."""
         self._state_provider = state_provider
         self._far_state_numel = far_state_numel
         self._lattice = lattice and bool(far_state_numel)
         self._signed_claims = signed_claims
-        # A private swarm's admission key (protocols.admission): every request we serve and every
-        # member of a group we join must prove it; None (a public swarm) admits everyone.
+        # A private swarm's key (protocols.admission); None (a public swarm) admits everyone.
         self._admission = admission
         self._update_provider = update_provider
         self._registration_wait = registration_wait
         # Several threads (downloads, the prepare lane) send commands at once; a pipe has no lock
         # for concurrent writers.
         self._command_lock = threading.Lock()
-        # What the averager process asks the host for (see the module docstring); shared memory,
-        # created before the fork.
+        # What the averager process asks the host for (module docstring); shared memory.
         self._host_request = torch.full((1,), STATE_REQUEST, dtype=torch.int64).share_memory_()
-        # The all-reduce's sender and reducer timeouts, set by the host from measured all-reduces
-        # (0: as configured); shared memory, read by the averager process at each all-reduce.
+        # Sender and reducer timeouts set by the host (0: as configured); shared memory.
         self._part_timeouts = torch.zeros(2, dtype=torch.float64).share_memory_()
         self._host_lock: asyncio.Lock | None = None  # averager process, created on its event loop
         self._running: set[asyncio.Task] = set()  # averager process: commands in flight (_kept_alive)
@@ -154,16 +130,13 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         self._state_copy_lock: asyncio.Lock | None = None
         pins.check()  # the hivemind code we override is the code we reviewed
         self._robust = robust
-        # The ban list lives in the averager process (this object is forked with it); the counters
-        # are shared memory, for the host.
+        # The ban list lives in the averager process; the counters are shared memory, for the host.
         self._ban_list = BanList(robust.ban_rounds if robust is not None else 0)
-        # Reducers whose streams failed, counted in the ban list's rounds (RobustAllReduceRunner).
+
         self._strikes = Strikes(robust.strike_limit, robust.strike_window) if robust is not None else None
-        # How long a part for a group we do not know may wait while we look for one (registration_wait).
         self._unknown_group_wait = kwargs.get("request_timeout", 3.0)  # (3.0: hivemind's default)
         self.robust_counters = RobustCounters()
-        # Averager process: the fraction of the average each running group failed to deliver, and
-        # each running group's view (sub-groups).
+        # Averager process: each running group's missing fraction and view (sub-groups).
         self._partial: dict[bytes, float] = {}
         self._views: dict[bytes, GroupView] = {}
         # Averager process: groups our steps matched that will not run (any more), oldest first.
@@ -186,19 +159,15 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         matchmaking.ban_list = self._ban_list
         matchmaking.matched = {}
         matchmaking.leaders = {}
-        # A group must reach its followers before they give up (matchmaking.declared_expiration):
-        # a leader's answer can wait up to request_timeout behind its own join request, plus latency.
+        # A group must reach its followers before they give up: up to request_timeout, plus latency.
         matchmaking.potential_leaders.__class__ = ShoalPotentialLeaders
         matchmaking.potential_leaders.margin = matchmaking.request_timeout + ASSEMBLY_LATENCY_S
         self.__dict__["_matchmaking"] = matchmaking
 
     @contextlib.contextmanager
     def _kept_alive(self):
-        """Hold a strong reference to the running command's task. hivemind's command loop drops the
-        task it creates per command, and what a step waits on (its trigger, an MPFuture) refers to
-        it only weakly: a garbage collection while a step awaits its trigger destroyed the step
-        ("Task was destroyed but it is pending"), and its group waited for its parts until their
-        sender timeout."""
+        """Hold a strong reference to the running command's task: hivemind's command loop keeps
+        none, so a garbage collection could destroy a step that awaits its trigger."""
         task = asyncio.current_task()
         self._running.add(task)
         try:
@@ -207,8 +176,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             self._running.discard(task)
 
     async def _step(self, *, step: StepControl, **kwargs):
-        # A ban counts averaging rounds (one step each), whether or not a group formed: counted in
-        # all-reduces, a ban of our only possible partner never ended (no group, so no all-reduce).
+        # A ban counts averaging rounds (one step each), not all-reduces: a ban of our only possible
+        # partner must end even though no group forms.
         self._ban_list.next_round()
         _STEP_ROUND.set(self._ban_list.round)
         with self._kept_alive():
@@ -218,11 +187,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
                 self._end_groups(self._matchmaking.matched.pop(id(step), ()))
 
     def _end_groups(self, group_ids: Sequence[bytes]) -> None:
-        """The groups a finished step matched will never (again) be registered: a part for one of
-        them is refused at once. A step cancelled while it awaited its trigger (its round was
-        passed, or its sync timed out) had told its group it was in; without this, every member's
-        part to us waited the whole registration wait (0.4 x allreduce_timeout) and the members'
-        all-reduce stalled that long."""
+        """Remember the groups a finished step matched: they will never be registered, so a part
+        for one is refused at once rather than stalling its sender for the registration wait."""
         for group_id in group_ids:  # unregistered by now (hivemind's _register_allreduce_group)
             self._ended_groups[group_id] = None
         while len(self._ended_groups) > ENDED_GROUPS_KEPT:
@@ -260,9 +226,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
     async def rpc_aggregate_part(
         self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's, but a part for a group we have not registered yet waits for the registration
-        (bounded: ``registration_wait``) instead of being refused when another group (un)registers
-        (module docstring)."""
+        """hivemind's, but a part for a group not registered yet waits for it (``registration_wait``)."""
         request = await anext(stream)
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -277,11 +241,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             # Hold the stream until the sender has read that and hung up: returning with its parts
-            # still unread resets the stream, and the sender often saw a broken pipe instead of
-            # BAD_GROUP_ID, so it did not know to stop waiting for our parts. An honest sender hangs
-            # up as soon as it reads the answer (hivemind's _communicate_with_peer raises on a code
-            # that is not AVERAGED_PART); one message's trip on a live link takes far less than
-            # request_timeout, the time a follower gives a leader's answer.
+            # unread resets the stream, and the sender would see a broken pipe, not BAD_GROUP_ID.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(_drain(stream), timeout=min(self._registration_wait,
                                                                    self._unknown_group_wait))
@@ -292,8 +252,6 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
 
     # -- robust all-reduce (averager process) ------------------------------------------------
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
-        # The leader's group, vetted: size cap, our own entry, every member's signed claim,
-        # bandwidths dropped (vet_group).
         leader = self._matchmaking.leaders.pop(group_info.group_id, None)
         try:
             group_info = vet_group(group_info, peer_id=self.peer_id, bandwidth=self.bandwidth, mode=self.mode,
@@ -339,8 +297,8 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
                                            far_peers=far_peers, **common)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
-        # Lattice-coded state (``averaging.math.lattice``): residues on the group's grid go out, the
-        # group's mean on that grid comes back; a far member cannot decode it and keeps its own.
+        # Lattice-coded state: residues go out, the mean's residues come back; a far member cannot
+        # decode them and keeps its own.
         lattice_grid = view.lattice if view is not None else None
         raw = tensors[1].clone() if lattice_grid is not None else None
         decoded = False
@@ -416,26 +374,14 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
 
 def registration_wait(group_id: bytes, matchmaking: Matchmaking | None, *, known_group_wait: float,
                       unknown_group_wait: float) -> float:
-    """How long, from its first message, a part for ``group_id`` (neither registered nor ended) may
-    wait for the group's registration before it is answered BAD_GROUP_ID.
+    """How long a part for ``group_id`` (neither registered nor ended) may wait for the group's
+    registration before it is answered BAD_GROUP_ID (hivemind 1.1.12 registers a group only once
+    the step's trigger fired, so members triggered before us send first).
 
-    What hivemind 1.1.12 does: ``DecentralizedAverager._step`` registers a group
-    (``_register_allreduce_group``) once matchmaking returned it and the step's trigger fired,
-    before ``_aggregate_with_group`` builds the runner that sends parts. So an honest member sends
-    us a part only for a group it registered, having assembled it (the leader) or received it from
-    the leader. A leader hands the group to all its followers at once: each follower's
-    ``rpc_join_group`` stream awaits the same ``assembled_group`` future, then sends
-    BEGIN_ALLREDUCE. Until that message reaches us, our matchmaking still holds its
-    ``lock_looking_for_group`` (``look_for_group`` returns only with the group).
-
-    - A group we know (our step matched it and awaits its trigger, or we are assembling it):
-      ``known_group_wait`` (the sender timeout), since members triggered before us send first.
-    - A group we do not know, while we look for a group: it may be the one our leader is about to
-      send us, and another member can be that much ahead of us only by how much longer the leader's
-      message takes to reach us, network latency: ``unknown_group_wait`` (``request_timeout``, the
-      time a follower gives a leader's answer) is ample.
-    - Otherwise no step of ours can register it (one that gave up on matchmaking, or a group id we
-      were never in): 0, answered at once. A stranger cannot hold our handler for long."""
+    - A group we know (a step of ours matched it, or we assemble it): ``known_group_wait``.
+    - One we do not know, while we look for a group: our leader may be about to send it, so
+      ``unknown_group_wait`` (``request_timeout``, network latency).
+    - Otherwise no step of ours can register it: 0, so a stranger cannot hold our handler."""
     if matchmaking is None:  # (the averager is still starting: hivemind adds its handlers first)
         return 0.0
     if _knows_group(matchmaking, group_id):
@@ -444,9 +390,7 @@ def registration_wait(group_id: bytes, matchmaking: Matchmaking | None, *, known
 
 
 def _knows_group(matchmaking: Matchmaking, group_id: bytes) -> bool:
-    """Whether our matchmaking has this group: a step matched it (``ShoalMatchmaking.matched``,
-    until the step ends), a leader sent it to us (``leaders``), or we assembled it a moment ago
-    (``assembled_group``, until ``look_for_group`` returns it)."""
+    """Whether a step of ours matched this group, a leader sent it to us, or we just assembled it."""
     if any(group_id in groups for groups in getattr(matchmaking, "matched", {}).values()):
         return True
     if group_id in getattr(matchmaking, "leaders", {}):

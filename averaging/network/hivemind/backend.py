@@ -64,10 +64,8 @@ logger = logging.getLogger(__name__)
 
 LOOKING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
 RECENT_ALLREDUCES = 3  # the part timeouts follow the longest of the last few all-reduces
-# How long ``prepare`` waits for the averager to confirm a round's group bits. hivemind's own
-# ``set_group_bits(wait=True)`` waits on its process's reply with no timeout: with the averager
-# process killed (an out-of-memory kill) the prepare lane hung for good, and the node, which had
-# noticed the dead process and was leaving, hung in its shutdown waiting for that lane.
+# How long ``prepare`` waits for the averager to confirm a round's group bits: hivemind's own
+# ``set_group_bits(wait=True)`` has no timeout, and hangs for good if the averager process died.
 GROUP_BITS_WAIT_S = 5.0
 # ``average(keep_partial=True)`` keeps a result with at most this share missing (sub-groups): beyond
 # it, more of the vector would be our own values than the group's average.
@@ -105,18 +103,12 @@ class HivemindBackend:
         extra_code: str = EXTRA_CODE,
         mixing: bool = False,
     ):
-        """``admission``: a private swarm's admission key (``protocols.admission.admission_key``).
-        ``signer``: this peer's libp2p identity (the DHT's): our claims are signed with it and every
-        member's must be (``protocols.signed_claims``). Every real node has one; without it (tests
-        on bare hivemind DHTs) claims travel unsigned and unchecked. ``share_state``: serve our state
-        from the start (False for a peer that downloads the swarm's first: ``share_state``).
-        ``extra_numel``: a second vector of that many values averaged in the same all-reduce
-        (``average(extra=...)``), in bf16 and judged without work scaling: the inner optimizer's
-        moments. Every member of a run must agree on it (the parts are cut from both tensors).
-        ``extra_code``: that vector's codec both ways (``averaging.math.wire.mix_code``'s when it
-        carries anchors: ``averaging.engine.subgroups``). ``mixing``: it does (sub-groups), so the
-        reducers give a member whose claimed anchor is far from the rest weight 0 on it
-        (``averaging.math.fingerprints.far_members``)."""
+        """``admission``: a private swarm's key (``protocols.admission``). ``signer``: this peer's
+        libp2p identity, which signs our claims (without it, in tests on bare DHTs, claims travel
+        unsigned and unchecked). ``share_state``: serve our state from the start.
+        ``extra_numel``: a second vector averaged in the same all-reduce (``average(extra=...)``),
+        which every member of a run must agree on; ``extra_code`` its codec both ways. ``mixing``:
+        it carries anchors (sub-groups), so far members get weight 0 on it."""
         if signer is not None and signer.peer_id != str(dht.peer_id):
             raise ValueError("the signer must be the DHT's own identity")
         # request_timeout < min_matchmaking_time, or matchmaking can deadlock (docs/hivemind.md).
@@ -145,8 +137,7 @@ class HivemindBackend:
             min_matchmaking_time=min_matchmaking_time,
             request_timeout=request_timeout,
             allreduce_timeout=allreduce_timeout,
-            # Until all-reduces are measured (then averaging.network.hivemind.parts scales them); hivemind
-            # requires sender < reducer timeout.
+            # Until all-reduces are measured (``parts.part_timeouts``); hivemind requires sender < reducer.
             sender_timeout=allreduce_timeout * SENDER_SHARE,
             reducer_timeout=allreduce_timeout * REDUCER_SHARE,
             compression=averager_compression(wire, numel=numel, target_group_size=target_group_size,
@@ -176,13 +167,10 @@ class HivemindBackend:
 
     def prepare(self, *, round: int, scheduled_time: float, gather: dict, timeout: float,
                 key_bits: str | None = None) -> None:
-        # Older rounds' steps stay: their syncs may still be queued on the sync lane (a sync can
-        # outlast a round, and the next one waits behind it); ``average`` cancels the ones it passed.
+        # Older rounds' steps stay (their syncs may still be queued); ``average`` cancels the ones it passed.
         self._settle_matchmaking(before=round)
         with self._averager._command_lock:
-            # The round goes into the matchmaking key (hivemind's group bits), so a peer still
-            # finishing round r-1 can never pull a peer of round r into its group (or wait for it);
-            # with sub-groups, our group's bits follow it.
+            # The round goes into the matchmaking key, so peers of rounds r-1 and r never meet.
             self._set_group_bits(round, key_bits if key_bits is not None else round_bits(round))
             proof = self._averager.proof()
             if self._signer is not None:
@@ -199,8 +187,7 @@ class HivemindBackend:
 
     def _set_group_bits(self, round: int, bits: str) -> None:
         """The round's group bits, confirmed within ``GROUP_BITS_WAIT_S`` or refused if the averager
-        process is gone. A live averager that is slow to answer is fine: the step sent next goes
-        down the same pipe after the bits, so it is matched with them."""
+        is gone (a slow one is fine: the next step goes down the same pipe after the bits)."""
         confirmed = self._averager.set_group_bits(bits, wait=False)
         try:
             confirmed.result(timeout=GROUP_BITS_WAIT_S)
@@ -210,9 +197,8 @@ class HivemindBackend:
             logger.debug(f"round {round}: the averager took over {GROUP_BITS_WAIT_S:g}s to confirm its group bits")
 
     def _settle_matchmaking(self, *, before: int, wait_s: float = 5.0) -> None:
-        """The group bits are the averager's, not a step's: changing them while an older round's
-        step is still looking for a group would move that step into this round's key. Let it find
-        its group (or give up) first; one still looking after ``wait_s`` is a round late, cancel it."""
+        """Let an older round's step find its group before the bits change (they are the averager's,
+        not a step's, and would move it into this round's key); cancel it after ``wait_s``."""
         with self._controls_lock:
             older = [c for r, c in self._controls.items() if r < before]
         deadline = time.monotonic() + wait_s
@@ -224,8 +210,7 @@ class HivemindBackend:
                 control.cancel()
 
     def share_state(self, allowed: bool) -> None:
-        # A request while we do not share gets an empty answer (``serving.rpc_download_state_slice``):
-        # the joiner's download takes that slice from another donor, and counts no vote of ours.
+        # While we do not share, a request gets an empty answer and the joiner asks another donor.
         if not self._averager.client_mode:  # a client serves nothing (nobody can connect to it)
             self._averager.allow_state_sharing = allowed
 
@@ -238,8 +223,7 @@ class HivemindBackend:
             if round is None and self._controls:
                 round = max(self._controls)
             control = self._controls.pop(round, None)
-            # Syncs run in round order: a step of an older round will never be averaged (that round
-            # was skipped or jumped); cancel it, so no group waits for it.
+            # Syncs run in round order: an older round's step will never run; cancel it.
             passed = [self._controls.pop(r) for r in [r for r in self._controls if round is not None and r < round]]
         for old in passed:
             if not old.done():
@@ -272,14 +256,12 @@ class HivemindBackend:
         # a peer banned this round must not win a tie.
         gathered_by_peer = {peer: data for peer, data in result.gathered.items() if peer not in result.distrusted}
         if missing and keep_partial and missing <= KEEP_PARTIAL_MAX:
-            # Sub-groups (averaging.engine.subgroups): our own values stand for the share that never
-            # arrived (hivemind keeps them there), as if we had been alone for those coordinates;
-            # the next rounds' groups mix them like any other difference.
+            # Sub-groups: our own values stand for the share that never arrived (hivemind keeps them
+            # there); the next rounds' groups mix them like any other difference.
             logger.info(f"round {round}: kept a partial all-reduce: {missing:.1%} of the average never arrived "
                         "(a reducer failed, named in the log); our own values stand in for it")
         elif missing:
-            # Our vector stays as it was: the round folds, and the step the others applied is
-            # replayed from their history next round (SharedState.catch_up), not re-downloaded.
+            # Our vector stays as it was: the round folds, and the others' step is replayed next round.
             return AverageOutcome(ok=False, group=group, sync_s=sync_s, allreduce_s=allreduce_s, partial=missing,
                                   error=f"{PARTIAL_ERROR}: {missing:.1%} of the average never arrived (a "
                                         "reducer failed, named in the log); this round's work is kept for the next")
@@ -294,9 +276,8 @@ class HivemindBackend:
                               partial=missing, far=result.far)
 
     def _note_allreduce(self, seconds: float) -> None:
-        """An all-reduce succeeded in ``seconds``: scale the part timeouts to it. Only whole ones
-        measure the link: a partial one lasted as long as the timeout that failed it, and scaling
-        to that would make every later failure wait longer."""
+        """A whole all-reduce took ``seconds``: scale the part timeouts to it (a partial one lasted
+        as long as the timeout that failed it, so it measures nothing)."""
         self._recent_allreduce_s.append(seconds)
         sender, reducer = part_timeouts(self._recent_allreduce_s, self._allreduce_timeout)
         self._averager.set_part_timeouts(sender, reducer)
@@ -305,12 +286,9 @@ class HivemindBackend:
                        slices: int | None = None, same_state: SameState | None = None,
                        max_round: int = MAX_ROUND, check: CheckSlice | None = None) -> DownloadedState | None:
         """Fetch the shared state from all of ``peers`` at once, in ``slices`` slices (default: two
-        per donor); None if it cannot be completed from slices of one round.
-
-        ``timeout`` is how long a donor may stay silent; a slice also has a deadline that grows with
-        its size (``slice_deadline_s``). Threads: this runs in the caller's thread (the sync
-        worker's), which also calls ``progress(done_bytes, total_bytes)``; each slice is fetched by a
-        pool thread that waits on the averager process, where the network transfer runs."""
+        per donor); None if it cannot be completed from slices of one round. ``timeout``: how long a
+        donor may stay silent. Threads: runs (and calls ``progress``) in the caller's thread; each
+        slice is fetched by a pool thread that waits on the averager process."""
         donors = [peer for peer in dict.fromkeys(peers) if peer != self.peer_id]
         total = sum(self._state_lengths)
         if not donors or total == 0:
@@ -376,14 +354,9 @@ class HivemindBackend:
             self._averager.shutdown()
 
     def _let_answers_out(self) -> None:
-        """Before leaving, let our reducer finish the answers it owes. Our own all-reduce ends when
-        *our* results are in; the averages we reduce for the others may still be streaming to them
-        (a slow link: all of one sender's answers queue on our uplink), and shutting down cuts them:
-        each such member's round then comes back partial and folds. Seen on the real capped swarm
-        (benchmarks/results/speedup_real_state.md): the slowest peer finished the run's last round
-        first, left 20 ms later, and the fastest peer's stream from it ended a part short. Wait
-        while answers are streaming, then as long as an all-reduce takes for the last bytes to
-        leave the daemon's buffers; bounded by ``LEAVE_GRACE_S``."""
+        """Before leaving, let our reducer finish the answers it owes: our own all-reduce ends when
+        *our* results are in, and cutting the answers still streaming to the others would leave
+        their rounds partial. Bounded by ``LEAVE_GRACE_S``."""
         counters = self._averager.robust_counters
         deadline = time.monotonic() + LEAVE_GRACE_S
         while counters.answering > 0 and time.monotonic() < deadline:

@@ -1,48 +1,20 @@
 """shoal's codecs (``averaging.math.codecs``) inside hivemind's butterfly all-reduce.
 
-What hivemind 1.1.12 does with a compression (``check_registry`` verifies each of these facts,
-through ``averaging.network.hivemind.pins``):
-1. A sender compresses each part with the averager's ``compression`` object; the message carries
-   its ``compression_type``, an int in the proto3 field ``Tensor.compression`` (enum
-   ``CompressionType``). proto3 enums are open: a value the enum does not define survives the wire.
-2. A receiver decodes with ``deserialize_torch_tensor``: a fixed registry,
-   ``_BASE_COMPRESSION_TYPES[CompressionType.Name(value)]``. ``Name`` raises for unknown values, so
-   a ``CompressionBase`` subclass alone is never used by a receiver.
-3. A reducer re-encodes each delta (average - that sender's part) with
-   ``serialize_torch_tensor(delta, value)``: the same registry, with the *sender's* value.
-4. A tensor is cut into parts of ``int(part_size_bytes / (element_size * estimate_compression_ratio))``
-   values, from the tensor's start. Every peer must cut alike (the reducer sizes its accumulators
-   from its own parts), so the codec settings are part of the run's protocol.
+What hivemind 1.1.12 does with a compression, which we rely on (``check_registry`` verifies it;
+docs/codecs.md, "What we rely on in hivemind 1.1.12"): a part carries its compression as an int in
+an open proto3 enum; a receiver decodes through a fixed registry keyed by the enum's ``Name``; a
+reducer re-encodes each delta with the *sender's* value; and parts are cut by
+``estimate_compression_ratio``, so every peer must cut alike (the codec is part of the protocol).
 
-Registration (``register``, run at import; the averager is a forked process and inherits it, so
-import this module before creating the averager): each (send, return) pair of codes gets a new
-enum value ``7000 + 100 * send_bits + return_bits`` (e.g. 7416 = int4 out, fp16 back; an extra
-tensor's code, ``ExtraCodec``, gets ``7900 +`` its header id, bf16 7917, fp16 7916, fp32 7932, lat8 7918), the enum
-wrapper's ``Name`` learns these numbers (an instance attribute that falls back to the original
-for every other value), and the registry maps each name to a ``ReturnCodec``: its ``extract``
-decodes any shoal code (the header says which, hostile-input safe, at most ``MAX_PART_NUMEL``
-values) and its ``compress`` encodes the return code. Nothing else in hivemind changes; a peer
-without the registration rejects these parts (``Name`` raises) instead of misreading them.
+Registration (``register``, at import; hazard: the averager is a forked process and inherits it,
+so import this module before creating the averager) adds an enum value per (send, return) pair of
+codes, ``7000 + 100 * send_bits + return_bits`` (an extra tensor's ``7900 +`` its header id), each
+mapped to a ``ReturnCodec`` that decodes any shoal code, hostile-input safe. A peer without the
+registration rejects these parts instead of misreading them.
 
-Return precision (``return_code``):
-- fp16 (the default) returns deltas, as hivemind does: member ``j`` ends with
-  ``q_j + R(avg - q_j)``, an error that differs per member (at most ``2**-11 * |avg - q_j|`` per
-  element, with a power-of-two exponent per part). Measured (4 peers, Student-t(4)
-  pseudo-gradients, correlation 0 / 0.9), RMS disagreement between two peers relative to
-  RMS(avg) after one round: 0.0005 / 0.0001. Anchors drift apart as ``7 d sqrt(rounds)`` (an
-  error moves the anchor up to ``lr / (1 - mu)`` = 7x over later Nesterov steps, lr 0.7, mu 0.9):
-  ``averaging.math.fingerprints`` would flag 0.25 after ~5000 rounds.
-- int8 and int4 (``AVERAGE_RETURN_CODES``) return the *average itself*, quantized once by its
-  reducer: every member receives the same bytes and ends with the same values (up to one fp32
-  rounding of ``q_j + (a - q_j)``), so anchors do not drift at all. Quantized deltas would not do:
-  int8 deltas disagree by 0.020 / 0.005 after one round (the check trips after 3-50 rounds),
-  int4 deltas by 0.35 / 0.09 (at once). What the quantization of the average drops is dropped
-  for every member alike (no error feedback on the return path: nobody but the reducer knows
-  the average): per element at most ``(0.5 + 2**-11) / L * max|avg|`` over the block of 64.
-  This needs shoal's runner (``averaging.network.hivemind.allreduce``: the reducer sends the average and
-  the member turns it into its delta); hivemind's own runner would re-encode deltas, so
-  ``ReturnCodec.compress`` refuses to encode for these codes.
-Sends are error-fed and drift-free (``averaging.math.wire``).
+Returns: fp16 returns deltas, as hivemind does; int8 and int4 return the *average itself*, quantized
+once by its reducer, so every member ends with the same values (docs/codecs.md, "Return path").
+That needs shoal's runner (``allreduce``); ``ReturnCodec.compress`` refuses them.
 """
 
 from __future__ import annotations
@@ -153,12 +125,9 @@ class _PartCodec(CompressionBase):
 
 class ShoalCodec(_PartCodec):
     """The averager's ``compression``: sends parts in ``code``, asks reducers to return ``return_code``.
-
-    ``part_values`` (a multiple of the block size, e.g. ``parts.balanced_part_size``) sets
-    hivemind's part size through ``estimate_compression_ratio``; by default parts are as many values
-    as fit ``part_size_bytes`` once encoded, rounded down to whole blocks. Either way part boundaries
-    fall on block boundaries, which makes error feedback exact. ``part_size_bytes`` must be the
-    averager's (hivemind's default unless you pass another)."""
+    ``part_values`` (a multiple of the block size) sets hivemind's part size through
+    ``estimate_compression_ratio``, so part boundaries fall on block boundaries (exact error feedback).
+    ``part_size_bytes`` must be the averager's."""
 
     def __init__(self, code: str = "int4", *, return_code: str = DEFAULT_RETURN_CODE, block_size: int | None = None,
                  part_values: int | None = None, part_size_bytes: int = DEFAULT_PART_SIZE_BYTES):
@@ -245,7 +214,7 @@ def encode_average(average: torch.Tensor, return_code: str) -> tuple[bytes, torc
 
 def check_registry() -> None:
     """Raise ``HivemindChanged`` if hivemind's code or its compression enum no longer holds what
-    registration relies on (facts 1-4 above: ``pins.RELIED_ON``; the enum checks here)."""
+    registration relies on (module docstring: ``pins.RELIED_ON``; the enum checks here)."""
     pins.check()
     enum = runtime_pb2.CompressionType
     defined = set(getattr(getattr(enum, "_enum_type", None), "values_by_number", {}) or {})

@@ -3,9 +3,7 @@
 A mixin of ``ShoalAverager`` (``averaging.network.hivemind.averager``). ``fetch_slice`` and
 ``fetch_update`` block a host thread on an MPFuture while the transfer runs in the averager
 process (one task per fetch, bounded by its deadline so none lingers). Everything received is
-refused early where it could not be right: more bytes or parts than asked for (whole messages
-counted, each refused before it is read: ``_download``), metadata past the first message or its
-cap, compression, another dtype or size, another step, non-finite values.
+refused as early as it could not be right (``_download`` refuses a message before reading it).
 """
 
 from __future__ import annotations
@@ -30,9 +28,7 @@ from protocols.state_slices import encode_slice_request, encode_update_request
 
 FETCH_GRACE_S = 5.0  # how much longer the host waits for a slice than the averager process may take
 UPDATE_VERSION = 1  # of a served outer step's metadata
-# What a download may cost us beyond the tensor's own bytes: a donor's metadata (a served state's
-# claim is a few hundred bytes), sent once, and each message's framing (hivemind's 9 bytes, field
-# tags and lengths, the first part's dtype and size: about 40 bytes in all).
+# What a download may cost beyond the tensor's own bytes: the donor's metadata and each message's framing.
 METADATA_CAP_BYTES = 64 * 1024
 MESSAGE_OVERHEAD_BYTES = 128
 
@@ -168,15 +164,9 @@ class StateFetching:
     async def _download(self, peer: str, method: str, request: averaging_pb2.JoinRequest,
                         max_total_bytes: int) -> AsyncIterator[averaging_pb2.DownloadData]:
         """The donor's answer to ``request`` (one of our streaming RPCs ``method``), at most
-        ``max_total_bytes`` of messages in all, each refused before it is read.
-
-        Why not hivemind's stub: its reader (``P2P.receive_raw_data``, 1.1.12) reads whatever length
-        a message's 8-byte header announces, so one message of a hostile donor could fill our memory
-        before we saw it. This speaks the same framing as hivemind's ``P2P`` (``send_protobuf``: a
-        marker byte, ``MESSAGE_MARKER`` or ``ERROR_MARKER``, then the big-endian length in
-        ``HEADER_LEN`` bytes, then the message; the caller sends its request and then
-        ``END_OF_STREAM``; the donor's end of the stream ends the answer), to the handler name a
-        donor registers (``add_p2p_handlers`` with our prefix, named after our class, as the stub's)."""
+        ``max_total_bytes`` of messages in all, each refused before it is read. Not hivemind's stub:
+        its reader (1.1.12) allocates whatever length a message's header announces, so one hostile
+        message could fill our memory. This speaks hivemind's ``P2P`` framing (``send_protobuf``)."""
         handle = self._get_handle_name(self.prefix, method)
         _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), handle)
         try:
@@ -204,10 +194,9 @@ class StateFetching:
 
 
 class Received:
-    """A tensor as a donor streams it (hivemind's ``split_for_streaming`` parts), kept small: the
-    first part's header, each part's buffer and the first message's metadata, never the messages
-    (hazard: a part of a parsed protobuf message keeps the whole message alive, whatever else it
-    carried). ``add`` refuses, raising ``ValueError``, what no honest donor sends."""
+    """A tensor as a donor streams it, keeping each part's buffer and never the messages (hazard: a
+    part of a parsed protobuf keeps the whole message alive). ``add`` raises ``ValueError`` on what
+    no honest donor sends."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes

@@ -29,18 +29,8 @@ from protocols import swarm_time
 def declared_expiration(now: float, *, scheduled_time: float, min_matchmaking_time: float, search_end: float,
                         margin: float) -> float | None:
     """When we declare our search to end (a leader assembles its group then), or None: too late.
-
-    hivemind 1.1.12 declares ``min(max(scheduled, now + min_matchmaking_time), search_end)``, with
-    ``search_end`` the step's deadline, which is also when a follower gives up waiting for its
-    leader's group (``look_for_group``'s timeout). Past the scheduled time (a peer whose first
-    search failed searches again) every declaration is therefore the deadline itself: a leader
-    assembles its group just as its followers give up, and whether they hear of it is decided by
-    milliseconds of latency. A follower that missed it reports "could not find a group" while
-    the others wait out the sender timeout for its parts and keep their own values for the share
-    it should have reduced. Ours ends ``margin`` before the deadline (the leader's answer then has
-    that long to arrive), and once that is past we declare nothing more: a group formed so late
-    could not reach its followers in time. Never before the scheduled time: the first search keeps
-    hivemind's expirations."""
+    hivemind 1.1.12 may declare the step's deadline itself, when followers give up waiting, so a
+    late group races its followers; ours ends ``margin`` before it, never before the scheduled time."""
     latest = max(scheduled_time, search_end - margin)
     expiration = min(max(scheduled_time, now + min_matchmaking_time), latest)
     return expiration if expiration > now else None
@@ -59,12 +49,8 @@ class ShoalPotentialLeaders(PotentialLeaders):
     margin: float
 
     async def _update_queue_periodically(self, key_manager) -> None:
-        # hivemind's loop (1.1.12, in REVIEWED), paced. Once every declared leader has been tried
-        # (all turned us away: we are banned, or each is in another group), ``pop_next_leader``
-        # finds the queue empty and triggers a refetch at once, the fetch returns the same
-        # leaders, and the two spin until the search ends, each fetch a DHT get that queries other
-        # peers: a banned peer burns CPU its honest neighbours need (docs/incidents.md). Pacing costs a new leader at most
-        # REFETCH_S before we see it.
+        # hivemind's loop (1.1.12, in REVIEWED), paced: once every declared leader turned us away,
+        # hivemind refetches the same leaders from the DHT in a tight loop (docs/incidents.md).
         discrepancy = MAX_DHT_TIME_DISCREPANCY_SECONDS
         fetched = -math.inf
         while swarm_time.now() < self.search_end_time:
@@ -117,9 +103,8 @@ class ShoalPotentialLeaders(PotentialLeaders):
 
 class ShoalMatchmaking(Matchmaking):
     """hivemind's matchmaking without the peers on our ban list (set up by ``ShoalAverager``: an
-    existing instance is given this class and a ``ban_list``). In a group, a banned peer is a
-    reducer whose share every member refuses: a partial result, so the round fails for every
-    member. Out of the group, it costs nothing."""
+    existing instance is given this class and a ``ban_list``): in a group, a banned reducer would
+    fail the round for every member."""
 
     ban_list: BanList
     # id(step) -> the group ids that step's matchmaking assembled (``ShoalAverager._step`` pops it

@@ -1,22 +1,12 @@
 """How hivemind cuts our vector into parts, and how long it waits for one.
 
-Part sizes. hivemind cuts a tensor into parts of a fixed number of values from its start and hands
-them out by fractions. Two things follow: a vector of a few 512 KiB parts lands unevenly (4 peers
-can get 1, 1, 0, 2 parts; a 4x smaller codec packs a small vector into one part, turning the
-butterfly into a star through one reducer), and error feedback is exact only if every part starts
-on a codec block boundary (``averaging.math.wire``). So parts are balanced for the target group and
-cut on block boundaries (``balanced_part_size``); they depend only on what peers share (the layout,
-the codec, ``target_group_size``), so every peer cuts the same parts.
+Part sizes: hivemind cuts a tensor into fixed-size parts from its start, so a few large parts land
+unevenly on the group, and error feedback is exact only if every part starts on a codec block
+boundary (``averaging.math.wire``). So parts are balanced for the target group and block-aligned
+(``balanced_part_size``), from what peers share only, so every peer cuts the same parts.
 
-Part timeouts: scaled to how long all-reduces take.
-
-hivemind fails a sender whose next part does not arrive within ``sender_timeout`` and a reducer
-whose next answer does not arrive within ``reducer_timeout``; both are fixed when the averager is
-built (shoal: 0.4 and 0.5 x ``allreduce_timeout``). On a slow link one answer can take most of an
-all-reduce: the reducer waits for the slowest sender's part, then sends every member its answer
-over one uplink, and a fixed timeout fails a reducer in every round of a slow link
-(docs/incidents.md). So the timeouts grow with the all-reduces that succeeded
-(a failed one lasted as long as the timeout that failed it: it measures the timeout, not the link)."""
+Part timeouts: hivemind's are fixed when the averager is built, yet on a slow link one answer can
+take most of an all-reduce (docs/incidents.md), so they grow with the all-reduces that succeeded."""
 
 from __future__ import annotations
 
@@ -51,10 +41,8 @@ def part_timeouts(recent_allreduce_s: Iterable[float], allreduce_timeout: float)
 
 def balanced_part_size(numel: int, group_size: int, block_size: int, *, bytes_per_value: float,
                        max_part_bytes: int = HIVEMIND_PART_BYTES) -> int:
-    """Values per hivemind part: a multiple of ``block_size``, at most ``max_part_bytes`` once encoded,
-    and cutting the vector into a multiple of ``group_size`` near-equal parts. The part size is
-    fixed before the group is known, so pass the target group size; a smaller group still gets
-    block-aligned parts, less evenly spread."""
+    """Values per hivemind part: a multiple of ``block_size``, at most ``max_part_bytes`` encoded,
+    cutting the vector into a multiple of ``group_size`` (the target: fixed before the group) parts."""
     if numel < 0 or group_size < 1 or block_size < 1 or bytes_per_value <= 0:
         raise ValueError(f"bad arguments: numel={numel} group_size={group_size} block_size={block_size} "
                          f"bytes_per_value={bytes_per_value}")
@@ -74,12 +62,8 @@ def part_values(wire: WireFormat, numel: int, target_group_size: int | None) -> 
 def averager_compression(wire: WireFormat, *, numel: int, target_group_size: int | None, extra_numel: int = 0,
                          extra_code: str = EXTRA_CODE, part_size_bytes: int = HIVEMIND_PART_BYTES) -> CompressionBase:
     """The averager's ``compression``: hivemind's own for fp16/fp32, else shoal's codec with parts
-    from ``part_values``, so the reducers' re-encoding of an error-fed send is lossless. With
-    ``extra_numel`` a second tensor of that many values rides the same all-reduce in
-    ``extra_code``, in parts balanced for the target group like the first's (``part_size_bytes``:
-    the averager's, which the codecs' ratios are relative to). Importing
-    ``averaging.network.hivemind.codecs`` registered the codecs in this process; the averager forks
-    after, and inherits them."""
+    from ``part_values``; with ``extra_numel`` a second tensor rides the same all-reduce in
+    ``extra_code``. Hazard: the codecs are registered at import, so the averager must fork after."""
     if not wire.quantized:
         main: CompressionBase = FLOAT_COMPRESSIONS[wire.code]()
     else:

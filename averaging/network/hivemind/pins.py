@@ -1,18 +1,12 @@
 """The hivemind code shoal overrides or relies on, pinned: one check before an averager starts.
 
-shoal subclasses hivemind's averager, runner, reducer, part container and matchmaking, copies two
-of its methods, and registers codecs in its compression registry. Each relies on hivemind 1.1.12's
-code as reviewed. Two kinds of pin:
+- ``REVIEWED``: the sha256 of the source of every hivemind 1.1.12 function we override or copy; a
+  mismatch means the override must be re-derived against the new code.
+- ``RELIED_ON``: lines the codec registration depends on, looked up (whitespace-insensitive) in
+  the functions that hold them, which are called, not overridden.
 
-- ``REVIEWED``: the sha256 of the source of every function we override or copy. A mismatch means
-  the override must be re-derived against the new code.
-- ``RELIED_ON``: lines of hivemind the codec registration depends on, looked up in the functions
-  that hold them (whitespace-insensitive): looser than a hash, since those functions are not
-  overridden, only called.
-
-``changes()`` names every pin that no longer holds; ``check()`` raises ``HivemindChanged`` with
-them. Both the averager (``averaging.network.hivemind.averager``) and the codec registration
-(``averaging.network.hivemind.codecs.register``) call ``check()``.
+``check()`` raises ``HivemindChanged`` naming every pin that no longer holds (``changes()``); the
+averager and the codec registration call it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The donor side of the state download: serving state slices and past outer steps to peers.
 
-A mixin of ``ShoalAverager`` (``averaging.network.hivemind.averager``); runs in the averager process.
-A donor serves slices from its averager process, which asks the host's state-fetcher thread for a
-copy of the state (``ShoalAverager._ask_host``). One copy of the state serves every request within
-``STATE_COPY_REUSE_S``, and what a donor serves is bounded (``ServingBook``) so that requests,
-honest or not, cannot exhaust the host or keep the donor from serving others: how many requests
-at once (per peer and in all), how long each may take (its deadline), and how many bytes one peer
-is served per window (its budget).
+A mixin of ``ShoalAverager``; runs in the averager process, which asks the host's state-fetcher
+thread for a copy of the state (``ShoalAverager._ask_host``), one copy per ``STATE_COPY_REUSE_S``.
+What a donor serves is bounded (``ServingBook``: requests at once, a deadline each, bytes per peer
+per window) so that requests, honest or not, cannot exhaust the host or starve other joiners.
 """
 
 from __future__ import annotations
@@ -30,26 +27,19 @@ from protocols.state_slices import decode_slice_request, decode_update_request
 
 logger = logging.getLogger(__name__)
 
-# What a donor serves at once (state slices and outer updates): an honest joiner has one fetch in
-# flight per donor (averaging.network.slices); one more covers a retry racing the end of the
-# previous stream. Beyond these, a request gets an empty answer (the joiner moves to another donor)
-# and the refusal is logged once a minute per peer.
+# What a donor serves at once: an honest joiner has one fetch in flight per donor, plus a retry
+# racing the end of the previous stream. Beyond these a request gets an empty answer.
 MAX_SERVES_PER_PEER = 2
 MAX_SERVES = 8
-# Slice requests within this many seconds share one copy of the state: the host copies its whole
-# state per request (8 bytes/param under the state lock), so a stream of requests costs one copy
-# per period, not one per request.
+# Slice requests within this many seconds share one copy of the state (a copy is 8 bytes/param
+# taken under the state lock).
 STATE_COPY_REUSE_S = 3.0
 BUSY_LOG_PERIOD_S = 60.0
-# A serve's deadline, from its first message: this long, plus what it has handed to hivemind at the
-# slowest rate a joiner accepts from a donor (slices.slice_deadline_s, the joiner's own deadline).
-# A joiner that fell this far behind that rate has stopped reading: its slot stops counting against
-# the limits, and its stream ends at its next message.
+# A serve's deadline, from its first message: this long, plus its bytes at the slowest rate a joiner
+# accepts (slices.slice_deadline_s); past it the joiner has stopped reading and its slot is freed.
 SERVE_STALL_S = 30.0
-# What one peer is served per window: a few full states (anchor and momentum, fp32: 8 bytes per
-# averaged value), or four times as many outer updates (fp16). An honest joiner takes at most one
-# state from a donor per download (less when several donors share it), a second when the swarm
-# moves on a round meanwhile. A token bucket: it refills over the window.
+# What one peer is served per window (a token bucket): a few full states, or four times as many
+# outer updates; an honest joiner takes at most one or two states from a donor per download.
 DOWNLOAD_WINDOW_S = 600.0
 DOWNLOAD_BUDGET_STATES = 4
 FULL_STATE_BYTES_PER_VALUE = 2 * STATE_BYTES_PER_VALUE
@@ -73,13 +63,11 @@ class Serve:
 
 class ServingBook:
     """Who is being served and what each peer was served lately (averager process, its event loop
-    only; pure bookkeeping, the clock passed in for tests).
+    only; the clock passed in for tests).
 
-    Hazard: hivemind's ``P2P.send_raw_data`` (1.1.12) awaits ``writer.drain()`` with no timeout
-    after each message a handler yields, so the handler of a joiner that stops reading stays
-    suspended in its ``yield`` for good (once loopback's buffers, about 0.75 MiB, are full), and its
-    ``finally`` never runs. A serve past its deadline is therefore
-    forgotten here without waiting for its stream to end (it ends at its next chance, if any)."""
+    Hazard: hivemind 1.1.12 awaits ``writer.drain()`` with no timeout after each message a handler
+    yields, so the handler of a joiner that stops reading hangs in its ``yield`` for good and its
+    ``finally`` never runs: a serve past its deadline is forgotten here without waiting for it."""
 
     def __init__(self, budget_bytes: int, clock: Callable[[], float] = time.monotonic):
         self.budget_bytes = budget_bytes
