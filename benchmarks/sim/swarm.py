@@ -139,13 +139,15 @@ class SimHub(LocalHub):
         return average, state
 
     def _forget_before(self, round: int) -> None:
-        """Drop the rounds before ``round``: the hub keeps every round, a long simulation cannot."""
+        """Drop the rounds before ``round`` (LocalHub's tables and ours; caller holds ``_lock``): a unit
+        test's hub keeps every round, a simulation of hundreds of rounds cannot."""
         with self._cond:
             for table in (self._prepared, self._arrived, self._results, self._extras):
                 for slot in [slot for slot in table if slot[0] < round]:
                     del table[slot]
-        for slot in [slot for slot in self._reduced if slot[0] < round]:
-            del self._reduced[slot]
+        for table in (self._sent, self._reduced):
+            for slot in [slot for slot in table if slot[0] < round]:
+                del table[slot]
 
 
 @dataclass(slots=True)
