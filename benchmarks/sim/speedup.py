@@ -1,4 +1,4 @@
-""""The swarm trains like N x one peer": simulated peers, no network, shoal's own round math.
+""""The swarm trains like N x one peer": simulated peers, no network, shoal's own round.
 
     .venv/bin/python -m benchmarks.sim.speedup [--peers 1,2,4] [--rounds 150] [--steps 12] [--spread equal,1:1.5:2:3] \\
         [--rules overlap,eager,...] [--lone-lengths 1,2,3,4,6] [--lrs 0.006,0.012] [--seeds 1] [--jobs 2] \\
@@ -13,10 +13,12 @@ takes ``--steps`` inner steps a round; a spread ``1:1.5:2:3`` gives the fastest 
 others that ratio of it (as wall-clock rounds do), repeated for 8 peers.
 
 The peers are real ``Trainer`` s on ``configs/learning.toml``'s model and data (as
-``lr_sweep.py``); what happens between them is shoal's math: quantized sends with error feedback
-(``averaging.math.wire``), token-weighted robust aggregation per part (``averaging.math.robust``),
-the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
-(``averaging.math.merge``); rules only simulated live in ``benchmarks.sim.rules``. A rule (``--rules``) is one way of running a round:
+``lr_sweep.py``); between them each peer runs the round engine's own round (``benchmarks.sim.swarm``:
+a ``SharedState`` and a ``RoundRunner`` per peer, quantized sends with error feedback, the verdict, the
+Nesterov outer step, the merge correction) over an in-process hub whose reducers aggregate per part,
+token-weighted and robust (``averaging.math.robust``), and return in the wire's return code; the
+correction is merged with ``averaging.math.merge.apply_correction_``. Rules only simulated live in
+``benchmarks.sim.rules``. A rule (``--rules``) is one way of running a round:
 
 - ``blocking``: every peer waits for the average and restarts from the new anchor;
 - ``overlap``: shoal's default mode: the average lands ``--delay`` (a fraction of the next round)
@@ -45,11 +47,12 @@ the Nesterov outer step (``averaging.math.outer_step``) and the overlap merge
   rule before ``judge_by_work``); ``+mean`` aggregates with a plain weighted mean.
 
 ``--group-sizes G``: round-seeded sub-groups of at most G peers (``averaging.math.groups``) that average
-pseudo-gradients, anchors and outer momentum within the group (``run_swarm_groups``; issue 32); 0 is one
-group of everyone. There the anchors and momenta are averaged exactly, or with ``+state16`` as the fp16
+pseudo-gradients, anchors and outer momentum within the group (``run_swarm_groups``: the engine's
+sub-group round, ``averaging.engine.subgroups``; issue 32); 0 is one group of everyone. There the anchors and momenta are averaged exactly, or with ``+state16`` as the fp16
 code carries them (``averaging.math.wire.MIX_CODE``), or with ``+lattice`` as the lattice code does
 (``averaging.math.lattice``: every member's state on the grid its group's claims set, the weighted mean
-rounded to it again; values that would unwrap wrongly are counted as ``lattice_overflows``).
+rounded to it again; values that would unwrap wrongly are counted as ``lattice_overflows``). In every
+code the hub's reducers give the group view's far members weight 0 in the mean state, as real ones do.
 
 Everything is simulated: no failures, no network; figures are labelled so. Writes
 ``benchmarks/results/speedup.{md,json}`` (and ``.png`` when matplotlib is installed).
@@ -66,23 +69,23 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from averaging.math import codecs, inner_state, lattice, robust
-from averaging.math.fingerprints import AnchorClaim, chunk_length, chunk_rms, fingerprint
+from averaging.math import inner_state, robust
 from averaging.math.flat import FlatLayout
-from averaging.math.groups import group_count, members
-from averaging.math.merge import apply_correction_, merge_correction
-from averaging.math.outer_step import outer_step_, pseudo_gradient
-from averaging.math.wire import WireFormat, accounted_for, returned
+from averaging.math.groups import group_count
+from averaging.math.merge import apply_correction_
+from averaging.math.outer_step import OuterConfig, pseudo_gradient
+from averaging.math.wire import LATTICE_CODE, MIX_CODE, MIX_CODE_EXACT, WireFormat, accounted_for
+from averaging.state.verdict import Applied
 from benchmarks.common.results import CONFIGS, RESULTS, command_line, setting, stored_argv, write_results
 from benchmarks.sim import peers as sim
-from benchmarks.sim.rules import eager_jump, keep_norm, landing_correction, on_grid, stand_in
+from benchmarks.sim.rules import eager_jump, landing_correction, stand_in
+from benchmarks.sim.swarm import SimPeer, SimSwarm, aggregate
 from node.training.trainer import Trainer, inner_lr
-
-PARTS = 4  # parts per all-reduce (a group of four's butterfly): robust aggregation runs per part
 
 
 def run_lone(seed: int, steps: int, lr: float, optimizer: str = "adamw") -> dict:
@@ -103,20 +106,6 @@ def spread_steps(peers: int, steps: int, spread: str) -> list[int]:
     fastest = max(ratio)
     order = sorted(ratio, reverse=True)
     return [max(1, round(steps * order[i % len(order)] / fastest)) for i in range(peers)]
-
-
-def aggregate(sends: list[torch.Tensor], weights: list[float], config: robust.RobustConfig, *, work_scaled: bool,
-              norm: bool) -> torch.Tensor:
-    """The all-reduce: per part, weights bounded and aggregated as a reducer does (``norm``:
-    then rescaled to its senders' length, ``rules.keep_norm``)."""
-    bounded = robust.bound_weights(weights, max_ratio=config.max_weight_ratio)
-    chunks = [s.chunk(PARTS) for s in sends]
-    out = []
-    for k in range(len(chunks[0])):
-        parts = [c[k] for c in chunks]
-        value = robust.aggregate(parts, bounded, config, work_scaled=work_scaled).value
-        out.append(keep_norm(value, parts, bounded, clip_ratio=config.clip_ratio)[0] if norm else value)
-    return torch.cat(out)
 
 
 # Which inner-state slots each averaging flag covers: the first moment (AdamW's ``exp_avg``, Muon's
@@ -142,7 +131,8 @@ def run_ddp(seed: int, steps: list[int], rounds: int, lr: float) -> dict:
 
 def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: float, mu: float, rule: str,
               delay: float, compression: str) -> dict:
-    """One simulated swarm; returns its anchor's final eval loss."""
+    """One simulated swarm, every peer running the engine's round (``benchmarks.sim.swarm``); returns
+    peer 0's anchor's final eval loss."""
     mode, *flags = rule.split("+")
     wire = WireFormat.of(compression)
     config = robust.RobustConfig(aggregation="mean" if "mean" in flags else "centered_clip")
@@ -150,10 +140,10 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
     samplers = sim.samplers(seed, len(steps), 0)  # every peer draws from the whole corpus
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
-    anchor = pack(trainers[0])
-    momentum = torch.zeros_like(anchor)
-    pending = None  # (new anchor, old anchor, per peer (accounted, jump)) awaiting the merge
-    previous = None  # the last average that landed (eager's stand-in for the others' work)
+    reduce = partial(aggregate, config=config, work_scaled="nowork" not in flags, norm="norm" in flags)
+    swarm = SimSwarm(peers=len(steps), layout=layout, anchor=pack(trainers[0]), outer=OuterConfig(lr=outer_lr, momentum=mu),
+                     wire=wire, reduce=reduce)
+    pending: list[torch.Tensor | None] = [None] * len(steps)  # per peer: the correction awaiting the merge
     # +late: per peer (its inner state at the round's end, the peers' mean of it), landing with the average
     state_pending: list[tuple[dict, dict]] | None = None
     late_state = "late" in flags and mode != "blocking"
@@ -164,31 +154,21 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
         params = dict(t.model.named_parameters())
         apply_correction_([params[name] for name in views], list(views.values()))
 
-    def land_one(i: int, landed) -> None:
-        """The round engine's merge for peer ``i``: the new anchor plus its work since the snapshot
-        (eager: minus the jump it already took)."""
-        new, old, per_peer = landed
-        accounted, jump = per_peer[i]
-        correction = merge_correction(new, old, accounted, contributed=True)
-        add(trainers[i], correction if jump is None else landing_correction(correction, jump))
-
     for r in range(rounds):
         for i, (t, s, n) in enumerate(zip(trainers, samplers, steps)):
             lands = max(1, round(delay * n))  # this peer's step after which the average lands
             for step in range(n):
                 t.inner_step(*s.next_batch(), inner_lr(t.inner, r + step / n))
-                if pending is not None and step + 1 == lands:
-                    land_one(i, pending)
+                if pending[i] is not None and step + 1 == lands:
+                    add(t, pending[i])
+                    pending[i] = None
                     if state_pending is not None:  # the mean as of the snapshot, and the steps since kept
                         snapshot, mean = state_pending[i]
                         t.load_inner_state(inner_state.land_state(t.inner_state(), snapshot, mean, state_decays,
                                                                   steps=lands))
-        pending, state_pending = None, None
-        grads = [pseudo_gradient(anchor, pack(t)) for t in trainers]
-        sends = [wire.to_send(g) for g in grads]
+        state_pending = None
+        snapshots = [pack(t) for t in trainers]
         weights = [float(n) for n in steps]  # tokens: every step is one batch
-        average = aggregate(sends, weights, config, work_scaled="nowork" not in flags, norm="norm" in flags)
-        old = anchor.clone()
         if "reset" in flags:
             for t in trainers:
                 for optimizer in t.optimizers:
@@ -202,69 +182,66 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
                 average_inner_state(trainers, weights, STATE_SLOTS[flag])
         if "mwarm" in flags:  # the momentum ramps 0 -> mu over the first 10% of rounds
             mu_now = mu * min(1.0, r / max(1.0, 0.1 * rounds))
+            swarm.set_outer(OuterConfig(lr=outer_lr, momentum=mu_now))
         else:
             mu_now = mu
-        per_peer = []
-        for t, g, sent, w in zip(trainers, grads, sends, weights):
-            accounted = accounted_for(g, sent, averaged=True, local=False, error_feedback=wire.error_feedback)
-            jump = None
-            if mode in ("eager", "eager-own"):
-                guess = sent if mode == "eager-own" else stand_in(sent, previous, w / sum(weights))
-                jump = eager_jump(old, guess, accounted, momentum, lr=outer_lr, mu=mu_now)
+        jumps = [None] * len(steps)
+        if mode in ("eager", "eager-own"):  # before the round: from the anchor and momentum it starts from
+            jumps = [_eager(peer, snapshot, wire, swarm.hub.last.get(peer.id), w / sum(weights), own=mode == "eager-own",
+                            lr=outer_lr, mu=mu_now)
+                     for peer, snapshot, w in zip(swarm.peers, snapshots, weights)]
+        results = swarm.run_round(r + 1, snapshots, steps)
+        for i, (t, result, jump) in enumerate(zip(trainers, results, jumps)):
+            correction = result.correction if jump is None else landing_correction(result.correction, jump)
+            if jump is not None:
                 add(t, jump)
-            per_peer.append((accounted, jump))
-        previous = returned(average, sends[0], wire.return_code)
-        outer_step_(anchor, previous, momentum, lr=outer_lr, mu=mu_now, nesterov=True)
-        pending = (anchor.clone(), old, per_peer)
-        if mode == "blocking":
-            for i in range(len(trainers)):
-                land_one(i, pending)
-            pending = None
-    return {"final_eval": sim.evaluate(trainers[0], layout, anchor)}
+            if mode == "blocking":
+                add(t, correction)
+            else:
+                pending[i] = correction.clone()
+    swarm.close()
+    return {"final_eval": sim.evaluate(trainers[0], layout, swarm.peers[0].state.anchor)}
 
 
-def _fp16_parts(values: torch.Tensor) -> torch.Tensor:
-    """``values`` as the fp16 code carries them, in ``PARTS`` parts with a scale each."""
-    return torch.cat([codecs.decode(codecs.encode(part, "fp16"), max_numel=part.numel())
-                      for part in values.chunk(PARTS)])
+def _eager(peer: SimPeer, snapshot: torch.Tensor, wire: WireFormat, previous: torch.Tensor | None, share: float, *, own: bool,
+           lr: float, mu: float) -> torch.Tensor:
+    """Eager overlap's jump at the snapshot (``rules.eager_jump``): the outer step a stand-in for the
+    round's average (``rules.stand_in``; ``own``: our own send alone) would take from the peer's anchor."""
+    pseudo_grad = pseudo_gradient(peer.state.anchor, snapshot)
+    sent = wire.to_send(pseudo_grad)
+    accounted = accounted_for(pseudo_grad, sent, averaged=True, local=False, error_feedback=wire.error_feedback)
+    guess = sent if own else stand_in(sent, previous, share)
+    return eager_jump(peer.state.anchor, guess, accounted, peer.state.momentum, lr=lr, mu=mu)
 
 
 def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: float, mu: float, rule: str,
                      delay: float, compression: str, group_size: int) -> dict:
-    """``run_swarm`` with round-seeded sub-groups (``--group-sizes``, ``averaging.math.groups``): every round
-    each group averages its members' pseudo-gradients (per part, as a reducer does), anchors and outer
-    momentum (token-weighted), and applies the outer step; a peer alone in its group folds (its anchor stays,
-    its work and weight go into its next round). Peers then hold different anchors: peer 0's is evaluated
-    (what a user holds), the token-free mean too. ``blocking`` and ``overlap`` only, no flags."""
+    """``run_swarm`` with round-seeded sub-groups (``--group-sizes``, ``averaging.math.groups``): every peer
+    runs the engine's sub-group round (``averaging.engine.subgroups``: each group averages its members'
+    pseudo-gradients, anchors and outer momentum and applies the outer step; a peer alone in its group
+    folds). Peers then hold different anchors: peer 0's is evaluated (what a user holds), the token-free
+    mean too. ``blocking`` and ``overlap`` only, no flags but the state's code."""
     mode, *flags = rule.split("+")
     if mode not in ("blocking", "overlap") or set(flags) - {"state16", "lattice"}:
         raise SystemExit(f"--group-sizes: rule {rule} is not supported (blocking, overlap; +state16, +lattice)")
-    # +state16: anchors and momenta travel in fp16 (sends and the returned mean, a power-of-two scale
-    # per part: averaging.math.wire.MIX_CODE), else exactly (fp32, the engine before fp16)
-    wired = _fp16_parts if "state16" in flags else (lambda x: x)
+    # The anchors' and momenta's code (``averaging.math.wire.mix_code``): +state16 fp16, +lattice the
+    # lattice code, else exact (fp32)
+    state_code = LATTICE_CODE if "lattice" in flags else MIX_CODE if "state16" in flags else MIX_CODE_EXACT
     wire = WireFormat.of(compression)
-    config = robust.RobustConfig(aggregation="centered_clip")
+    reduce = partial(aggregate, config=robust.RobustConfig(aggregation="centered_clip"), work_scaled=True, norm=False)
     trainers = [sim.trainer(seed, lr, rounds, "adamw") for _ in steps]
     samplers = sim.samplers(seed, len(steps), 0)
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
-    anchors = [pack(t) for t in trainers]  # one seed: every peer starts from the same weights
-    momenta = [torch.zeros_like(anchors[0]) for _ in steps]
-    work = [0.0] * len(steps)  # tokens since the peer's last averaged round (a fold carries them)
-    ids = [f"peer-{i}" for i in range(len(steps))]
-    groups = group_count(len(steps), group_size)
-    pending: list = [None] * len(steps)  # per peer: (new anchor, old anchor, accounted) awaiting the merge
+    # one seed: every peer starts from the same weights
+    swarm = SimSwarm(peers=len(steps), layout=layout, anchor=pack(trainers[0]), outer=OuterConfig(lr=outer_lr, momentum=mu),
+                     wire=wire, reduce=reduce, groups=group_count(len(steps), group_size), state_code=state_code)
+    anchors = [peer.state.anchor for peer in swarm.peers]  # (each peer's, moved in place by its rounds)
+    pending: list[torch.Tensor | None] = [None] * len(steps)  # per peer: the correction awaiting the merge
     spreads, folds = [], 0
-    on_lattice = "lattice" in flags
-    numel = anchors[0].numel()
-    chunk = chunk_length(numel)
-    scales = [torch.zeros(-(-numel // chunk), dtype=torch.float64) for _ in steps]  # each claim's step
-    overflows = 0
 
     def land(i: int) -> None:
-        new, old, accounted = pending[i]
-        correction = merge_correction(new, old, accounted, contributed=True)
-        views = layout.views(correction)
+        views = layout.views(pending[i])
         params = dict(trainers[i].model.named_parameters())
         apply_correction_([params[name] for name in views], list(views.values()))
         pending[i] = None
@@ -276,66 +253,26 @@ def run_swarm_groups(seed: int, steps: list[int], rounds: int, lr: float, outer_
                 t.inner_step(*s.next_batch(), inner_lr(t.inner, r + step / n))
                 if pending[i] is not None and step + 1 == lands:
                     land(i)
-            work[i] += n
-        grads = [pseudo_gradient(anchors[i], pack(t)) for i, t in enumerate(trainers)]
-        sends = [wire.to_send(g) for g in grads]
-        averages = []
-        for group in members(ids, r, groups).values():
-            idx = [ids.index(peer) for peer in group]
-            if len(idx) < 2:
+        results = swarm.run_round(r + 1, [pack(t) for t in trainers], steps)
+        averaged = {}  # per group: the RMS of the step it applied
+        for i, (peer, result) in enumerate(zip(swarm.peers, results)):
+            pending[i] = result.correction.clone()
+            if result.conclusion.applied == Applied.FOLDED:
                 folds += 1
-                continue
-            weights = [work[i] for i in idx]
-            average = aggregate([sends[i] for i in idx], weights, config, work_scaled=True, norm=False)
-            average = returned(average, sends[idx[0]], wire.return_code)
-            share = [w / sum(weights) for w in weights]
-            if on_lattice:
-                anchor, momentum, wrong = _lattice_mean([anchors[i] for i in idx], [momenta[i] for i in idx],
-                                                        [scales[i] for i in idx], share)
-                overflows += wrong
             else:
-                anchor = wired(sum(w * wired(anchors[i]) for w, i in zip(share, idx)))
-                momentum = wired(sum(w * wired(momenta[i]) for w, i in zip(share, idx)))
-            outer_step_(anchor, average, momentum, lr=outer_lr, mu=mu, nesterov=True)
-            for i in idx:
-                scales[i] = chunk_rms(average, chunk)
-            averages.append(average)
-            for i in idx:
-                accounted = accounted_for(grads[i], sends[i], averaged=True, local=False,
-                                          error_feedback=wire.error_feedback)
-                pending[i] = (anchor, anchors[i], accounted)
-                anchors[i], momenta[i], work[i] = anchor.clone(), momentum.clone(), 0.0
+                averaged[result.group] = peer.state.last_rms
         mean = sum(anchors) / len(anchors)
-        scale = statistics.fmean(a.pow(2).mean().sqrt().item() for a in averages) if averages else 1.0
+        scale = statistics.fmean(averaged.values()) if averaged else 1.0
         spreads.append(max((a - mean).pow(2).mean().sqrt().item() for a in anchors) / scale)
         if mode == "blocking":
             for i in range(len(trainers)):
-                if pending[i] is not None:
-                    land(i)
+                land(i)
+    swarm.close()
     mean = sum(anchors) / len(anchors)
     late = spreads[len(spreads) // 2:]
     return {"final_eval": sim.evaluate(trainers[0], layout, anchors[0]), "mean_anchor_eval": sim.evaluate(trainers[0], layout, mean),
             "spread_median": statistics.median(late), "spread_max": max(late), "folds": folds,
-            **({"lattice_overflows": overflows} if on_lattice else {})}
-
-
-def _lattice_mean(anchors: list[torch.Tensor], momenta: list[torch.Tensor], scales: list[torch.Tensor],
-                  share: list[float]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A group's mean state as the lattice code carries it: the grid from the members' claims
-    (``lattice.group_lattice``; far members, ``lattice.far``, weigh nothing in the mean, as in the reducers), each
-    member's state on it, the weighted mean rounded to it; and how many values lay beyond half the
-    range from the mean (they would unwrap a whole range off: counted, not simulated)."""
-    claims = [AnchorClaim(fingerprint(a), s, 0) for a, s in zip(anchors, scales)]
-    far = lattice.far(claims)
-    grid = lattice.group_lattice(claims, [fingerprint(m) for m in momenta], far)
-    states = [torch.cat([a, m]) for a, m in zip(anchors, momenta)]
-    near = [(w, s) for w, s, f in zip(share, states, far) if not f] or list(zip(share, states))
-    total = sum(w for w, _ in near)
-    mean = on_grid(sum(w / total * on_grid(s, grid) for w, s in near), grid)
-    half = grid.steps() * lattice.HALF
-    wrong = sum(int(((s.double() - mean.double()).abs() > half).sum()) for (_, s) in near)
-    numel = anchors[0].numel()
-    return mean[:numel].clone(), mean[numel:].clone(), wrong
+            **({"lattice_overflows": swarm.hub.overflows} if state_code == LATTICE_CODE else {})}
 
 
 def _point(point: dict) -> dict:
