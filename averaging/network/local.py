@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _GroupResult:
+class HubResult:
+    """A group's round in the hub: what ``LocalHub.average`` hands each member with its own result."""
+
     mean: torch.Tensor
     gathered: dict[str, Any]
     extras: dict[str, torch.Tensor] | None  # each member's extra vector back (None: not every member sent one)
@@ -52,7 +54,7 @@ class LocalHub:
         self._arrived: dict[tuple[int, str], dict[str, tuple[torch.Tensor, float, Any]]] = {}
         self._own: dict[tuple[tuple[int, str], str], torch.Tensor] = {}  # what each member sent, for its return error
         self._extras: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # each member's extra vector
-        self._results: dict[tuple[int, str], _GroupResult | None] = {}  # None: a failed round
+        self._results: dict[tuple[int, str], HubResult | None] = {}  # None: a failed round
         self.state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]] = {}
         self.update_providers: dict[str, Callable[[int], AppliedUpdate | None]] = {}
 
@@ -62,7 +64,7 @@ class LocalHub:
 
     def average(self, peer: str, round: int, vector: torch.Tensor, weight: float, gather: Any, timeout: float,
                 extra: torch.Tensor | None = None, key: str = "", far_state_numel: int = 0,
-                lattice_coded: bool = False) -> tuple[torch.Tensor, _GroupResult] | None:
+                lattice_coded: bool = False) -> tuple[torch.Tensor, HubResult] | None:
         """(our result, the group's) or None. ``far_state_numel``: a sub-group's (``LocalBackend``)."""
         round = (round, key)  # (below, "round" is the group's slot: the round and its key)
         deadline = time.monotonic() + timeout
@@ -99,7 +101,7 @@ class LocalHub:
 
     @staticmethod
     def _reduce(arrived: dict[str, tuple[torch.Tensor, float, Any]], extras: dict[str, torch.Tensor],
-                far_state_numel: int, lattice_coded: bool) -> _GroupResult:
+                far_state_numel: int, lattice_coded: bool) -> HubResult:
         """The group's result: the exact weighted mean, and each member's extra vector as the
         reducers return it (the return code applies to the main vector only)."""
         weights = {p: w for p, (_, w, _) in arrived.items()}
@@ -109,7 +111,7 @@ class LocalHub:
         view = group_view(decode_claims(gathered, numel=far_state_numel), lattice_coded=lattice_coded) \
             if far_state_numel else None
         back = _extras_back(extras, weights, view) if extras and set(extras) >= set(arrived) else None
-        return _GroupResult(mean, gathered, back, view)
+        return HubResult(mean, gathered, back, view)
 
 
 def _extras_back(extras: dict[str, torch.Tensor], weights: dict[str, float],

@@ -29,7 +29,7 @@ from averaging.math.groups import balanced_groups
 from averaging.math.lattice import HALF
 from averaging.math.outer_step import OuterConfig
 from averaging.math.wire import LATTICE_CODE, WireFormat, returned
-from averaging.network.local import LocalBackend, LocalHub
+from averaging.network.local import HubResult, LocalBackend, LocalHub
 from averaging.state.shared_state import SharedState
 from benchmarks.sim.rules import keep_norm, on_grid
 from protocols.schedule import RoundSchedule
@@ -100,21 +100,23 @@ class SimHub(LocalHub):
         self.overflows = 0  # lattice-coded state values beyond half the range from the mean (counted, not simulated)
 
     def average(self, peer: str, round: int, vector: torch.Tensor, weight: float, gather, timeout: float,
-                extra: torch.Tensor | None = None, key: str = ""):
+                extra: torch.Tensor | None = None, key: str = "", **view):
         own = vector.clone()
         with self._lock:
             self._sent.setdefault((round, key), {})[peer] = (own, weight, None if extra is None else extra.clone())
-        result = super().average(peer, round, vector, weight, gather, timeout, extra=extra, key=key)
+        result = super().average(peer, round, vector, weight, gather, timeout, extra=extra, key=key, **view)
         if result is None:
             return None
-        _, gathered, extra_mean = result
+        _, group = result
+        gathered = group.gathered
         with self._lock:
             if (round, key) not in self._reduced:
                 self._reduced[round, key] = self._reduce_group(self._sent.pop((round, key)), gathered)
                 self._forget_before(round - 1)
             average, state = self._reduced[round, key]
         self.last[peer] = mine = returned(average, own, self.code)
-        return mine, gathered, state if extra_mean is not None else None
+        extras = {peer: state} if group.extras is not None and state is not None else None
+        return mine, HubResult(mean=group.mean, gathered=gathered, extras=extras, view=group.view)
 
     def _reduce_group(self, sent: dict, gathered: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         members = sorted(gathered)
