@@ -112,10 +112,12 @@ def anchor_at(peer: LocalPeer, round: int) -> torch.Tensor:
     return torch.cat([t.flatten() for t in checkpoint.params.values()])
 
 
-def train_then_interrupt(peers: list[LocalPeer], *, full_rounds: int, timeout: float) -> range:
+def train_then_interrupt(peers: list[LocalPeer], *, full_rounds: int, timeout: float,
+                         until: Callable[[int], object] | None = None) -> range:
     """Let peers started without ``--max-rounds`` train until each has recorded ``full_rounds``
-    rounds from the first one that all of them trained from its start; then Ctrl+C them all and
-    check that each exits 0. Returns those common rounds.
+    rounds from the first one that all of them trained from its start (and, with ``until``, until
+    ``until(last of those rounds)`` is true: an event the checks need, such as a round the whole
+    group confirmed); then Ctrl+C them all and check that each exits 0. Returns those common rounds.
 
     Unlike a fixed ``--max-rounds``, the run is as long as the peers' start-up needs: short on an
     idle machine, longer (not failing) when start-up is slow on a loaded one. The peers leave
@@ -132,10 +134,11 @@ def train_then_interrupt(peers: list[LocalPeer], *, full_rounds: int, timeout: f
     first = max(min(rounds_of(peer)) for peer in peers) + 1  # a peer's first round may be partial
     last = first + full_rounds - 1
     try:
-        wait_until(lambda: started() and all(last in rounds_of(peer) for peer in peers), deadline - time.time(),
-                   f"not every peer reached round {last}")
+        wait_until(lambda: started() and all(last in rounds_of(peer) for peer in peers)
+                   and (until is None or until(last)), deadline - time.time(),
+                   f"not every peer reached round {last}" + ("" if until is None else " and the awaited event"))
     except TimeoutError:
-        raise TimeoutError(f"round {last} not reached by every peer:\n" + "\n".join(
+        raise TimeoutError(f"round {last} (or the awaited event) not reached by every peer:\n" + "\n".join(
             f"--- {peer.name}, rounds {sorted(rounds_of(peer))}:\n{peer.log()[-2000:]}" for peer in peers)) from None
     for peer in peers:
         peer.interrupt()
