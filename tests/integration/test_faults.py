@@ -110,10 +110,11 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
         p3 = start(3, address(p2, 2))  # its only initial peer is on its side of the split
         peers = [p0, p1, p2, p3]
 
-        def rounds_with(size: int, after: float) -> list[list[int]]:
-            """Per peer, its rounds after ``after`` (a round's deadline) averaged in a group of ``size``."""
+        def rounds_with(size: int, after: float, until: float = math.inf) -> list[list[int]]:
+            """Per peer, its rounds with a deadline after ``after`` (and at ``until`` at the latest)
+            averaged in a group of ``size``."""
             return [[r for r, rec in rounds_of(p).items() if rec["group_size"] == size and rec["applied"] == "averaged"
-                     and schedule_start(p) + r * SPLIT_ROUND_S > after] for p in peers]
+                     and after < schedule_start(p) + r * SPLIT_ROUND_S <= until] for p in peers]
 
         wait_until(lambda: all(rounds_with(4, 0.0)), 240, "the four peers never averaged in one group")
         net.split([2, 3])
@@ -121,7 +122,11 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
         time.sleep(SPLIT_S)
         net.heal()
         healed = time.time()
-        halves = rounds_with(2, cut)
+        # Every round of the split has landed (a round's record comes after its sync) before the halves are read.
+        split_rounds = [math.floor((healed - schedule_start(p)) / SPLIT_ROUND_S) for p in peers]
+        wait_until(lambda: all(last in rounds_of(p) for p, last in zip(peers, split_rounds, strict=True)), 60,
+                   f"the split's rounds never landed:\n{_tails(peers)}")
+        halves = rounds_with(2, cut, until=healed)
         assert all(halves), ("both halves train in pairs during the split", halves)
         wait_until(lambda: all(rounds_with(4, healed)), 120,
                    f"not one group of four after the heal:\n{_tails(peers)}")
