@@ -97,17 +97,20 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
     netns.BRIDGE, netns.PREFIX, netns.SUBNET = "shoaltbr0", "shoalt", "10.217.0"  # ours alone
     config = every_round_checkpoints(swarm.root / "tiny.toml", TINY)
     with netns.Network(4, mbit=200) as net:
-        def start(i: int, initial: list[str] | None):
-            return swarm.start(f"p{i}", "--round-seconds", str(SPLIT_ROUND_S), *SPLIT_THROTTLE, config=config,
-                               initial=initial, prefix=net.hosts[i].prefix(),
-                               listen=f"/ip4/{net.hosts[i].address}/tcp/0")
+        def start(i: int, joining=None):
+            """Peer ``i`` (started now; with ``joining``, it joins that peer once its address is shared)."""
+            args = ("--round-seconds", str(SPLIT_ROUND_S), *SPLIT_THROTTLE)
+            kwargs = dict(config=config, prefix=net.hosts[i].prefix(), listen=f"/ip4/{net.hosts[i].address}/tcp/0")
+            return swarm.start_joining(joining, f"p{i}", *args, **kwargs) if joining else swarm.start(f"p{i}", *args, **kwargs)
 
-        def address(peer, i: int) -> list[str]:
-            return [m for m in peer.wait_for_address() if net.hosts[i].address in m][:1]
+        def share_address(peer, i: int) -> None:
+            swarm.share_address(peer, [m for m in peer.wait_for_address() if net.hosts[i].address in m][:1])
 
-        p0 = start(0, None)
-        p1, p2 = start(1, address(p0, 0)), start(2, address(p0, 0))
-        p3 = start(3, address(p2, 2))  # its only initial peer is on its side of the split
+        p0 = start(0)
+        p1, p2 = start(1, joining=p0), start(2, joining=p0)
+        p3 = start(3, joining=p2)  # its only initial peer is on its side of the split
+        share_address(p0, 0)
+        share_address(p2, 2)
         peers = [p0, p1, p2, p3]
 
         def rounds_with(size: int, after: float, until: float = math.inf) -> list[list[int]]:

@@ -41,7 +41,8 @@ def test_blocking_mode_waits_for_the_all_reduce(swarm):
                                                        "average_inner_state = true\n", 1))
     args = ("--sync-mode", "blocking", *ROUND)
     first = swarm.start("a", *args, config=config)
-    second = swarm.start("b", *args, initial=first.wait_for_address()[:1], config=config)
+    second = swarm.start_joining(first, "b", *args, config=config)
+    swarm.share_address(first)
     # From the second round both took part in (the first may be partial). A round whose all-reduce
     # came back partial (a reducer's answer stream ended short, about 1 peer-round in 240:
     # docs/limitations.md) folds and is replayed; the others must average, at least two of them.

@@ -15,6 +15,7 @@ import torch
 
 from averaging.state.shared_state import HISTORY_ROUNDS
 from node.library.checkpoint import round_dir_name
+from tests.integration.start_gate import gated, open_gate
 from tests.integration.swarm import (
     REPO,
     TINY,
@@ -65,8 +66,8 @@ def start_three(swarm, tmp_path, name: str, prefix: list[str]) -> list:
     # matchmaking now and then failed a round, which is not what this test is about.
     args = ["--round-seconds", str(ROUND_S), "--throttle", "2"]
     first = swarm.start("a", *args, config=config)
-    address = first.wait_for_address()[:1]
-    second = swarm.start("b", *args, initial=address, config=config)
+    second = swarm.start_joining(first, "b", *args, config=config)
+    address = swarm.share_address(first)[:1]
 
     def paired() -> bool:
         for peer in (first, second):
@@ -74,8 +75,12 @@ def start_three(swarm, tmp_path, name: str, prefix: list[str]) -> list:
         ours, theirs = rounds_of(first), rounds_of(second)
         return any(ours[r]["applied"] == theirs[r]["applied"] == "averaged" for r in ours.keys() & theirs.keys())
 
+    # ``name``'s interpreter starts now, its ``shoal run`` once the two have paired (start_gate.py).
+    gate = swarm.root / f"{name}.gate"
+    third = swarm.start(name, *args, initial=address, prefix=prefix, config=config, env=gated(gate))
     wait_until(paired, 120, "the first two peers never averaged together")
-    return [first, second, swarm.start(name, *args, initial=address, prefix=prefix, config=config)]
+    open_gate(gate)
+    return [first, second, third]
 
 
 @pytest.mark.timeout(420)

@@ -100,10 +100,10 @@ def test_three_peers_train_one_model(swarm, compression, returns, request):
             'compression = "fp16"', f'compression = "{compression}"\nreturn_compression = "{returns}"')))
     assert load_config(config_path).averaging.wire.return_code == returns
     first = swarm.start("a", *ROUND, config=config_path)
-    address = first.wait_for_address()
     # c is behind a NAT as far as it knows: client mode, outgoing connections only; and slow.
-    others = [swarm.start("b", *ROUND, initial=address[:1], config=config_path),
-              swarm.start("c", *ROUND, "--client-mode", "--throttle", "3", initial=address[:1], config=config_path)]
+    others = [swarm.start_joining(first, "b", *ROUND, config=config_path),
+              swarm.start_joining(first, "c", *ROUND, "--client-mode", "--throttle", "3", config=config_path)]
+    swarm.share_address(first)
     peers = [first, *others]
     # Peers start while the run is already going (process start-up is slow on 2 shared cores):
     # from the first round every peer took part in, every group must hold all three.
