@@ -24,8 +24,11 @@ def main() -> None:
 
     hivemind_backend.HivemindBackend.average = late_average
     sys.argv = ["shoal", *command[3:]]
+    from start_gate import wait_for_gate  # beside this file
+
     from node.cli import main as shoal_main
 
+    wait_for_gate()
     shoal_main()
 
 

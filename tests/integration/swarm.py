@@ -16,6 +16,7 @@ import torch
 
 from averaging.network.interface import PARTIAL_ERROR
 from examples.swarm_launcher import LocalPeer, LocalSwarm, session_members, shoal_command
+from node.library.bootstrap import write_address_file
 from node.library.checkpoint import load_checkpoint, round_dir_name
 from node.library.cleanup import hivemind_sockets, remove_stale
 from node.observe.metrics import read_metrics
@@ -45,6 +46,13 @@ __all__ = ["FAKETIME", "REPO", "SKEWED_PEER", "TINY", "LocalPeer", "Swarm", "anc
            "rounds_of", "session_members", "shoal_command", "skewed", "train_then_interrupt", "wait_until"]
 
 
+# ``shoal run`` with its imports made first (an interpreter importing torch, hivemind and the training
+# stack: 2-3 s of a core, 5-15 s of wall time on two busy cores), before it parses its flags; behind
+# a start gate when its environment names one (start_gate.py).
+PRELOADED_RUN = [sys.executable, "-c", "import node.process.peer; from tests.integration.start_gate import "
+                 "wait_for_gate; wait_for_gate(); from node.cli import main; main()", "run"]
+
+
 class Swarm(LocalSwarm):
     """A loopback swarm of tiny-config peers."""
 
@@ -53,6 +61,23 @@ class Swarm(LocalSwarm):
 
     def start(self, name: str, *args: str, initial: list[str] | None = None, config: Path = TINY, **kwargs) -> LocalPeer:
         return super().start(name, *args, initial=initial, config=config, **kwargs)
+
+    def start_joining(self, first: LocalPeer, name: str, *args: str, **kwargs) -> LocalPeer:
+        """Start ``name`` now, to join ``first`` once ``share_address(first)`` has run: its imports
+        overlap ``first``'s start-up, and its ``shoal run`` waits for ``first``'s address file
+        (``--initial-peer @FILE``), so it joins a run ``first`` has organised, as if started then."""
+        return self.start(name, *args, "--bootstrap-timeout", "150", initial=[f"@{self._address_file(first)}"],
+                          program=PRELOADED_RUN, **kwargs)
+
+    def share_address(self, first: LocalPeer, address: list[str] | None = None) -> list[str]:
+        """Wait for ``first``'s addresses, and hand the first (or ``address``) to the peers started
+        with ``start_joining``. Returns ``first``'s addresses."""
+        addresses = first.wait_for_address()
+        write_address_file(self._address_file(first), address or addresses[:1])
+        return addresses
+
+    def _address_file(self, peer: LocalPeer) -> Path:
+        return self.root / f"{peer.name}.maddr"
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
@@ -112,10 +137,12 @@ def anchor_at(peer: LocalPeer, round: int) -> torch.Tensor:
     return torch.cat([t.flatten() for t in checkpoint.params.values()])
 
 
-def train_then_interrupt(peers: list[LocalPeer], *, full_rounds: int, timeout: float) -> range:
+def train_then_interrupt(peers: list[LocalPeer], *, full_rounds: int, timeout: float,
+                         until: Callable[[int], object] | None = None) -> range:
     """Let peers started without ``--max-rounds`` train until each has recorded ``full_rounds``
-    rounds from the first one that all of them trained from its start; then Ctrl+C them all and
-    check that each exits 0. Returns those common rounds.
+    rounds from the first one that all of them trained from its start (and, with ``until``, until
+    ``until(last of those rounds)`` is true: an event the checks need, such as a round the whole
+    group confirmed); then Ctrl+C them all and check that each exits 0. Returns those common rounds.
 
     Unlike a fixed ``--max-rounds``, the run is as long as the peers' start-up needs: short on an
     idle machine, longer (not failing) when start-up is slow on a loaded one. The peers leave
@@ -132,10 +159,11 @@ def train_then_interrupt(peers: list[LocalPeer], *, full_rounds: int, timeout: f
     first = max(min(rounds_of(peer)) for peer in peers) + 1  # a peer's first round may be partial
     last = first + full_rounds - 1
     try:
-        wait_until(lambda: started() and all(last in rounds_of(peer) for peer in peers), deadline - time.time(),
-                   f"not every peer reached round {last}")
+        wait_until(lambda: started() and all(last in rounds_of(peer) for peer in peers)
+                   and (until is None or until(last)), deadline - time.time(),
+                   f"not every peer reached round {last}" + ("" if until is None else " and the awaited event"))
     except TimeoutError:
-        raise TimeoutError(f"round {last} not reached by every peer:\n" + "\n".join(
+        raise TimeoutError(f"round {last} (or the awaited event) not reached by every peer:\n" + "\n".join(
             f"--- {peer.name}, rounds {sorted(rounds_of(peer))}:\n{peer.log()[-2000:]}" for peer in peers)) from None
     for peer in peers:
         peer.interrupt()

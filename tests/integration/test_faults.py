@@ -94,23 +94,27 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
     netns.BRIDGE, netns.PREFIX, netns.SUBNET = "shoaltbr0", "shoalt", "10.217.0"  # ours alone
     config = every_round_checkpoints(swarm.root / "tiny.toml", TINY)
     with netns.Network(4, mbit=200) as net:
-        def start(i: int, initial: list[str] | None):
-            return swarm.start(f"p{i}", "--round-seconds", str(SPLIT_ROUND_S), *SPLIT_THROTTLE, config=config,
-                               initial=initial, prefix=net.hosts[i].prefix(),
-                               listen=f"/ip4/{net.hosts[i].address}/tcp/0")
+        def start(i: int, joining=None):
+            """Peer ``i`` (started now; with ``joining``, it joins that peer once its address is shared)."""
+            args = ("--round-seconds", str(SPLIT_ROUND_S), *SPLIT_THROTTLE)
+            kwargs = dict(config=config, prefix=net.hosts[i].prefix(), listen=f"/ip4/{net.hosts[i].address}/tcp/0")
+            return swarm.start_joining(joining, f"p{i}", *args, **kwargs) if joining else swarm.start(f"p{i}", *args, **kwargs)
 
-        def address(peer, i: int) -> list[str]:
-            return [m for m in peer.wait_for_address() if net.hosts[i].address in m][:1]
+        def share_address(peer, i: int) -> None:
+            swarm.share_address(peer, [m for m in peer.wait_for_address() if net.hosts[i].address in m][:1])
 
-        p0 = start(0, None)
-        p1, p2 = start(1, address(p0, 0)), start(2, address(p0, 0))
-        p3 = start(3, address(p2, 2))  # its only initial peer is on its side of the split
+        p0 = start(0)
+        p1, p2 = start(1, joining=p0), start(2, joining=p0)
+        p3 = start(3, joining=p2)  # its only initial peer is on its side of the split
+        share_address(p0, 0)
+        share_address(p2, 2)
         peers = [p0, p1, p2, p3]
 
-        def rounds_with(size: int, after: float) -> list[list[int]]:
-            """Per peer, its rounds after ``after`` (a round's deadline) averaged in a group of ``size``."""
+        def rounds_with(size: int, after: float, until: float = math.inf) -> list[list[int]]:
+            """Per peer, its rounds with a deadline after ``after`` (and at ``until`` at the latest)
+            averaged in a group of ``size``."""
             return [[r for r, rec in rounds_of(p).items() if rec["group_size"] == size and rec["applied"] == "averaged"
-                     and schedule_start(p) + r * SPLIT_ROUND_S > after] for p in peers]
+                     and after < schedule_start(p) + r * SPLIT_ROUND_S <= until] for p in peers]
 
         wait_until(lambda: all(rounds_with(4, 0.0)), 240, "the four peers never averaged in one group")
         net.split([2, 3])
@@ -118,7 +122,11 @@ def test_a_split_swarm_trains_in_halves_and_becomes_one_again(swarm):
         time.sleep(SPLIT_S)
         net.heal()
         healed = time.time()
-        halves = rounds_with(2, cut)
+        # Every round of the split has landed (a round's record comes after its sync) before the halves are read.
+        split_rounds = [math.floor((healed - schedule_start(p)) / SPLIT_ROUND_S) for p in peers]
+        wait_until(lambda: all(last in rounds_of(p) for p, last in zip(peers, split_rounds, strict=True)), 60,
+                   f"the split's rounds never landed:\n{_tails(peers)}")
+        halves = rounds_with(2, cut, until=healed)
         assert all(halves), ("both halves train in pairs during the split", halves)
         wait_until(lambda: all(rounds_with(4, healed)), 120,
                    f"not one group of four after the heal:\n{_tails(peers)}")

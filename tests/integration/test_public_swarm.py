@@ -18,7 +18,8 @@ from examples.swarm_launcher import kill_process_group, shoal_command
 from node.library.checkpoint import list_checkpoints, load_latest_valid
 from node.observe.metrics import read_metrics
 from tests.integration.conftest import start_bootstrap, stop_bootstrap
-from tests.integration.swarm import REPO, TINY, wait_until
+from tests.integration.start_gate import gated, open_gate
+from tests.integration.swarm import PRELOADED_RUN, REPO, TINY, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -41,9 +42,13 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, requ
 
     # b starts once a has organised the run: an organiser never adopts another organiser's key, so
     # two peers that both organised at once would each run a run of their own.
+    # (b's interpreter starts now, its ``shoal run`` at that moment: start_gate.py)
     a = swarm.start("a", *peer_args, initial=initial, config=config)
+    b_gate = tmp_path / "b.gate"
+    b = swarm.start("b", "--round-seconds", str(ROUND_S), initial=initial, config=config, program=PRELOADED_RUN,
+                    env=gated(b_gate))
     wait_until(lambda: records(a, "start"), 90, "peer a did not start")
-    b = swarm.start("b", "--round-seconds", str(ROUND_S), initial=initial, config=config)
+    open_gate(b_gate)
 
     # A joiner with another round length is refused before it averages anything (it runs while a
     # and b find each other: both take a process start-up on two cores).
@@ -76,6 +81,9 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, requ
     saved = list_checkpoints(a.checkpoint_dir)
     assert len(saved) >= 2, saved
     first_id = records(a, "start")[0]["peer"]
+    # The restart below (its interpreter starts now; its ``shoal run`` once the swarm is ready for it).
+    a2_gate = tmp_path / "a2.gate"
+    a2 = swarm.start("a", *peer_args, initial=initial, config=config, program=PRELOADED_RUN, env=gated(a2_gate))
 
     # Truncate the newest checkpoint (a torn copy, a full disk): the restart names it and uses the next.
     model_file = saved[0] / "model.safetensors"
@@ -95,7 +103,7 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, requ
     # Restart a with the same identity and checkpoints. The swarm is ahead of the checkpoint it falls
     # back to (b holds at least the newest one's round) and moves on while a starts up.
     restarted_at = time.time()
-    a2 = swarm.start("a", *peer_args, initial=initial, config=config)
+    open_gate(a2_gate)
     wait_until(lambda: any(r["time"] > restarted_at for r in averaged_records(a2)), 120,
                "the restarted peer never averaged with b")
     log = a2.log()

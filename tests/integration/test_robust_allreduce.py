@@ -86,22 +86,36 @@ def test_honest_peers_survive_every_attack(tmp_path):
                 round = 0
                 for attack in ATTACKS:
                     ATTACK.value = attack.encode()
-                    round += 1
-                    outcomes, results, logged = play(round)
-                    if attack != "lie" and any(o.partial for o in outcomes[:HONEST]):
-                        # An honest reducer's answer stream ended a part short, with no error on either
-                        # side (docs/limitations.md: about one member-round in 15-20 on a busy machine,
-                        # cause not found): that round says nothing about the attack. Only that failure
-                        # is replayed, once; an attack that makes rounds partial fails the replay too.
-                        assert any(f"reducer {peer} failed" in logged and "but we expected" in logged
-                                   for peer in honest_ids), f"{attack}: a partial round, not the known stream shortfall:\n{logged[-3000:]}"
+                    # The event each attack needs: a group of all four. Under load a member's matchmaking
+                    # can give up after the leader assembled the group (it answers the others' parts with
+                    # BAD_GROUP_ID, and every result misses its share): that round is played again, up to
+                    # three times; what the round's all-reduce did is never a reason to play it again.
+                    for _ in range(3):
                         round += 1
                         outcomes, results, logged = play(round)
+                        if all(len(o.group) == HONEST + 1 for o in outcomes[:HONEST]) and "sent BAD_GROUP_ID" not in logged:
+                            break
+                    else:
+                        pytest.fail(f"{attack}: no group of all four formed in three rounds:\n{logged[-3000:]}")
+                    # An honest reducer's answer stream can end a part short, with no error on either
+                    # side (docs/limitations.md: about one member-round in 15-20 on a busy machine,
+                    # cause not found): that member's result is partial, not applied, its vector
+                    # untouched. The attack is judged on the members that got the whole average
+                    # (at least one: an attack that makes rounds partial fails here).
+                    short = {i for i in range(HONEST) if attack != "lie" and outcomes[i].partial}
+                    if short:
+                        assert any(f"reducer {peer} failed" in logged and "but we expected" in logged
+                                   for peer in honest_ids), f"{attack}: a partial round, not the known stream shortfall:\n{logged[-3000:]}"
+                    assert len(short) < HONEST, f"{attack}: no honest peer got the whole average: {outcomes}"
 
                     for i in range(HONEST):
                         outcome = outcomes[i]
                         assert attacker in outcome.group
-                        assert outcome.sync_s < 0.8 * ALLREDUCE_TIMEOUT * 0.4, f"{attack}: stalled {outcome.sync_s:.1f}s"
+                        if i in short:  # (it may have waited out a part's timeout: not the attack's doing)
+                            assert not outcome.ok and torch.equal(results[i], vectors[i]), (attack, i, outcome)
+                            continue
+                        # hivemind's sender timeout (0.4 x allreduce_timeout) is how long a stalled part waits.
+                        assert outcome.allreduce_s < 0.4 * ALLREDUCE_TIMEOUT, f"{attack}: stalled {outcome.allreduce_s:.1f}s"
                         if attack == "lie":
                             # The liar's share of the average is refused: a partial result, which is
                             # not applied (each member's own values there would set it apart). The
@@ -233,7 +247,7 @@ def test_a_reducer_that_ends_its_streams_early_is_struck_then_banned():
                         assert abs(unchanged - outcome.partial) < 0.01, (round, unchanged, outcome.partial)
                         continue
                     assert torch.equal(results[i], vectors[i]), f"round {round}: a partial result leaked"
-                    assert outcome.sync_s < 0.8 * ALLREDUCE_TIMEOUT * 0.4, f"round {round}: stalled {outcome.sync_s:.1f}s"
+                    assert outcome.allreduce_s < 0.4 * ALLREDUCE_TIMEOUT, f"round {round}: stalled {outcome.allreduce_s:.1f}s"
                 bans = [b.robustness()["bans"] for b in backends[:HONEST]]
                 assert bans == [1 if round == limit else 0] * HONEST, (round, bans)  # struck, banned at the limit
                 continue
