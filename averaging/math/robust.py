@@ -39,7 +39,6 @@ class RobustConfig:
     refuse_weight_ratio: float = 100.0  # a declared weight above this × the reference is refused (weight_outliers)
     clip_ratio: float = 2.0  # CenteredClip radius τ, in median distances of the parts to their median
     clip_iterations: int = 1
-    judge_by_work: bool = True  # CenteredClip judges a part for its sender's (bounded) work, not against smaller ones
     trim_fraction: float = 0.25  # trimmed mean: fraction of senders dropped at each end, per coordinate
     max_norm_ratio: float = 30.0  # a part (or a returned average) larger than this × the reference is refused
     ban_rounds: int = 10  # a peer that sent or returned something refused is excluded for this many rounds
@@ -157,11 +156,9 @@ def coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
 
 
 def aggregate(parts: Sequence[torch.Tensor], weights: Sequence[float], config: RobustConfig, *,
-              work_scaled: bool | None = None) -> Aggregate:
+              work_scaled: bool = True) -> Aggregate:
     """The aggregate of ``parts`` under ``config.aggregation`` with bounded ``weights`` (all equal if
     none is positive); ``work_scaled``: CenteredClip's radius grows with work (``work_radii``)."""
-    if work_scaled is None:
-        work_scaled = config.judge_by_work
     assert parts and len(parts) == len(weights)
     dtype = parts[0].dtype
     stacked = torch.stack([part.reshape(-1).double() for part in parts])

@@ -44,7 +44,7 @@ correction is merged with ``averaging.math.merge.apply_correction_``. Rules only
 - ``+norm`` gives each part of the average the token-weighted mean of its senders' norms
   (the average's direction, the members' length: ``benchmarks.sim.rules.keep_norm``, what a
   reducer can do alone); ``+nowork`` judges parts in the centered clip against each other (the
-  rule before ``judge_by_work``); ``+mean`` aggregates with a plain weighted mean.
+  rule before CenteredClip judged a part by its sender's work); ``+mean`` aggregates with a plain weighted mean.
 
 ``--group-sizes G``: round-seeded sub-groups of at most G peers (``averaging.math.groups``) that average
 pseudo-gradients, anchors and outer momentum within the group (``run_swarm_groups``: the engine's

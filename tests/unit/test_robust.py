@@ -96,7 +96,7 @@ def test_a_huge_weight_is_bounded_to_three_times_the_median():
     weights = bound_weights([1.0, 1.0, 1.0, 1e30], max_ratio=3.0)
     target = weighted_mean(honest, [1.0] * 3)
     # The liar holds half the bounded weight, but its part is clipped to tau: far from its own values.
-    result = aggregate([*honest, -honest[0]], weights, RobustConfig(judge_by_work=False))
+    result = aggregate([*honest, -honest[0]], weights, RobustConfig(), work_scaled=False)
     assert rel_error(result.value, target) < 0.5
     assert rel_error(result.value, -honest[0].double()) > 1.5
     # Judged by work, its claimed 3x the median work buys it a radius of sqrt(3) tau, no more.
@@ -246,7 +246,7 @@ def test_judged_by_work_an_honest_fast_peer_is_not_the_outlier():
         for _ in range(int(k)):
             moved += 0.01 * torch.sign(gradient + torch.randn(N, generator=generator))
         parts.append(moved)
-    against_peers = aggregate(parts, steps, RobustConfig(judge_by_work=False))
+    against_peers = aggregate(parts, steps, RobustConfig(), work_scaled=False)
     assert against_peers.clipped == [0]  # the old rule shrank the peer doing the most work
     judged = aggregate(parts, steps, RobustConfig())
     assert judged.clipped == []

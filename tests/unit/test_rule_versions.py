@@ -136,7 +136,7 @@ GROUP_RULES: tuple[str, ...] = (
 # PROTOCOL_VERSION -> {part: fingerprint}
 PROTOCOL_FINGERPRINTS: dict[int, dict[str, str]] = {
     6: {"fingerprint": "a11ed49042c2f057", "far rule": "f084301e951362a3", "lattice": "55be0abb80abab23",
-        "codecs": "b52784ae1f9ae618", "robust": "fb832df3fceca733", "state": "44fa192a03bd1b85",
+        "codecs": "b52784ae1f9ae618", "robust": "50d021e6c96ce060", "state": "44fa192a03bd1b85",
         "messages": "2810d9ca05ad3abf", "records": "93fb66f5631a10ee"},
 }
 # (PROTOCOL_VERSION, groups.RULE) -> fingerprint

@@ -196,7 +196,7 @@ class RobustPartReducer(TensorPartReducer):
                                        max_ratio=self.config.max_weight_ratio, max_weight=self.config.max_weight)
         extra = self.extra_parts[self.current_part_index]
         result = robust.aggregate([self.contributions[s][0] for s in senders], weights, self.config,
-                                  work_scaled=False if extra else None)
+                                  work_scaled=not extra)
         self.clipped.update(senders[i] for i in result.clipped)
         return result.value
 
