@@ -99,8 +99,7 @@ class LocalHub:
                 return None
             return (returned(result.mean, own, self.return_code) if own is not None else result.mean), result
 
-    @staticmethod
-    def _reduce(arrived: dict[str, tuple[torch.Tensor, float, Any]], extras: dict[str, torch.Tensor],
+    def _reduce(self, arrived: dict[str, tuple[torch.Tensor, float, Any]], extras: dict[str, torch.Tensor],
                 far_state_numel: int, lattice_coded: bool) -> HubResult:
         """The group's result: the exact weighted mean, and each member's extra vector as the
         reducers return it (the return code applies to the main vector only)."""
@@ -110,33 +109,32 @@ class LocalHub:
         gathered = {p: g for p, (_, _, g) in arrived.items()}
         view = group_view(decode_claims(gathered, numel=far_state_numel), lattice_coded=lattice_coded) \
             if far_state_numel else None
-        back = _extras_back(extras, weights, view) if extras and set(extras) >= set(arrived) else None
+        back = self.extras_back(extras, weights, view) if extras and set(extras) >= set(arrived) else None
         return HubResult(mean, gathered, back, view)
 
-
-def _extras_back(extras: dict[str, torch.Tensor], weights: dict[str, float],
-                 view: GroupView | None) -> dict[str, torch.Tensor]:
-    """Each member's extra vector after the all-reduce, as hivemind's reducers return it: the weighted
-    mean of the members the group's view does not find far (of all, if none is near); in a
-    lattice-coded group, through the members' residues on its grid, which a far member cannot
-    decode: it keeps its own values."""
-    far = view.far if view is not None else frozenset()
-    members = [p for p in extras if p not in far] or list(extras)
-    total = sum(weights[p] for p in members)
-    if view is None or view.lattice is None:
-        mean = sum(extras[p] * (weights[p] / total) for p in members)
-        return dict.fromkeys(extras, mean)
-    residues = {}
-    for p in members:
-        residues[p] = extras[p].clone()
-        lattice.to_residues_(residues[p], view.lattice)
-    sent_back = lattice.returned_residues([residues[p] for p in members], [weights[p] for p in members])
-    back = {}
-    for p, own in extras.items():
-        back[p] = own.clone() if p in far else sent_back.clone()
-        if p not in far:
-            lattice.from_residues_(back[p], own, view.lattice)
-    return back
+    def extras_back(self, extras: dict[str, torch.Tensor], weights: dict[str, float],
+                    view: GroupView | None) -> dict[str, torch.Tensor]:
+        """Each member's extra vector after the all-reduce, as hivemind's reducers return it: the weighted
+        mean of the members the group's view does not find far (of all, if none is near); in a
+        lattice-coded group, through the members' residues on its grid, which a far member cannot
+        decode: it keeps its own values."""
+        far = view.far if view is not None else frozenset()
+        members = [p for p in extras if p not in far] or list(extras)
+        total = sum(weights[p] for p in members)
+        if view is None or view.lattice is None:
+            mean = sum(extras[p] * (weights[p] / total) for p in members)
+            return dict.fromkeys(extras, mean)
+        residues = {}
+        for p in members:
+            residues[p] = extras[p].clone()
+            lattice.to_residues_(residues[p], view.lattice)
+        sent_back = lattice.returned_residues([residues[p] for p in members], [weights[p] for p in members])
+        back = {}
+        for p, own in extras.items():
+            back[p] = own.clone() if p in far else sent_back.clone()
+            if p not in far:
+                lattice.from_residues_(back[p], own, view.lattice)
+        return back
 
 
 class LocalBackend:

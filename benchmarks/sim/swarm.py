@@ -24,12 +24,12 @@ from averaging.engine.whole_swarm import WholeSwarm
 from averaging.engine.worker import SyncWorker
 from averaging.math import codecs, robust
 from averaging.math.flat import FlatLayout
-from averaging.math.group_view import decode_claims, group_view
+from averaging.math.group_view import GroupView
 from averaging.math.groups import balanced_groups
 from averaging.math.lattice import HALF
 from averaging.math.outer_step import OuterConfig
 from averaging.math.wire import LATTICE_CODE, WireFormat, returned
-from averaging.network.local import HubResult, LocalBackend, LocalHub
+from averaging.network.local import LocalBackend, LocalHub
 from averaging.state.shared_state import SharedState
 from benchmarks.sim.rules import keep_norm, on_grid
 from protocols.schedule import RoundSchedule
@@ -94,8 +94,8 @@ class SimHub(LocalHub):
         super().__init__(min_group_size=min_group_size, matchmaking_s=0.0)
         self.reduce, self.code, self.numel, self.state_code = reduce, return_code, numel, state_code
         self._lock = threading.Lock()
-        self._sent: dict[tuple[int, str], dict[str, tuple[torch.Tensor, float, torch.Tensor | None]]] = {}
-        self._reduced: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._sent: dict[tuple[int, str], dict[str, tuple[torch.Tensor, float]]] = {}
+        self._reduced: dict[tuple[int, str], torch.Tensor] = {}
         self.last: dict[str, torch.Tensor] = {}
         self.overflows = 0  # lattice-coded state values beyond half the range from the mean (counted, not simulated)
 
@@ -103,42 +103,40 @@ class SimHub(LocalHub):
                 extra: torch.Tensor | None = None, key: str = "", **view):
         own = vector.clone()
         with self._lock:
-            self._sent.setdefault((round, key), {})[peer] = (own, weight, None if extra is None else extra.clone())
+            self._sent.setdefault((round, key), {})[peer] = (own, weight)
         result = super().average(peer, round, vector, weight, gather, timeout, extra=extra, key=key, **view)
         if result is None:
             return None
         _, group = result
-        gathered = group.gathered
         with self._lock:
             if (round, key) not in self._reduced:
-                self._reduced[round, key] = self._reduce_group(self._sent.pop((round, key)), gathered)
+                sent = self._sent.pop((round, key))
+                members = sorted(group.gathered)
+                self._reduced[round, key] = self.reduce([sent[p][0] for p in members], [sent[p][1] for p in members])
                 self._forget_before(round - 1)
-            average, state = self._reduced[round, key]
+            average = self._reduced[round, key]
         self.last[peer] = mine = returned(average, own, self.code)
-        extras = {peer: state} if group.extras is not None and state is not None else None
-        return mine, HubResult(mean=group.mean, gathered=gathered, extras=extras, view=group.view)
+        return mine, group
 
-    def _reduce_group(self, sent: dict, gathered: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        members = sorted(gathered)
-        average = self.reduce([sent[p][0] for p in members], [sent[p][1] for p in members])
-        if any(sent[p][2] is None for p in members):
-            return average, None
-        lattice_coded = self.state_code == LATTICE_CODE
-        view = group_view(decode_claims(gathered, numel=self.numel), lattice_coded=lattice_coded)
-        near = [p for p in members if p not in view.far] or members
-        total = sum(sent[p][1] for p in near)
-        if lattice_coded and view.lattice is not None:
+    def extras_back(self, extras: dict[str, torch.Tensor], weights: dict[str, float],
+                    view: GroupView | None) -> dict[str, torch.Tensor]:
+        """The group's state in the run's state code, the same for every member (the hub's meeting
+        computes it once per group)."""
+        far = view.far if view is not None else frozenset()
+        near = [p for p in extras if p not in far] or list(extras)
+        total = sum(weights[p] for p in near)
+        if self.state_code == LATTICE_CODE and view is not None and view.lattice is not None:
             grid = view.lattice
-            state = on_grid(sum(sent[p][1] / total * on_grid(sent[p][2], grid) for p in near), grid)
+            state = on_grid(sum(weights[p] / total * on_grid(extras[p], grid) for p in near), grid)
             half = grid.steps() * HALF
-            self.overflows += sum(int(((sent[p][2].double() - state.double()).abs() > half).sum()) for p in near)
+            self.overflows += sum(int(((extras[p].double() - state.double()).abs() > half).sum()) for p in near)
         elif self.state_code == "fp16":  # anchor and momentum each in parts with a power-of-two scale
-            halves = [(fp16_parts(sent[p][2][:self.numel]), fp16_parts(sent[p][2][self.numel:])) for p in near]
-            state = torch.cat([fp16_parts(sum(sent[p][1] / total * h[k] for p, h in zip(near, halves)))
+            halves = [(fp16_parts(extras[p][:self.numel]), fp16_parts(extras[p][self.numel:])) for p in near]
+            state = torch.cat([fp16_parts(sum(weights[p] / total * h[k] for p, h in zip(near, halves)))
                                for k in range(2)])
         else:
-            state = sum(sent[p][2] * (sent[p][1] / total) for p in near)
-        return average, state
+            state = sum(extras[p] * (weights[p] / total) for p in near)
+        return dict.fromkeys(extras, state)
 
     def _forget_before(self, round: int) -> None:
         """Drop the rounds before ``round`` (LocalHub's tables and ours; caller holds ``_lock``): a unit
