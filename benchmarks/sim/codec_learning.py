@@ -6,23 +6,16 @@
 ``compression.py`` measures bytes and all-reduce time on capped links, but its eval losses differ
 by ±10% between variants that are all "fp16-like": a few rounds each, a different number of
 inner steps per peer every run, machine noise. This benchmark asks only the learning question.
-``--peers`` peers are simulated in one process, one after the other, each with its own model
-copy, inner AdamW, data shard and batch order (the same in every variant); each round every peer
-takes ``--inner-steps`` steps, and the round's pseudo-gradients go through the same math a real
-round uses:
-
-- sends: ``WireFormat.to_send`` (error-fed codes send ``Q(g)``; the residual stays in the
-  parameters through ``accounted_for`` + ``merge_correction``, exactly as the round engine does;
-  fp16 sends are rounded to fp16 as hivemind's codec does);
-- the weighted mean of what was sent (equal weights: equal steps);
-- returns: ``averaging.math.wire.returned``: fp16 returns give each member ``own + fp16(avg - own)``
-  (hivemind's deltas), int8/int4 returns give every member the quantized average;
-- each peer applies the Nesterov outer step to its own anchor and momentum (``outer_step_``).
+``--peers`` peers are simulated in one process, each with its own model copy, inner AdamW, data
+shard and batch order (the same in every variant); each round every peer takes ``--inner-steps``
+steps, then runs the round engine's own round (``benchmarks.sim.swarm``: a ``RoundRunner`` per peer,
+sends in the variant's ``WireFormat`` with or without error feedback, the reducers' plain weighted
+mean returned in its return code, the Nesterov outer step) and adds its merge correction.
 
 So a variant differs from fp16 only by its codec, and the spread over ``--seeds`` (model init
 and data order) says how much of a difference is noise. What it leaves out: failures, stragglers
-and overlap (the real swarm benchmarks cover those), and hivemind's per-part exponent (parts are
-block-aligned, so blocks are the same; only the fp16 scales' shared exponent can differ).
+and overlap (the real swarm benchmarks cover those), and hivemind's fp16 cast of float sends and
+per-part exponents (the simulated reducers see fp16 sends as sent and return with one exponent).
 
 Writes ``benchmarks/results/codec_learning.md`` and ``.json``.
 """
@@ -36,17 +29,18 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from averaging.math import codecs
+from averaging.math import robust
 from averaging.math.flat import FlatLayout
-from averaging.math.merge import merge_correction
-from averaging.math.outer_step import outer_step_, pseudo_gradient
-from averaging.math.wire import WireFormat, accounted_for, returned
+from averaging.math.merge import apply_correction_
+from averaging.math.outer_step import OuterConfig
+from averaging.math.wire import WireFormat
 from benchmarks.common.results import CONFIGS, RESULTS, write_results
+from benchmarks.sim.swarm import SimSwarm, aggregate
 from node.process.config import load_config
 from node.training.data import BatchSampler, eval_batches, load_corpus, shard_ranges, split_corpus
 from node.training.model import build_model
@@ -61,71 +55,40 @@ VARIANTS = (("fp16", "fp16", False, "fp16"), ("fp32", "fp32", False, "fp32"), ("
             ("int2+EF+ret4", "int2", True, "int4"))
 
 
-@dataclass
-class Peer:
-    trainer: Trainer
-    sampler: BatchSampler
-    anchor: torch.Tensor
-    momentum: torch.Tensor
-
-
-def packed(layout: FlatLayout, model: torch.nn.Module) -> torch.Tensor:
-    return layout.pack(dict(model.named_parameters()), layout.new_buffer())
-
-
-@torch.no_grad()
-def load(layout: FlatLayout, model: torch.nn.Module, values: torch.Tensor) -> None:
-    params = dict(model.named_parameters())
-    for name, view in layout.views(values).items():
-        params[name].copy_(view)
-
-
-def sent_values(wire: WireFormat, pseudo_grad: torch.Tensor) -> torch.Tensor:
-    """What the reducers average: ``to_send`` for the int codes; fp16 parts are cast by hivemind's
-    Float16Compression on the way (shoal's fp16 code rounds alike), fp32 parts arrive as they are."""
-    if wire.quantized or wire.code == "fp32":
-        return wire.to_send(pseudo_grad)
-    return codecs.quantize(pseudo_grad, "fp16")
-
-
 def run_variant(config, split, evals, wire: WireFormat, *, seed: int, peers: int, rounds: int,
                 inner_steps: int) -> dict:
     torch.manual_seed(seed)
-    reference = build_model(config.model, seed=seed)
-    layout = FlatLayout.of(reference.named_parameters())
-    init = packed(layout, reference)
-    swarm = []
+    trainers, samplers = [], []
     for index in range(peers):
-        model = build_model(config.model, seed=seed)
-        sampler = BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size, seed=[seed, index],
-                               held_out=split.held_out,
-                               ranges=shard_ranges(len(split.tokens), config.data.num_shards,
-                                                   index % config.data.num_shards, config.data.shard_stripe_bytes))
-        swarm.append(Peer(Trainer(model, config.inner, config.train, torch.device("cpu")), sampler,
-                          init.clone(), torch.zeros_like(init)))
+        trainers.append(Trainer(build_model(config.model, seed=seed), config.inner, config.train, torch.device("cpu")))
+        samplers.append(BatchSampler(split.tokens, config.model.seq_len, config.data.batch_size, seed=[seed, index],
+                                     held_out=split.held_out,
+                                     ranges=shard_ranges(len(split.tokens), config.data.num_shards,
+                                                         index % config.data.num_shards, config.data.shard_stripe_bytes)))
+    layout = FlatLayout.of(trainers[0].model.named_parameters())
+    pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
+    init = pack(trainers[0])
+    reduce = partial(aggregate, config=robust.RobustConfig(aggregation="mean"), work_scaled=True, norm=False)
+    swarm = SimSwarm(peers=peers, layout=layout, anchor=init, wire=wire, reduce=reduce,
+                     outer=OuterConfig(lr=config.outer.lr, momentum=config.outer.momentum, nesterov=config.outer.nesterov))
     batch_tokens = config.data.batch_size * config.model.seq_len
     curve = []
     for round in range(rounds):
-        sends, grads = [], []
-        for peer in swarm:
+        for trainer, sampler in zip(trainers, samplers):
             for step in range(inner_steps):
-                x, y = peer.sampler.next_batch()
-                peer.trainer.inner_step(x, y, inner_lr(config.inner, round + step / inner_steps))
-            grads.append(pseudo_gradient(peer.anchor, packed(layout, peer.trainer.model)))
-            sends.append(sent_values(wire, grads[-1]))
-        average = torch.stack(sends).mean(dim=0)
-        for peer, g, sent in zip(swarm, grads, sends):
-            old_anchor = peer.anchor.clone()
-            outer_step_(peer.anchor, returned(average, sent, wire.return_code), peer.momentum,
-                        lr=config.outer.lr, mu=config.outer.momentum, nesterov=config.outer.nesterov)
-            accounted = accounted_for(g, sent, averaged=True, local=False, error_feedback=wire.error_feedback)
-            params = old_anchor - g  # the parameters at the round's end (blocking: no work since)
-            load(layout, peer.trainer.model,
-                 params + merge_correction(peer.anchor, old_anchor, accounted, contributed=True))
-        eval_loss = swarm[0].trainer.evaluate_anchor(layout.views(swarm[0].anchor), evals)
-        curve.append(((round + 1) * peers * inner_steps * batch_tokens, eval_loss))
-    drift = max(float((p.anchor - swarm[0].anchor).square().mean().sqrt()) for p in swarm)
-    moved = float((swarm[0].anchor - init).square().mean().sqrt())
+                trainer.inner_step(*sampler.next_batch(), inner_lr(config.inner, round + step / inner_steps))
+        results = swarm.run_round(round + 1, [pack(t) for t in trainers], [inner_steps * batch_tokens] * peers)
+        for trainer, result in zip(trainers, results):  # blocking: every peer merges at once
+            views = layout.views(result.correction)
+            params = dict(trainer.model.named_parameters())
+            apply_correction_([params[name] for name in views], list(views.values()))
+        anchor = swarm.peers[0].state.anchor
+        curve.append(((round + 1) * peers * inner_steps * batch_tokens,
+                      trainers[0].evaluate_anchor(layout.views(anchor), evals)))
+    anchors = [p.state.anchor for p in swarm.peers]
+    swarm.close()
+    drift = max(float((a - anchors[0]).square().mean().sqrt()) for a in anchors)
+    moved = float((anchors[0] - init).square().mean().sqrt())
     return {"curve": curve, "final_eval": curve[-1][1], "anchor_drift": drift, "anchor_moved": moved}
 
 

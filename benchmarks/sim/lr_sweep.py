@@ -11,12 +11,12 @@ with its config's inner and outer rates, untuned. A fair comparison tunes both, 
 - ``ddp``: one model, each step the mean gradient of ``--peers`` batches (one per rank, seeded as
   ``ddp_baseline.py`` seeds its ranks), clipped, one AdamW step: what DDP computes, minus the fp16
   rounding of its comm hook. ``rounds x inner-steps`` steps, so the same tokens as the swarm.
-- ``blocking`` DiLoCo: every peer takes ``--inner-steps`` steps, the fp16 pseudo-gradients are
-  averaged (fp16 sends and returns, ``averaging.math.wire``), the Nesterov outer step (``outer_step_``),
-  every peer restarts from the new anchor.
-- ``overlap``: as shoal's overlap mode: the round's snapshot is averaged while the peers go on
-  training; ``--delay`` of the next round's steps later the result is merged exactly as the round
-  engine merges it (``merge_correction``: the new anchor plus the work since the snapshot).
+- ``blocking`` DiLoCo: every peer takes ``--inner-steps`` steps, then runs the round engine's own
+  round (``benchmarks.sim.swarm``: a ``RoundRunner`` per peer, the fp16 wire format, the reducers' plain
+  weighted mean, the Nesterov outer step) and adds its merge correction: it restarts from the new anchor.
+- ``overlap``: as shoal's overlap mode: the round runs on the snapshot while the peers go on
+  training; ``--delay`` of the next round's steps later each peer adds its merge correction (the new
+  anchor plus the work since the snapshot).
 
 Every run shares the learning benchmark's schedule (warmup 10% of the rounds, cosine to
 ``min_lr_ratio`` at the end), model, data and eval batches (``configs/learning.toml``). What it
@@ -35,36 +35,38 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from averaging.math import codecs
+from averaging.math import robust
 from averaging.math.flat import FlatLayout
-from averaging.math.merge import apply_correction_, merge_correction
-from averaging.math.outer_step import outer_step_, pseudo_gradient
-from averaging.math.wire import returned
+from averaging.math.merge import apply_correction_
+from averaging.math.outer_step import OuterConfig
+from averaging.math.wire import WireFormat
 from benchmarks.common.results import CONFIGS, RESULTS, command_line, write_results
 from benchmarks.sim import peers as sim
+from benchmarks.sim.swarm import SimSwarm, aggregate
 from node.process.config import load_config
 from node.training.trainer import inner_lr
 
 
 def run_diloco(seed: int, peers: int, rounds: int, inner_steps: int, lr: float, outer_lr: float, mu: float,
                delay: int | None, stripe_bytes: int = 0) -> dict:
-    """``delay`` None: blocking; else the merge lands after that many steps of the next round."""
+    """Every peer runs the engine's round (``benchmarks.sim.swarm``) in fp16 with a plain mean;
+    ``delay`` None: blocking, else the merge lands after that many steps of the next round."""
     trainers, samplers = [sim.trainer(seed, lr) for _ in range(peers)], sim.samplers(seed, peers, stripe_bytes)
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
-    anchor = pack(trainers[0])
-    anchors = [anchor.clone() for _ in range(peers)]
-    momenta = [torch.zeros_like(anchor) for _ in range(peers)]
-    pending: list | None = None  # per peer: (old anchor, sent pseudo-gradient) awaiting the merge
+    reduce = partial(aggregate, config=robust.RobustConfig(aggregation="mean"), work_scaled=True, norm=False)
+    swarm = SimSwarm(peers=peers, layout=layout, anchor=pack(trainers[0]), outer=OuterConfig(lr=outer_lr, momentum=mu),
+                     wire=WireFormat.of("fp16"), reduce=reduce)
+    pending: list[torch.Tensor] | None = None  # per peer: the correction awaiting the merge
 
-    def merge(landed: list) -> None:
-        """As the round engine merges: each peer's parameters become its new anchor plus its work since the snapshot."""
-        for t, a, (old, sent) in zip(trainers, anchors, landed):
-            views = layout.views(merge_correction(a, old, sent, contributed=True))
+    def merge(corrections: list[torch.Tensor]) -> None:
+        for t, correction in zip(trainers, corrections):
+            views = layout.views(correction)
             params = dict(t.model.named_parameters())
             apply_correction_([params[name] for name in views], list(views.values()))
 
@@ -79,17 +81,14 @@ def run_diloco(seed: int, peers: int, rounds: int, inner_steps: int, lr: float, 
         if pending is not None:  # a delay of a whole round or more: merge before the next snapshot
             merge(pending)
             pending = None
-        sends = [codecs.quantize(pseudo_gradient(a, pack(t)), "fp16") for t, a in zip(trainers, anchors)]
-        average = torch.stack(sends).mean(dim=0)
-        olds = [a.clone() for a in anchors]
-        for a, m, sent in zip(anchors, momenta, sends):
-            outer_step_(a, returned(average, sent, "fp16"), m, lr=outer_lr, mu=mu, nesterov=True)
-        pending = list(zip(olds, sends))
+        results = swarm.run_round(r + 1, [pack(t) for t in trainers], [inner_steps] * peers)
+        pending = [result.correction.clone() for result in results]
         if delay is None:  # blocking: every peer restarts from the new anchor
             merge(pending)
             pending = None
         if (r + 1) % 5 == 0 or r + 1 == rounds:
-            curve.append((r + 1, sim.evaluate(trainers[0], layout, anchors[0])))
+            curve.append((r + 1, sim.evaluate(trainers[0], layout, swarm.peers[0].state.anchor)))
+    swarm.close()
     return {"curve": curve, "final_eval": curve[-1][1]}
 
 
