@@ -124,7 +124,7 @@ def average_inner_state(trainers: list[Trainer], weights: list[float], slots: tu
 
 
 def run_ddp(seed: int, steps: list[int], rounds: int, lr: float) -> dict:
-    """Lockstep data parallel over ``len(steps)`` peers (``lr_sweep.run_ddp``: each step the mean
+    """Lockstep data parallel over ``len(steps)`` peers (``sim.lockstep_ddp``: each step the mean
     gradient of one batch per peer, one AdamW step): a round is the slowest peer's ``min(steps)`` steps."""
     return {"final_eval": sim.lockstep_ddp(seed, len(steps), rounds, min(steps), lr)["final_eval"]}
 
