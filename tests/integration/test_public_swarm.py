@@ -2,7 +2,15 @@
 address, a mismatched joiner refused, Ctrl+C, the bootstrap peer restarted (the swarm teaches the fresh one
 its peers again), and a restart that resumes from its checkpoint (after the newest one was
 truncated) with the same peer id, finding the swarm through the restarted bootstrap, then catches
-up with the swarm."""
+up with the swarm.
+
+The regulars run in blocking mode (fixed inner steps, then the loop waits for the all-reduce;
+overlap mode is test_swarm's), spread their progress records over two DHT keys
+(``averaging.progress_shards``: they find each other through them as through the one key;
+test_entry_peers checks the keys themselves) and average the inner AdamW moments with every round
+(``averaging.average_inner_state``: in blocking mode they land before the next step, so both peers
+save the same moments within bf16's precision, where their own would differ). One swarm for all of
+it: each costs the suite a minute."""
 
 from __future__ import annotations
 
@@ -13,17 +21,24 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from examples.swarm_launcher import kill_process_group, shoal_command
-from node.library.checkpoint import list_checkpoints, load_latest_valid
+from node.library.checkpoint import list_checkpoints, load_checkpoint, load_latest_valid, round_dir_name
 from node.observe.metrics import read_metrics
 from tests.integration.conftest import start_bootstrap, stop_bootstrap
 from tests.integration.start_gate import gated, open_gate
-from tests.integration.swarm import PRELOADED_RUN, REPO, TINY, wait_until
+from tests.integration.swarm import PRELOADED_RUN, REPO, TINY, anchor_at, is_partial, wait_until
 
 pytestmark = pytest.mark.integration
 
 ROUND_S = 6.0
+# 10 steps in 6 s rounds (tiny has 100 in 10 s): a step takes ~0.05 s on an idle core and ~0.13 s at
+# load ~12 on 2 cores, so the 10 fit in a round with seconds to spare even after the wait for the last
+# all-reduce (blocking mode waits after the deadline, inside the next round's wall clock), and the
+# loop idles until the deadline, which is what the blocking checks are about.
+INNER_STEPS = 10
+BLOCKING = ("--sync-mode", "blocking")
 
 
 def records(peer, event: str) -> list[dict]:
@@ -36,8 +51,11 @@ def records(peer, event: str) -> list[dict]:
 def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, request):
     bootstrap_proc, address_file = bootstrap
     config = tmp_path / "every-round.toml"
-    config.write_text(TINY.read_text().replace("checkpoint_every_rounds = 5", "checkpoint_every_rounds = 1"))
-    peer_args = ("--round-seconds", str(ROUND_S), "--identity", str(tmp_path / "a.key"))
+    text = TINY.read_text().replace("checkpoint_every_rounds = 5", "checkpoint_every_rounds = 1")
+    text = text.replace("inner_steps = 100", f"inner_steps = {INNER_STEPS}")
+    assert "[averaging]\n" in text and f"inner_steps = {INNER_STEPS}" in text
+    config.write_text(text.replace("[averaging]\n", "[averaging]\nprogress_shards = 2\naverage_inner_state = true\n", 1))
+    peer_args = ("--round-seconds", str(ROUND_S), *BLOCKING, "--identity", str(tmp_path / "a.key"))
     initial = [f"@{address_file}"]  # both peers know only the bootstrap peer, through its address file
 
     # b starts once a has organised the run: an organiser never adopts another organiser's key, so
@@ -45,14 +63,15 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, requ
     # (b's interpreter starts now, its ``shoal run`` at that moment: start_gate.py)
     a = swarm.start("a", *peer_args, initial=initial, config=config)
     b_gate = tmp_path / "b.gate"
-    b = swarm.start("b", "--round-seconds", str(ROUND_S), initial=initial, config=config, program=PRELOADED_RUN,
+    b = swarm.start("b", "--round-seconds", str(ROUND_S), *BLOCKING, initial=initial, config=config, program=PRELOADED_RUN,
                     env=gated(b_gate))
     wait_until(lambda: records(a, "start"), 90, "peer a did not start")
     open_gate(b_gate)
 
     # A joiner with another round length is refused before it averages anything (it runs while a
     # and b find each other: both take a process start-up on two cores).
-    refused = subprocess.Popen([*shoal_command(), "run", "--no-ui", "--run-id", swarm.run_id, "--round-seconds", "7",
+    refused = subprocess.Popen([*shoal_command(), "run", "--no-ui", "--run-id", swarm.run_id, "--config", str(config),
+                                *BLOCKING, "--round-seconds", "7",
                                 "--initial-peer", f"@{address_file}", "--listen", "/ip4/127.0.0.1/tcp/0"],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
@@ -80,6 +99,7 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, requ
     assert exit_record["event"] == "exit" and exit_record["reason"] == "interrupted", exit_record
     saved = list_checkpoints(a.checkpoint_dir)
     assert len(saved) >= 2, saved
+    check_blocking_rounds(a, b)
     first_id = records(a, "start")[0]["peer"]
     # The restart below (its interpreter starts now; its ``shoal run`` once the swarm is ready for it).
     a2_gate = tmp_path / "a2.gate"
@@ -155,3 +175,35 @@ def status_peers(address_file, run_id: str) -> set[str]:
 
 def averaged_records(peer) -> list[dict]:
     return [r for r in records(peer, "round") if r["applied"] == "averaged" and r["group_size"] == 2]
+
+
+def check_blocking_rounds(a, b) -> None:
+    """Blocking mode, over the rounds both peers recorded before a's Ctrl+C (from the second: the
+    first may be partial): a round holds its fixed steps unless the wait for the last all-reduce ate
+    it, the loop idles until the deadline and then waits for the all-reduce, and the averaged inner
+    moments both saved agree within bf16's precision."""
+    rounds = [{r["round"]: r for r in records(peer, "round")} for peer in (a, b)]
+    shared = sorted(rounds[0].keys() & rounds[1].keys())[1:]
+    for r in shared:
+        for record in (rounds[0][r], rounds[1][r]):
+            # Blocking mode waits after the deadline, inside the next round's wall clock: under load
+            # a round held fewer steps only if it had under half its time to train.
+            if record["inner_steps"] != INNER_STEPS:
+                assert record["inner_steps"] < INNER_STEPS and record["wall_s"] - record["wait_s"] < 0.5 * ROUND_S, \
+                    (r, record)
+            elif not is_partial(record):
+                assert record["group_size"] == 2 and record["applied"] == "averaged", (record["error"], record)
+                assert record["wait_s"] > 0.2 * record["wall_s"] and record["wait_s"] >= record["sync_s"] * 0.9, record
+    both = [r for r in shared if rounds[0][r]["applied"] == rounds[1][r]["applied"] == "averaged"
+            and rounds[0][r]["inner_steps"] == rounds[1][r]["inner_steps"] == INNER_STEPS]
+    assert both, [(r, rounds[0][r]["error"], rounds[1][r]["error"]) for r in shared]
+    assert torch.allclose(anchor_at(a, both[-1]), anchor_at(b, both[-1]), atol=1e-3)
+    # (an early round: the last one's directory may hold the final save, made after more steps)
+    moments = [load_checkpoint(p.checkpoint_dir / round_dir_name(both[0])).local_state for p in (a, b)]
+    squares = [k for k in moments[0] if k.endswith(".exp_avg_sq")]
+    assert squares and all(k in moments[1] for k in squares), sorted(moments[0])[:4]
+    # fp16 sends take hivemind's path: each member gets its own bf16 delta, avg - own, rounded;
+    # peers training alone differ by tens of percent.
+    for key in squares + [k.replace("exp_avg_sq", "exp_avg") for k in squares]:
+        x, y = moments[0][key], moments[1][key]
+        assert float((x - y).abs().max()) <= 2**-6 * float(x.abs().max()), (key, float((x - y).abs().max()))
