@@ -247,25 +247,6 @@ def read_records(found: Any, now: float) -> tuple[dict[str, ProgressRecord], int
     return records, malformed
 
 
-def before_first_step(records: Iterable[ProgressRecord], *, first_round_left_s: float) -> bool:
-    """True if a joiner has nothing to download: the run's first round is not over yet and every
-    one of ``records`` (at least one) says its peer has applied no outer step. The shared model is
-    then the run's initial weights, which a joiner builds from the run's seed: no download (8 bytes
-    a parameter: 45 s of a 3.3 Mbit/s link in ``benchmarks.swarm.sync_modes``, where peers that
-    started a few seconds before round 1's deadline missed five rounds downloading the initial
-    weights plus one step).
-
-    Within round 1 nobody can have stepped (the first step is at its deadline). A lone peer may
-    step alone at that deadline before it hears of us; we are then one step behind, which our first
-    averaged round finds and replays (``SharedState.catch_up``, 2 bytes a parameter), unless that
-    lone peer is outvoted by several such joiners (it then re-syncs, losing one lone step). Once
-    round 1 is over, a record at 0 may be a heartbeat old: two joiners that trusted a lone peer's
-    stale record in round 2 outvoted it and made it re-sync (tests/integration/test_swarm.py), so
-    we download. A record that says otherwise, or does not say (an older peer), is enough for False."""
-    records = list(records)
-    return first_round_left_s > 0 and bool(records) and all(r.rounds_done == 0 for r in records)
-
-
 @dataclass(frozen=True, slots=True)
 class SwarmSummary:
     """What a set of progress records says about the swarm as a whole."""

@@ -44,12 +44,14 @@ from averaging.math.outer_step import OuterConfig
 from averaging.math.wire import WireFormat
 from averaging.network.interface import Progress
 from averaging.state import accept
-from averaging.state.served import DownloadedState
-from averaging.state.shared_state import SharedState
+from averaging.state.served import AppliedUpdate, DownloadedState
+from averaging.state.shared_state import HISTORY_KEPT, SharedState
 from averaging.state.verdict import Applied
 from protocols.schedule import RoundSchedule
 
 logger = logging.getLogger(__name__)
+
+REPLAY_DONORS = 3  # donors asked for a young run's steps before a joiner downloads the state instead
 
 
 @dataclass(slots=True)
@@ -164,6 +166,29 @@ class RoundEngine:
         self.load_anchor_into_params()
         self.last_download = state
         return adopted
+
+    def join_by_replay(self, donors: Sequence[str], *, at_least: int) -> int | None:
+        """Join a young run by replaying its outer steps on the initial weights (2 bytes a parameter
+        a step, against a download's 8 through the donors' uplinks; exact: ``SharedState`` keeps the
+        steps it took). Each step comes from the first of the first donors that holds it (one may
+        not have stepped yet). The steps replayed (0: none has stepped), or None when fewer than
+        ``at_least`` came in order (then download)."""
+        updates = self.clock.wait(self.worker.submit(self._history, list(donors)[:REPLAY_DONORS]))
+        if len(updates) < at_least or not self.state.catch_up(updates, None):
+            return None
+        self.load_anchor_into_params()
+        return len(updates)
+
+    def _history(self, donors: list[str]) -> list[AppliedUpdate]:
+        """The run's outer steps from the first on, as many as ``donors`` still hold (worker thread)."""
+        updates: list[AppliedUpdate] = []
+        while len(updates) < HISTORY_KEPT:
+            update = self.worker.backend.fetch_update(donors, rounds_done=len(updates), numel=self.layout.numel,
+                                                      timeout=self.config.download_timeout)
+            if update is None:
+                break
+            updates.append(update)
+        return updates
 
     def resume(self, state: DownloadedState) -> int:
         """Start from a saved shared state (a checkpoint): validated like a download."""

@@ -14,6 +14,8 @@ import torch
 
 from protocols.errors import ConfigError
 
+FP16_MAX = torch.finfo(torch.float16).max
+
 
 @dataclass(kw_only=True, slots=True)
 class OuterConfig:
@@ -53,6 +55,12 @@ def outer_step_(
     update.mul_(lr)
     anchor.sub_(update)
     return update
+
+
+def kept_step(pseudo_grad: torch.Tensor) -> torch.Tensor:
+    """A pseudo-gradient as an outer step is applied, kept and served to peers that missed it: fp16
+    (clamped to its range), so a replay of the kept steps lands on the same anchor exactly."""
+    return pseudo_grad.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
 
 
 def anchor_before_step(anchor: torch.Tensor, averaged_pseudo_grad: torch.Tensor, momentum: torch.Tensor, *,

@@ -28,7 +28,7 @@ from averaging.math.fingerprints import (
     fingerprint,
 )
 from averaging.math.flat import FlatLayout
-from averaging.math.outer_step import OuterConfig, anchor_before_step, outer_step_
+from averaging.math.outer_step import OuterConfig, anchor_before_step, kept_step, outer_step_
 from averaging.state import accept
 from averaging.state.served import STATE_VERSION, AppliedUpdate, DownloadedState
 from protocols.messages import MAX_ROUND, ClaimMessage
@@ -105,6 +105,8 @@ class SharedState:
             self._apply(pseudo_grad, round)
 
     def _apply(self, pseudo_grad: torch.Tensor, round: int) -> None:
+        kept = kept_step(pseudo_grad)  # the step taken is the step kept: a replay is exact
+        pseudo_grad = kept.float()
         self._past_claims.append(self._current_claim())
         outer_step_(self.anchor, pseudo_grad, self.momentum,
                     lr=self.config.lr, mu=self.config.momentum, nesterov=self.config.nesterov)
@@ -114,7 +116,7 @@ class SharedState:
         self.scale = chunk_rms(pseudo_grad, fp.chunk_len)
         self.last_rms = accept.rms(pseudo_grad)
         self._claim = AnchorClaim(fp, self.scale.clone(), self.rounds_done)
-        self._history.append(AppliedUpdate(round, self.rounds_done, pseudo_grad.to(torch.float16)))
+        self._history.append(AppliedUpdate(round, self.rounds_done, kept))
 
     def mix(self, anchor: torch.Tensor, momentum: torch.Tensor, pseudo_grad: torch.Tensor, *, round: int,
             rounds_done: int) -> None:
@@ -134,11 +136,12 @@ class SharedState:
         with self._lock:
             return next((u for u in self._history if u.rounds_done == rounds_done + 1), None)
 
-    def catch_up(self, updates: list[AppliedUpdate], reference: AnchorClaim, *, rewind: int = 0,
+    def catch_up(self, updates: list[AppliedUpdate], reference: AnchorClaim | None, *, rewind: int = 0,
                  work_rms: float = 0.0) -> bool:
         """Replay missed outer steps (in order) and keep them only if our anchor then agrees with
         the reference's claim, else change nothing and return False. ``rewind``: undo our own last
-        steps first; ``work_rms`` widens the size bound on replayed steps."""
+        steps first; ``work_rms`` widens the size bound on replayed steps. No reference: a joiner's
+        replay of a young run, checked by its first group's claims instead."""
         with self._lock:
             saved = (self.anchor.clone(), self.momentum.clone(), self.rounds_done, self.last_round,
                      self.scale, self.last_rms, self._claim, list(self._history), list(self._past_claims))
@@ -146,7 +149,8 @@ class SharedState:
             # judge by, and little work in a first round would refuse honest steps.
             reference_rms = max(self.last_rms, work_rms) if self.last_rms > 0 else 0.0
             if (self._undo(rewind) and self._replay(updates, reference_rms)
-                    and accept.claims_agree(self._current_claim(), reference, self.rel_tol, self.abs_tol)):
+                    and (reference is None
+                         or accept.claims_agree(self._current_claim(), reference, self.rel_tol, self.abs_tol))):
                 return True
             (anchor, momentum, self.rounds_done, self.last_round, self.scale, self.last_rms, self._claim,
              history, past_claims) = saved

@@ -23,7 +23,7 @@ import torch
 
 from averaging.engine.config import LoopConfig
 from averaging.engine.inner_sync import InnerStateSync
-from averaging.engine.loop import RoundEngine
+from averaging.engine.loop import REPLAY_DONORS, RoundEngine
 from averaging.engine.stats import RoundStats, Traffic
 from averaging.engine.subgroups import Mixing, one_group, state_numel
 from averaging.engine.worker import SyncWorker
@@ -34,7 +34,7 @@ from averaging.math.wire import EXTRA_CODE, STATE_BYTES_PER_VALUE, mix_code, rou
 from averaging.network.hivemind.averager import leader_group_cap
 from averaging.network.interface import Progress
 from averaging.state.served import DownloadedState
-from averaging.state.shared_state import SharedState
+from averaging.state.shared_state import HISTORY_ROUNDS, SharedState
 from averaging.state.verdict import Applied
 from node.library.acquaintances import Acquaintances
 from node.library.cleanup import close_hivemind, hivemind_sockets
@@ -51,7 +51,7 @@ from protocols.addresses import parse_peer_multiaddr, peer_id_of
 from protocols.errors import AddressError, CheckpointError, ConfigError
 from protocols.manifest import RunManifest, progress_shards
 from protocols.messages import MessageError
-from protocols.progress import ProgressRecord, before_first_step
+from protocols.progress import ProgressRecord
 from protocols.schedule import RoundSchedule
 from protocols.version import shoal_version
 
@@ -463,15 +463,8 @@ class DiLoCoSwarm:
                                salt=self.run_id)
         if not donors:
             return None
-        if before_first_step((self._monitor.peers[p] for p in donors),
-                             first_round_left_s=self._monitor.schedule.round_end(1) - self._directory.now()):
-            # Nobody has applied an outer step: the shared model is the run's initial weights, which
-            # we built from the run's seed too, so skip a download that costs minutes on slow links.
-            # A peer that steps alone before it hears of us leaves us a step behind: our first
-            # averaged round replays it (before_first_step).
-            logger.info("the swarm has not applied an outer step yet: starting from the run's initial weights, "
-                        "as every peer does (nothing to download)")
-            return None
+        if (joined := self._join_by_replay(donors)) is not None:
+            return joined or None
         started = time.perf_counter()
         try:
             adopted = self._loop.initial_sync(donors, newer_than=self._resumed_round, progress=progress)
@@ -490,6 +483,30 @@ class DiLoCoSwarm:
         logger.info(f"joined at round {adopted}: downloaded the shared state ({size / 2**20:.1f} MiB) from "
                     f"{len(donors)} peer(s) in {seconds:.1f}s")
         return {"round": adopted, "seconds": seconds, "donors": donors, "bytes": size}
+
+    def _join_by_replay(self, donors: list[str]) -> dict | None:
+        """A run young enough that its donors hold every outer step taken (at most ``HISTORY_ROUNDS``
+        by their records): start from the run's initial weights, which we built from its seed too,
+        and replay those steps (2 bytes a parameter each) instead of downloading the state (8, all
+        through the donors' uplinks: minutes on slow links while the run's first peers train).
+        None: download instead; {}: nobody has stepped (nothing to fetch)."""
+        claimed = [self._monitor.peers[p].rounds_done for p in donors]
+        if self._resumed_round >= 0 or None in claimed or max(claimed) > HISTORY_ROUNDS:
+            return None
+        started = time.perf_counter()
+        steps = self._loop.join_by_replay(donors, at_least=max(claimed))
+        if steps is None:
+            return None
+        if steps == 0:
+            logger.info("the swarm has not applied an outer step yet: starting from the run's initial weights, "
+                        "as every peer does (nothing to download)")
+            return {}
+        seconds, size = time.perf_counter() - started, steps * self._layout.numel * torch.float16.itemsize
+        self._traffic.add(received=size)
+        logger.info(f"joined at round {self._shared.last_round}: replayed the swarm's {steps} outer step(s) "
+                    f"({size / 2**20:.1f} MiB) in {seconds:.1f}s")
+        return {"round": self._shared.last_round, "seconds": seconds, "donors": donors[:REPLAY_DONORS],
+                "bytes": size, "replayed": steps}
 
     def _account(self, finished: list[RoundStats]) -> list[RoundStats]:
         """Tokens contributed and bytes moved, for the progress record and the dashboard."""

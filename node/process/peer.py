@@ -305,7 +305,7 @@ class Peer:
         self.status.download_fraction, self.status.phase = None, "training"
         if joined is not None:
             self.metrics.write("state_download", adopted_round=joined["round"], seconds=joined["seconds"],
-                               donors=joined["donors"], bytes=joined["bytes"])
+                               donors=joined["donors"], bytes=joined["bytes"], replayed=joined.get("replayed", 0))
 
     def close(self, reason: str) -> None:
         """Leave: save the shared state, then shut everything down (each step best-effort)."""

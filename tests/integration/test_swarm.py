@@ -129,9 +129,9 @@ def test_three_peers_train_one_model(swarm, compression, returns, request):
     ids = {name: rounds[min(rounds)]["peer"] for name, rounds in per_peer.items()}
     partial = {(ids[name], r) for name, rounds in per_peer.items() for r, record in rounds.items()
                if is_partial(record)}
-    # A joiner starts from the initial weights while every record says no outer step; a record a
-    # heartbeat old (its peer has just stepped alone) leaves it a step behind, which its first
-    # averaged round finds (it is listed as diverged there) and repairs by replaying that step.
+    # A joiner of a young run replays the steps its donors served; a donor that steps alone just
+    # after serving them leaves it a step behind, which its first averaged round finds (it is
+    # listed as diverged there) and repairs by replaying that step.
     caught_up = {(ids[name], r) for name, rounds in per_peer.items() for r, record in rounds.items()
                  if record["caught_up"]}
     # A member whose matchmaking found no group in time (CI, two starved cores: the throttled

@@ -9,7 +9,7 @@ from averaging.engine.recover import Recovery
 from averaging.engine.whole_swarm import conclude
 from averaging.math.fingerprints import SIGN_PERIOD
 from averaging.math.flat import FlatLayout
-from averaging.math.outer_step import OuterConfig, outer_step_
+from averaging.math.outer_step import OuterConfig, kept_step, outer_step_
 from averaging.network.interface import AverageOutcome
 from averaging.network.slices import slice_alignment, slice_bounds, slice_units
 from averaging.state import accept
@@ -33,10 +33,11 @@ def new_state(anchor_seed: int = 0) -> SharedState:
 
 
 def reference_step(state: SharedState, pseudo_grad: torch.Tensor, momentum: torch.Tensor | None = None):
-    """The anchor and momentum after one outer step from ``state``, computed apart from it."""
+    """The anchor and momentum after one outer step from ``state``, computed apart from it (the
+    step as kept: fp16)."""
     anchor = state.anchor.clone()
     momentum = state.momentum.clone() if momentum is None else momentum
-    outer_step_(anchor, pseudo_grad, momentum, lr=CONFIG.lr, mu=CONFIG.momentum, nesterov=CONFIG.nesterov)
+    outer_step_(anchor, kept_step(pseudo_grad).float(), momentum, lr=CONFIG.lr, mu=CONFIG.momentum, nesterov=CONFIG.nesterov)
     return anchor, momentum
 
 
@@ -204,8 +205,8 @@ def test_a_two_peer_tie_between_a_peer_ahead_and_one_behind_ends_in_a_catch_up_w
         assert conclusions["peer-b"].caught_up == 1 and conclusions["peer-a"].caught_up == 0
         assert conclusions["peer-a"].resync is None and conclusions["peer-b"].resync is None
         assert states["peer-a"].rounds_done == states["peer-b"].rounds_done == 3
-        # Apart only by the fp16 rounding of the replayed step: the next round finds no divergence.
-        assert (states["peer-a"].anchor - states["peer-b"].anchor).abs().max() < 1e-5
+        # The replayed step is the step as kept: one anchor, and the next round finds no divergence.
+        assert torch.equal(states["peer-a"].anchor, states["peer-b"].anchor)
         assert not end_round(states, round + 1, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.consensus.diverged
     assert behind_won and ahead_won  # both ways of the tie were exercised
 
@@ -230,8 +231,8 @@ def test_a_majority_that_missed_a_groups_step_replays_it_instead_of_outvoting_it
     expected = new_state()
     for round, step in ((1, randn(11, std=1e-3)), (2, group_step), (3, averaged)):
         expected.apply(step, round=round)
-    for state in states.values():  # up to the fp16 rounding of the replayed step
-        assert state.rounds_done == 3 and (state.anchor - expected.anchor).abs().max() < 1e-5
+    for state in states.values():  # the replayed step is the step as kept: exactly
+        assert state.rounds_done == 3 and torch.equal(state.anchor, expected.anchor)
     assert not end_round(states, 4, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.consensus.diverged
 
 
@@ -265,7 +266,7 @@ def test_a_peer_that_applied_a_step_without_the_one_before_undoes_it_and_replays
     assert conclusions["peer-c"].verdict.consensus.diverged == frozenset({"peer-c"})
     assert conclusions["peer-c"].resync is None and conclusions["peer-c"].caught_up == 2
     assert joiner.rounds_done == states["peer-a"].rounds_done == 3
-    for state in states.values():  # up to the fp16 rounding of the undone and replayed steps
+    for state in states.values():  # up to the float rounding of undoing a step (replays are exact)
         assert (state.anchor - expected.anchor).abs().max() < 1e-5
         assert (state.momentum - expected.momentum).abs().max() < 1e-5
     assert not end_round(states, 5, randn(14, std=1e-3), catching_up=True)["peer-a"].verdict.consensus.diverged
@@ -407,7 +408,8 @@ def test_the_claim_follows_the_anchor():
     after = state.claim()
     assert after.rounds_done == 1
     assert not torch.equal(after.fingerprint.projections, before.fingerprint.projections)
-    assert float(after.scale[0]) == pytest.approx(float(grad[:SIGN_PERIOD].double().square().mean().sqrt()), rel=1e-12)
+    kept = kept_step(grad).float()
+    assert float(after.scale[0]) == pytest.approx(float(kept[:SIGN_PERIOD].double().square().mean().sqrt()), rel=1e-12)
     report = state.claim_message(round=6)
     assert (report.round, report.rounds_done, report.scale) == (6, 1, tuple(after.scale.tolist()))
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from averaging.math.flat import FlatLayout
-from averaging.math.outer_step import anchor_before_step, outer_step_, pseudo_gradient
+from averaging.math.outer_step import FP16_MAX, anchor_before_step, kept_step, outer_step_, pseudo_gradient
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -41,6 +41,28 @@ def test_anchor_before_step_inverts_the_outer_step(nesterov):
     before = anchor_before_step(after, grad, momentum_after, lr=0.7, mu=0.9, nesterov=nesterov)
     assert torch.allclose(before, anchor, rtol=0, atol=1e-12)
     assert not torch.allclose(after, anchor, rtol=0, atol=1e-3)  # the step did move it
+
+
+def test_a_kept_step_is_fp16_clamped_to_its_range():
+    kept = kept_step(torch.tensor([1e6, -1e6, 7e4, -torch.inf, 0.25]))
+    assert kept.dtype == torch.float16 and bool(torch.isfinite(kept).all())  # 7e4 alone would be inf in fp16
+    assert kept.float().tolist() == [FP16_MAX, -FP16_MAX, FP16_MAX, -FP16_MAX, 0.25]
+
+
+def test_a_replay_of_the_kept_step_lands_on_the_same_anchor_bit_for_bit():
+    generator = torch.Generator().manual_seed(7)
+    anchor, momentum = torch.randn(4096, generator=generator), 1e-3 * torch.randn(4096, generator=generator)
+    pseudo_grad = 1e-3 * torch.randn(4096, generator=generator)
+    applied, applied_momentum = anchor.clone(), momentum.clone()  # the peer that took the step
+    kept = kept_step(pseudo_grad)
+    outer_step_(applied, kept.float(), applied_momentum, lr=0.7, mu=0.9)
+    served = torch.frombuffer(bytearray(kept.numpy().tobytes()), dtype=torch.float16)  # as sent to a peer
+    replayed, replayed_momentum = anchor.clone(), momentum.clone()
+    outer_step_(replayed, served.float(), replayed_momentum, lr=0.7, mu=0.9)
+    assert torch.equal(replayed, applied) and torch.equal(replayed_momentum, applied_momentum)
+    raw = anchor.clone()
+    outer_step_(raw, pseudo_grad, momentum.clone(), lr=0.7, mu=0.9)
+    assert not torch.equal(raw, applied)  # the fp32 step itself would not replay exactly
 
 
 def test_pseudo_gradient_is_anchor_minus_params():

@@ -21,7 +21,7 @@ from averaging.engine.loop import RoundEngine
 from averaging.engine.stats import RoundStats
 from averaging.engine.worker import SyncWorker
 from averaging.math.flat import FlatLayout
-from averaging.math.outer_step import OuterConfig, outer_step_
+from averaging.math.outer_step import OuterConfig, kept_step, outer_step_
 from averaging.network.interface import AverageOutcome
 from averaging.network.local import LocalBackend, LocalHub
 from averaging.state.served import AppliedUpdate
@@ -270,12 +270,13 @@ def weighted_mean(sent: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
 
 
 def replay(init: torch.Tensor, peers: list[Peer], groups: dict[int, list[str]]) -> torch.Tensor:
-    """The anchor after the outer steps on the weighted means of what each round's group sent."""
+    """The anchor after the outer steps (as kept: fp16) on the weighted means of what each round's
+    group sent."""
     anchor, momentum = init.clone(), torch.zeros_like(init)
     by_id = {p.id: p for p in peers}
     for round in sorted(groups):
         mean = weighted_mean([by_id[member].backend.sent[round] for member in groups[round]])
-        outer_step_(anchor, mean, momentum, lr=OUTER.lr, mu=OUTER.momentum, nesterov=OUTER.nesterov)
+        outer_step_(anchor, kept_step(mean).float(), momentum, lr=OUTER.lr, mu=OUTER.momentum, nesterov=OUTER.nesterov)
     return anchor
 
 
@@ -362,10 +363,10 @@ def test_the_outer_step_uses_the_token_weighted_mean_of_the_pseudo_gradients(mak
         sent_vector, sent_weight = peer.backend.sent[1]
         assert sent_weight == weights[peer.id]
         assert_close(sent_vector, pseudo_grads[peer.id])
-    mean = sum(pseudo_grads[p] * weights[p] for p in PEERS) / sum(weights.values())
-    # First Nesterov step from zero momentum: anchor - lr * (g + mu * g).
+    mean = kept_step(sum(pseudo_grads[p] * weights[p] for p in PEERS) / sum(weights.values())).float()
+    # First Nesterov step from zero momentum: anchor - lr * (g + mu * g), g the step as kept (fp16).
     expected = init - OUTER.lr * (1 + OUTER.momentum) * mean
-    unweighted = init - OUTER.lr * (1 + OUTER.momentum) * sum(pseudo_grads.values()) / 3
+    unweighted = init - OUTER.lr * (1 + OUTER.momentum) * kept_step(sum(pseudo_grads.values()) / 3).float()
     assert not torch.allclose(expected, unweighted, atol=1e-4)  # the weights matter here
     for peer in peers:
         assert_close(peer.rounds[1].anchor_after, expected)
@@ -467,7 +468,6 @@ def test_blocking_mode_starts_matchmaking_prepare_lead_before_the_deadline(make_
 
 
 # -- a failed round is folded into the next, and the missed outer step replayed -----------------
-CATCH_UP_ATOL = 1e-4  # a replayed step is the fp16 copy of the group's: ~5e-4 relative, on updates of ~0.05
 
 
 def test_a_peer_that_misses_a_round_folds_its_work_into_the_next_and_catches_up(make_swarm):
@@ -511,8 +511,7 @@ def test_a_peer_that_misses_a_round_folds_its_work_into_the_next_and_catches_up(
         assert s.caught_up == (1 if peer is a else 0), s
     anchor_3 = b.rounds[3].anchor_after
     assert torch.equal(c.rounds[3].anchor_after, anchor_3)
-    assert_close(a.rounds[3].anchor_after, anchor_3, atol=CATCH_UP_ATOL)
-    assert not torch.equal(a.rounds[3].anchor_after, anchor_3)  # fp16: close, not identical
+    assert torch.equal(a.rounds[3].anchor_after, anchor_3)  # the step as kept: replayed exactly
     assert a.stats_of(3).rounds_done == b.stats_of(3).rounds_done == 3
     # After the catch-up peer-a's parameters are its anchor plus its steps since the snapshot.
     assert_close(a.rounds[3].params_after,
@@ -522,15 +521,15 @@ def test_a_peer_that_misses_a_round_folds_its_work_into_the_next_and_catches_up(
     groups = {1: list(PEERS), 2: ["peer-b", "peer-c"], 3: list(PEERS), 4: list(PEERS)}
     assert_close(anchor_3, replay(init, peers, {r: groups[r] for r in (1, 2, 3)}))
 
-    # Round 4: back to normal: the replayed step left peer-a within the tolerance of the others.
+    # Round 4: back to normal: the replayed step left peer-a on the very anchor of the others.
     for peer in peers:
         s = peer.stats_of(4)
         assert (s.applied, s.group_size, s.diverged, s.resynced, s.caught_up) == ("averaged", 3, [], False, 0), s
         assert peer.backend.sent[4][1] == s.tokens == (steps_after + steps_before) * peer.tokens
-        assert_close(peer.state.momentum, b.state.momentum, atol=CATCH_UP_ATOL)
+        assert torch.equal(peer.state.momentum, b.state.momentum)
         assert peer.state.rounds_done == peer.state.last_round == 4
     assert torch.equal(c.state.anchor, b.state.anchor)
-    assert_close(a.state.anchor, b.state.anchor, atol=CATCH_UP_ATOL)
+    assert torch.equal(a.state.anchor, b.state.anchor)
     assert_close(b.state.anchor, replay(init, peers, groups), atol=1e-5)
 
 
@@ -544,7 +543,7 @@ def test_a_peer_two_rounds_behind_replays_both_steps(make_swarm):
     assert not any(s.resynced for p in peers for s in p.stats)
     assert a.stats_of(4).rounds_done == b.stats_of(4).rounds_done == 4
     assert b.stats_of(5).diverged == [] and a.stats_of(5).diverged == []
-    assert_close(a.state.anchor, b.state.anchor, atol=CATCH_UP_ATOL)
+    assert torch.equal(a.state.anchor, b.state.anchor)
     groups = {1: list(PEERS), 2: ["peer-b", "peer-c"], 3: ["peer-b", "peer-c"], 4: list(PEERS), 5: list(PEERS)}
     assert_close(b.state.anchor, replay(init, peers, groups), atol=1e-5)
 
@@ -573,7 +572,7 @@ def test_a_partial_average_is_not_applied_and_its_step_is_replayed_without_count
     sent_vector, sent_weight = a.backend.sent[3]
     assert sent_weight == a.stats_of(3).tokens
     assert_close(sent_vector, -(a.rounds[3].work_at_snapshot - a.rounds[2].work_at_snapshot), atol=1e-5)
-    assert_close(a.state.anchor, b.state.anchor, atol=CATCH_UP_ATOL)
+    assert torch.equal(a.state.anchor, b.state.anchor)
     groups = {r: list(PEERS) for r in (1, 2, 3, 4)}
     assert_close(b.state.anchor, replay(init, peers, groups), atol=1e-5)
     assert all(peer.stats_of(4).diverged == [] for peer in peers)
@@ -662,7 +661,7 @@ def test_a_sync_longer_than_a_round_never_stalls_training_nor_forces_a_resync(ma
     anchor = peers[0].state.anchor
     assert not torch.allclose(anchor, init, atol=STEP_SIZE)
     for peer in peers:
-        assert_close(peer.state.anchor, anchor, atol=CATCH_UP_ATOL)
+        assert torch.equal(peer.state.anchor, anchor)
         assert peer.state.rounds_done == peers[0].state.rounds_done
 
 
@@ -694,7 +693,7 @@ def test_a_peer_that_starts_late_in_a_round_stays_out_of_it_and_brings_that_work
         assert [s.caught_up for s in peer.stats] == ([0, 1, 0] if peer is c else [0, 0, 0]), peer.stats
         assert_close(peer.flat_params(), peer.state.anchor, atol=1e-5)  # every step's work is in the anchor
     for peer in (b, c):  # one shared model
-        assert_close(peer.state.anchor, a.state.anchor, atol=CATCH_UP_ATOL)
+        assert torch.equal(peer.state.anchor, a.state.anchor)
 
 
 @pytest.mark.parametrize("c_steps", [1, 5], ids=["sliver", "full-round"])
@@ -728,7 +727,7 @@ def test_a_blocking_peer_that_starts_late_stays_out_unless_it_did_its_inner_step
             assert peer.stats_of(round).group == list(PEERS), (peer.id, peer.stats_of(round))
         assert not any(s.resynced for s in peer.stats), peer.stats
     for peer in (b, c):
-        assert_close(peer.state.anchor, a.state.anchor, atol=CATCH_UP_ATOL)
+        assert torch.equal(peer.state.anchor, a.state.anchor)
 
 
 def test_peers_agree_on_the_sync_period_from_everyones_lateness(make_swarm):

@@ -19,7 +19,6 @@ from protocols.progress import (
     ProgressRecord,
     SwarmSummary,
     SwarmThroughput,
-    before_first_step,
     decode,
     encode,
     peer_id_from_subkey,
@@ -323,13 +322,3 @@ def test_the_progress_key_count_round_trips_and_a_bad_one_is_refused():
         value = {**encode(newer), "progress_shards": bad}
         with pytest.raises(MessageError, match="progress_shards"):
             decode(ED25519_ID, value)
-
-
-def test_a_swarm_is_before_its_first_step_only_in_its_first_round_and_if_every_record_says_so():
-    fresh = [record(rounds_done=0), record(RSA_ID, rounds_done=0)]
-    assert before_first_step(fresh, first_round_left_s=8.0)
-    assert before_first_step(fresh, first_round_left_s=0.5)  # late in round 1: a missed lone step is replayed
-    assert not before_first_step(fresh, first_round_left_s=-4.0)  # round 2: a record may predate its peer's first step
-    assert not before_first_step([*fresh, record("12D3KooWB", rounds_done=1)], first_round_left_s=8.0)  # one that stepped
-    assert not before_first_step([*fresh, record("12D3KooWB")], first_round_left_s=8.0)  # an older peer does not say
-    assert not before_first_step([], first_round_left_s=8.0)  # nobody to ask

@@ -83,6 +83,7 @@ PROTOCOL_RULES: dict[str, tuple[str, ...]] = {
         "averaging.state.accept:MAX_AVERAGE_TO_LOCAL_RATIO", "averaging.state.accept:MAX_CLAIMED_SCALE_RATIO",
         "averaging.state.accept:MAX_CATCH_UP_TO_LAST_RATIO", "averaging.state.accept:MAX_MOMENTUM_TO_STEP_RATIO",
         "averaging.state.shared_state:HISTORY_ROUNDS", "averaging.state.served:STATE_VERSION",
+        "averaging.math.outer_step:kept_step",
         "averaging.engine.subgroups:ESTIMATE_SLACK", "averaging.engine.subgroups:STEP_SLACK",
         "averaging.engine.subgroups:state_problem", "averaging.engine.subgroups:group_rounds_done",
         "averaging.network.slices:slice_bounds", "averaging.network.slices:slice_alignment",
@@ -136,7 +137,7 @@ GROUP_RULES: tuple[str, ...] = (
 # PROTOCOL_VERSION -> {part: fingerprint}
 PROTOCOL_FINGERPRINTS: dict[int, dict[str, str]] = {
     6: {"fingerprint": "a11ed49042c2f057", "far rule": "f084301e951362a3", "lattice": "55be0abb80abab23",
-        "codecs": "b52784ae1f9ae618", "robust": "50d021e6c96ce060", "state": "44fa192a03bd1b85",
+        "codecs": "b52784ae1f9ae618", "robust": "50d021e6c96ce060", "state": "75044441c77a6f9d",
         "messages": "2810d9ca05ad3abf", "records": "93fb66f5631a10ee"},
 }
 # (PROTOCOL_VERSION, groups.RULE) -> fingerprint

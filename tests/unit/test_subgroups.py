@@ -29,7 +29,7 @@ from averaging.math.fingerprints import AnchorClaim, claim_of, far_members, fing
 from averaging.math.flat import FlatLayout
 from averaging.math.group_view import group_view
 from averaging.math.groups import members
-from averaging.math.outer_step import OuterConfig, outer_step_
+from averaging.math.outer_step import OuterConfig, kept_step, outer_step_
 from averaging.math.wire import LATTICE_CODE, MIX_CODE
 from averaging.network.interface import AverageOutcome
 from averaging.network.local import LocalBackend, LocalHub
@@ -179,8 +179,8 @@ def test_each_group_averages_its_members_state_and_every_member_ends_with_the_sa
                 assert torch.equal(extra[numel:], by_id[p]["rounds"][round]["before"][1])
             anchor = weighted_mean([e[:numel] for _, e, _ in sent], weights)
             momentum = weighted_mean([e[numel:] for _, e, _ in sent], weights)
-            outer_step_(anchor, weighted_mean([g for g, _, _ in sent], weights), momentum, lr=OUTER.lr,
-                        mu=OUTER.momentum, nesterov=OUTER.nesterov)
+            step = kept_step(weighted_mean([g for g, _, _ in sent], weights)).float()
+            outer_step_(anchor, step, momentum, lr=OUTER.lr, mu=OUTER.momentum, nesterov=OUTER.nesterov)
             for p in ids:
                 after = by_id[p]["rounds"][round]
                 assert torch.allclose(after["anchor"], anchor, rtol=0, atol=1e-6), (round, p)
