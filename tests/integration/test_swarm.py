@@ -198,11 +198,10 @@ def test_three_peers_train_one_model(swarm, compression, returns, request):
     # error e in one round moves the anchor by lr/(1-mu) * e (2e at 1.0 / 0.5) in total: over the common rounds
     # far below 1% of how far the anchor moved from its init. With int4 returns every peer gets
     # the same quantized average, so they differ only by the fp32 rounding of local + (avg - local)
-    # (2^-24 relative): a thousand times tighter still. A failed part (a peer keeping its own
-    # pseudo-gradient) would be of the order of the anchor's movement. A peer that replayed an outer
-    # step from the group's history (a joiner whose donors had not applied it yet) replayed its fp16
-    # copy: each such step adds up to lr/(1-mu) x 2^-11 of one step, which is at most the whole movement.
-    replayed = {name: sum(record["caught_up"] for record in rounds.values()) for name, rounds in per_peer.items()}
+    # (2^-24 relative), which the step kept in fp16 hides except where it straddles an fp16 rounding
+    # boundary (about 2^-13 of the values, by 2^-11): under 2^-17 of a step in RMS. A failed part (a
+    # peer keeping its own pseudo-gradient) would be of the order of the anchor's movement. A step
+    # replayed from a donor's history (a joiner's, or one a member missed) is the step kept: exact.
     # A member that did not apply the last round's average (it found no group, or got part of it
     # back) replays that step only after the run ends: compare at the round before.
     compared = last - 1 if any(rounds[last]["applied"] != "averaged" for rounds in per_peer.values()) else last
@@ -217,15 +216,20 @@ def test_three_peers_train_one_model(swarm, compression, returns, request):
         anchors[peer.name] = anchor_at(peer, compared)
     moved = (anchors["a"] - init).square().mean().sqrt()
     gain = config.outer.lr / (1 - config.outer.momentum)
-    bound = gain * 2 * (FP16_UNIT_ROUNDOFF if wire.return_code == "fp16" else 2**-20) * len(common)
+    pair_bound = gain * 2 * (FP16_UNIT_ROUNDOFF if wire.return_code == "fp16" else 2**-17) * len(common)
     for x, y in itertools.combinations(anchors, 2):
-        pair_bound = bound + gain * FP16_UNIT_ROUNDOFF * (replayed[x] + replayed[y])
         rms_diff = (anchors[x] - anchors[y]).square().mean().sqrt()
         print(f"anchors {x}-{y}: rms diff {rms_diff:.3e}, max diff {(anchors[x] - anchors[y]).abs().max():.3e}, "
-              f"anchor moved {moved:.3e} (ratio {rms_diff / moved:.2e}, bound {pair_bound:.2e}, "
-              f"steps replayed {replayed[x]} + {replayed[y]})")
-        assert rms_diff <= pair_bound * moved, (x, y, float(rms_diff), float(moved), replayed)
+              f"anchor moved {moved:.3e} (ratio {rms_diff / moved:.2e}, bound {pair_bound:.2e})")
+        assert rms_diff <= pair_bound * moved, (x, y, float(rms_diff), float(moved))
         assert rms_diff < 1e-3, (x, y, float(rms_diff))  # the noise is ~1e-4 here; a failed part ~1e-2
+    # Average returns give every member the same average, and every step is applied as it is kept:
+    # the joiners (from the initial weights, or replaying the organiser's first steps at join) hold
+    # the organiser's anchor exactly. A catch-up in a round may first undo a step (not exact): with
+    # one, or a re-sync, the bound above is the check.
+    undone = any(r["caught_up"] or r["resynced"] for rounds in per_peer.values() for r in rounds.values())
+    if wire.return_code != "fp16" and not undone:
+        assert all(torch.equal(anchors["a"], anchors[name]) for name in ("b", "c")), "the anchors differ"
 
     # `shoal export` writes the swarm's model in the Hugging Face format: transformers loads it with
     # its tokenizer, gives the logits shoal's own model gives on the same input, and generates.
