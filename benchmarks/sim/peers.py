@@ -31,13 +31,15 @@ def setup(config_path: str, rounds: int, overrides: dict | None = None) -> None:
                 evals=eval_batches(split.eval, config.model.seq_len, config.data.batch_size, config.train.eval_batches))
 
 
-def samplers(seed: int, peers: int, stripe_bytes: int) -> list[BatchSampler]:
-    """Per rank: the whole corpus (``stripe_bytes`` 0), or shard ``rank`` of ``data.num_shards`` cut in
-    stripes of that size, as a swarm's peers draw (a stripe past the corpus makes contiguous shards)."""
+def samplers(seed: int, peers: int, stripe_bytes: int, num_shards: int | None = None) -> list[BatchSampler]:
+    """Per rank: the whole corpus (``stripe_bytes`` 0), or shard ``rank`` of ``num_shards`` (default
+    ``data.num_shards``) cut in stripes of that size, as a swarm's peers draw (a stripe past the corpus
+    makes contiguous shards)."""
     c, split = DATA["config"], DATA["split"]
+    shards = num_shards or c.data.num_shards
     return [BatchSampler(split.tokens, c.model.seq_len, c.data.batch_size, seed=[seed, rank], held_out=split.held_out,
-                         ranges=shard_ranges(len(split.tokens), c.data.num_shards, rank % c.data.num_shards,
-                                             stripe_bytes) if stripe_bytes else None)
+                         ranges=shard_ranges(len(split.tokens), shards, rank % shards, stripe_bytes)
+                         if stripe_bytes else None)
             for rank in range(peers)]
 
 

@@ -43,7 +43,8 @@ correction is merged with ``averaging.math.merge.apply_correction_``. Rules only
   outer momentum linearly from 0 over the first 10% of rounds;
 - ``+norm`` gives each part of the average the token-weighted mean of its senders' norms
   (the average's direction, the members' length: ``benchmarks.sim.rules.keep_norm``, what a
-  reducer can do alone); ``+nowork`` judges parts in the centered clip against each other (the
+  reducer can do alone); ``+shards`` gives peer i shard i of the node's default 16 (stripes of
+  64 KiB, as nodes draw) instead of the whole corpus, ``+shardsN`` in stripes of N bytes; ``+nowork`` judges parts in the centered clip against each other (the
   rule before CenteredClip judged a part by its sender's work); ``+mean`` aggregates with a plain weighted mean.
 
 ``--group-sizes G``: round-seeded sub-groups of at most G peers (``averaging.math.groups``) that average
@@ -85,6 +86,7 @@ from benchmarks.common.results import CONFIGS, RESULTS, command_line, setting, s
 from benchmarks.sim import peers as sim
 from benchmarks.sim.rules import eager_jump, landing_correction, stand_in
 from benchmarks.sim.swarm import SimPeer, SimSwarm, aggregate
+from node.training.data import DataConfig
 from node.training.trainer import Trainer, inner_lr
 
 
@@ -137,7 +139,10 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
     wire = WireFormat.of(compression)
     config = robust.RobustConfig(aggregation="mean" if "mean" in flags else "centered_clip")
     trainers = [sim.trainer(seed, lr, rounds, "muon" if "muon" in flags else "adamw") for _ in steps]
-    samplers = sim.samplers(seed, len(steps), 0)  # every peer draws from the whole corpus
+    # every peer draws from the whole corpus, or (+shards) from shard i of the node's default shards
+    stripe = int(next((f[6:] for f in flags if f.startswith("shards") and f[6:]), DataConfig().shard_stripe_bytes))
+    samplers = sim.samplers(seed, len(steps), stripe if any(f.startswith("shards") for f in flags) else 0,
+                            num_shards=DataConfig().num_shards)
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
     reduce = partial(aggregate, config=config, work_scaled="nowork" not in flags, norm="norm" in flags)
