@@ -174,7 +174,9 @@ class RoundEngine:
         not have stepped yet). The steps replayed (0: none has stepped), or None when fewer than
         ``at_least`` came in order (then download)."""
         updates = self.clock.wait(self.worker.submit(self._history, list(donors)[:REPLAY_DONORS]))
-        if len(updates) < at_least or not self.state.catch_up(updates, None):
+        newest = newest_round(self._schedule(), self.clock.now())  # a donor's claimed round is its own word
+        if (len(updates) < at_least or any(u.round > newest for u in updates)
+                or not self.state.catch_up(updates, None)):
             return None
         self.load_anchor_into_params()
         return len(updates)

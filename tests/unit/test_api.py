@@ -173,6 +173,24 @@ def test_a_joiner_of_a_young_run_replays_its_steps_exactly_and_downloads_only_an
             peer.close()
 
 
+def test_a_joiner_downloads_instead_of_replaying_a_step_from_a_round_not_yet_reached():
+    # A donor's step carries the round it ended, the donor's own word: one the schedule has not
+    # reached is refused, and the joiner takes the state by download (checked like any download).
+    hub = LocalSwarmHub()
+    first = swarm(hub, "first", rounds=RoundConfig(seconds=600.0))
+    joiner = swarm(hub, "joiner", rounds=RoundConfig(seconds=600.0), initial_peers=["first"])
+    downloads = []
+    joiner._loop.initial_sync = lambda *args, **kwargs: downloads.append(args)
+    try:
+        first._shared.apply(torch.full_like(first._shared.anchor, 0.01), round=1_000)
+        first._monitor.tick()
+        joiner.start()
+        assert len(downloads) == 1 and joiner.rounds_done == 0
+    finally:
+        for peer in (joiner, first):
+            peer.close()
+
+
 def test_a_joiner_serves_its_state_only_once_it_has_joined():
     # Until its own join is done a joiner holds the run's initial weights; served, they would count
     # as a vote against the donors that hold the swarm's state (test_donor_limits has the vote).
