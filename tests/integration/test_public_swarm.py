@@ -81,7 +81,10 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, requ
     def averaged_together(peer) -> list[int]:
         return [r["round"] for r in records(peer, "round") if r["applied"] == "averaged" and r["group_size"] == 2]
 
-    wait_until(lambda: len(averaged_together(a)) >= 2, 120, "a and b never averaged together")
+    # ... and the blocking checks below have a round they both averaged with every step (under load a
+    # round can end partial, or be skipped when a step ran past its end: the wait is for that event).
+    wait_until(lambda: len(averaged_together(a)) >= 2 and full_rounds(a, b), 150,
+               "a and b never averaged a full blocking round together")
     try:
         out, err = refused.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -183,7 +186,7 @@ def check_blocking_rounds(a, b) -> None:
     it, the loop idles until the deadline and then waits for the all-reduce, and the averaged inner
     moments both saved agree within bf16's precision."""
     rounds = [{r["round"]: r for r in records(peer, "round")} for peer in (a, b)]
-    shared = sorted(rounds[0].keys() & rounds[1].keys())[1:]
+    shared = shared_rounds(rounds)
     for r in shared:
         for record in (rounds[0][r], rounds[1][r]):
             # Blocking mode waits after the deadline, inside the next round's wall clock: under load
@@ -194,8 +197,7 @@ def check_blocking_rounds(a, b) -> None:
             elif not is_partial(record):
                 assert record["group_size"] == 2 and record["applied"] == "averaged", (record["error"], record)
                 assert record["wait_s"] > 0.2 * record["wall_s"] and record["wait_s"] >= record["sync_s"] * 0.9, record
-    both = [r for r in shared if rounds[0][r]["applied"] == rounds[1][r]["applied"] == "averaged"
-            and rounds[0][r]["inner_steps"] == rounds[1][r]["inner_steps"] == INNER_STEPS]
+    both = full_rounds(a, b)
     assert both, [(r, rounds[0][r]["error"], rounds[1][r]["error"]) for r in shared]
     assert torch.allclose(anchor_at(a, both[-1]), anchor_at(b, both[-1]), atol=1e-3)
     # (an early round: the last one's directory may hold the final save, made after more steps)
@@ -207,3 +209,15 @@ def check_blocking_rounds(a, b) -> None:
     for key in squares + [k.replace("exp_avg_sq", "exp_avg") for k in squares]:
         x, y = moments[0][key], moments[1][key]
         assert float((x - y).abs().max()) <= 2**-6 * float(x.abs().max()), (key, float((x - y).abs().max()))
+
+
+def shared_rounds(rounds: list[dict[int, dict]]) -> list[int]:
+    """The rounds both peers recorded, from the second (the first may be partial)."""
+    return sorted(rounds[0].keys() & rounds[1].keys())[1:]
+
+
+def full_rounds(a, b) -> list[int]:
+    """Those of the shared rounds that both averaged with their fixed steps."""
+    rounds = [{r["round"]: r for r in records(peer, "round")} for peer in (a, b)]
+    return [r for r in shared_rounds(rounds) if rounds[0][r]["applied"] == rounds[1][r]["applied"] == "averaged"
+            and rounds[0][r]["inner_steps"] == rounds[1][r]["inner_steps"] == INNER_STEPS]
