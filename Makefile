@@ -14,7 +14,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check node protocols averaging tests examples benchmarks scripts
-	bash scripts/test.sh $(PY)
+	$(PY) -m pytest tests
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit

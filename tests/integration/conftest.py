@@ -13,12 +13,6 @@ from examples.swarm_launcher import kill_process_group, session_members
 from tests.integration.swarm import REPO, fresh_swarm, shoal_command
 
 
-def pytest_collection_modifyitems(items):
-    """The light tests first: they take about a core, as the unit tests that ``make test`` runs beside
-    them do (scripts/test.sh); the training swarms after, with the cores to themselves."""
-    items.sort(key=lambda item: item.get_closest_marker("light") is None)  # stable
-
-
 @pytest.fixture
 def swarm():
     with fresh_swarm() as swarm:

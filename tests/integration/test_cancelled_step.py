@@ -23,7 +23,7 @@ from averaging.math.wire import WireFormat
 from averaging.network.hivemind.backend import HivemindBackend
 from tests.integration.averagers import loopback_averagers
 
-pytestmark = [pytest.mark.integration, pytest.mark.light]
+pytestmark = pytest.mark.integration
 
 NUMEL = 4096
 ALLREDUCE_TIMEOUT = 40.0  # registration wait and sender timeout: 16 s

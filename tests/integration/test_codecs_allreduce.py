@@ -28,7 +28,7 @@ from averaging.network.hivemind.codecs import ReturnCodec, ShoalCodec
 from averaging.network.hivemind.parts import balanced_part_size
 from tests.integration.averagers import loopback_averagers
 
-pytestmark = [pytest.mark.integration, pytest.mark.light]
+pytestmark = pytest.mark.integration
 
 NUMEL = 30_000
 PEERS = 3

@@ -28,7 +28,7 @@ from averaging.state.served import AppliedUpdate
 from protocols.state_slices import encode_slice_request
 from tests.integration.averagers import loopback_averagers
 
-pytestmark = [pytest.mark.integration, pytest.mark.light]
+pytestmark = pytest.mark.integration
 
 NUMEL = 50_000
 COUNT = 4

@@ -32,7 +32,7 @@ from averaging.math.wire import MIX_CODE, WireFormat, mix_code
 from averaging.network.hivemind.backend import HivemindBackend
 from tests.integration.averagers import group_backends, group_round, loopback_averagers, stepped_states
 
-pytestmark = [pytest.mark.integration, pytest.mark.light]
+pytestmark = pytest.mark.integration
 
 NUMEL, EXTRA = 24_000, 40_000
 WEIGHTS = (1.0, 2.0, 0.5)

@@ -18,7 +18,7 @@ from averaging.math.fingerprints import claim_of, far_members, momentum_of
 from averaging.math.wire import LATTICE_CODE, WireFormat
 from tests.integration.averagers import group_backends, group_round, stepped_states
 
-pytestmark = [pytest.mark.integration, pytest.mark.light]
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(150)

@@ -23,7 +23,7 @@ from averaging.state.served import AppliedUpdate
 from protocols.admission import admission_key
 from tests.integration.averagers import loopback_averagers
 
-pytestmark = [pytest.mark.integration, pytest.mark.light]
+pytestmark = pytest.mark.integration
 
 NUMEL = 10_000
 KEY = admission_key(b"our private swarm")

@@ -24,7 +24,7 @@ from tests.integration import hostile_peer
 from tests.integration.averagers import loopback_averagers
 from tests.integration.hostile_peer import ATTACK, HostileBackend
 
-pytestmark = [pytest.mark.integration, pytest.mark.light]
+pytestmark = pytest.mark.integration
 
 NUMEL = 4 * 262_144  # fp16 parts of 512 KiB: four parts, one per reducer
 HONEST = 3

@@ -23,7 +23,7 @@ from averaging.network.hivemind.averager import ShoalAverager
 from averaging.network.hivemind.backend import HivemindBackend
 from tests.integration.averagers import loopback_averagers
 
-pytestmark = [pytest.mark.integration, pytest.mark.light]
+pytestmark = pytest.mark.integration
 
 NUMEL = 4096
 
