@@ -55,9 +55,13 @@ class LineageWatch:
         """Our outer steps since the last whole round, given ``rounds_done`` now."""
         return 0 if self._whole_rounds_done is None else max(0, rounds_done - self._whole_rounds_done)
 
-    def observe(self, *, group: Collection[str], rounds_done: int, tokens: float) -> None:
+    def observe(self, *, group: Collection[str], rounds_done: int, tokens: float, partial: bool = False) -> None:
         """After each round: its group (empty: none), our outer steps after it, and our ``tokens``
-        that reached our anchor (0 when our work was folded or the anchor replaced)."""
+        that reached our anchor (0 when our work was folded or the anchor replaced). A ``partial``
+        round met nobody for good and counts neither way: after a split, the halves' first group can
+        come back partial, and counted whole it would hide the reunion the next round re-syncs in."""
+        if partial:
+            return
         size = max(1, len(group))
         self._sizes.append(size)
         if size >= max(self._sizes):

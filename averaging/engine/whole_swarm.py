@@ -144,8 +144,8 @@ class WholeSwarm:
                 logger.info(f"round {round}: a reunion: the {ending.lineage_merged} outer step(s) our side took "
                             "apart are merged into the group's anchor through our next contribution")
         reached = conclusion.applied in (Applied.AVERAGED, Applied.LOCAL) and not resynced
-        self.lineage.observe(group=outcome.group if outcome.ok or outcome.partial else (),
-                             rounds_done=self.state.rounds_done, tokens=weight if reached else 0.0)
+        self.lineage.observe(group=outcome.group if outcome.ok else (), rounds_done=self.state.rounds_done,
+                             tokens=weight if reached else 0.0, partial=outcome.partial > 0 and not outcome.ok)
         return tokens or 0.0
 
     def _report_divergence(self, round: int, verdict: Verdict | None) -> None:

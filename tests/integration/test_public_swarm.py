@@ -200,8 +200,7 @@ def check_blocking_rounds(a, b) -> None:
     both = full_rounds(a, b)
     assert both, [(r, rounds[0][r]["error"], rounds[1][r]["error"]) for r in shared]
     assert torch.allclose(anchor_at(a, both[-1]), anchor_at(b, both[-1]), atol=1e-3)
-    # (an early round: the last one's directory may hold the final save, made after more steps)
-    moments = [load_checkpoint(p.checkpoint_dir / round_dir_name(both[0])).local_state for p in (a, b)]
+    moments = [load_checkpoint(p.checkpoint_dir / round_dir_name(both[-1])).local_state for p in (a, b)]
     squares = [k for k in moments[0] if k.endswith(".exp_avg_sq")]
     assert squares and all(k in moments[1] for k in squares), sorted(moments[0])[:4]
     # fp16 sends take hivemind's path: each member gets its own bf16 delta, avg - own, rounded;
@@ -217,7 +216,10 @@ def shared_rounds(rounds: list[dict[int, dict]]) -> list[int]:
 
 
 def full_rounds(a, b) -> list[int]:
-    """Those of the shared rounds that both averaged with their fixed steps."""
+    """Those of the shared rounds that both averaged with their fixed steps, and that each peer
+    averaged a later round after: the save at Ctrl+C goes to the last averaged round's directory,
+    with the moments of the steps since, so only such a round's checkpoint holds the landed mean."""
     rounds = [{r["round"]: r for r in records(peer, "round")} for peer in (a, b)]
-    return [r for r in shared_rounds(rounds) if rounds[0][r]["applied"] == rounds[1][r]["applied"] == "averaged"
+    last = min(max((r for r, x in per.items() if x["applied"] == "averaged"), default=0) for per in rounds)
+    return [r for r in shared_rounds(rounds) if r < last and rounds[0][r]["applied"] == rounds[1][r]["applied"] == "averaged"
             and rounds[0][r]["inner_steps"] == rounds[1][r]["inner_steps"] == INNER_STEPS]

@@ -109,3 +109,13 @@ def test_tokens_count_only_rounds_whose_work_reached_our_anchor():
     watch.observe(group=US, rounds_done=2, tokens=100)
     watch.observe(group=(), rounds_done=2, tokens=0)  # a folded round: its work rides on the next
     assert watch.reunion(group_size=4, others=stepped(OTHERS), rounds_done=2) == 100.0
+
+
+def test_a_partial_first_meeting_after_a_split_leaves_the_reunion_to_the_next_round():
+    """Under load the halves' first group of four can come back partial (no verdict, no re-sync):
+    it is no whole round, so the round that re-syncs still merges our side's steps."""
+    watch = LineageWatch()
+    done = split_then_apart(watch, 2)
+    watch.observe(group=OTHERS + US, rounds_done=done, tokens=0, partial=True)
+    assert watch.reunion(group_size=4, others=stepped(OTHERS), rounds_done=done) == 200.0
+    assert watch.steps_apart(done) == 2
