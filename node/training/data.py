@@ -57,9 +57,10 @@ class DataConfig:
     """Cap on the held-out split, so big corpora do not waste training text."""
     num_shards: int = 16
     """The train split is cut into this many disjoint shards; each peer trains on one."""
-    shard_stripe_bytes: int = 65536
+    shard_stripe_bytes: int = 4096
     """A shard is every ``num_shards``-th stripe of this many bytes, so each shard samples the whole
-    corpus (source and docs alike) instead of one contiguous stretch of it."""
+    corpus (source and docs alike) instead of one contiguous stretch of it; 4 KiB beat 64 KiB on
+    every paired seed of the real swarm (docs/benchmarks.md, Data shards). Above seq_len + 1."""
     batch_size: int = 16
     """Sequences per training batch."""
     heterogeneous: bool = False
@@ -377,7 +378,7 @@ class BatchSampler:
             size = sum(hi - lo for lo, hi in ranges)
             raise ConfigError(
                 f"shard has {size} bytes, but no stretch of seq_len+1 = {window} training bytes in a row between "
-                "held-out blocks; use fewer data.num_shards or more data"
+                "held-out blocks; use a data.shard_stripe_bytes above it, fewer data.num_shards or more data"
             )
         self.ranges = np.asarray(usable, dtype=np.int64)
         room = self.ranges[:, 1] - self.ranges[:, 0] - self.seq_len  # window starts per range

@@ -30,7 +30,13 @@ from averaging.math.groups import group_key_bits
 from averaging.math.robust import RobustConfig
 from averaging.math.wire import MIX_CODE, WireFormat, mix_code
 from averaging.network.hivemind.backend import HivemindBackend
-from tests.integration.averagers import group_backends, group_round, loopback_averagers, stepped_states
+from tests.integration.averagers import (
+    ALLREDUCE_S,
+    group_backends,
+    group_round,
+    loopback_averagers,
+    stepped_states,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -48,10 +54,10 @@ def payloads(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def one_round(backends: list[HivemindBackend], vectors: list[torch.Tensor], extras: list[torch.Tensor], round: int):
     scheduled = time.time() + 3.0
-    for backend in backends:
-        backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round}, timeout=20.0)
+    for backend in backends:  # a failed round fails in ALLREDUCE_S, so a replay costs about that
+        backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round}, timeout=ALLREDUCE_S)
     with ThreadPoolExecutor(len(backends)) as pool:
-        return list(pool.map(lambda i: backends[i].average(vectors[i], weight=WEIGHTS[i], timeout=40.0, round=round,
+        return list(pool.map(lambda i: backends[i].average(vectors[i], weight=WEIGHTS[i], timeout=2 * ALLREDUCE_S, round=round,
                                                             extra=extras[i]), range(len(backends))))
 
 
@@ -123,12 +129,12 @@ def test_sub_groups_meet_apart_and_each_averages_its_members_anchors_in_fp16():
             vectors, outs = [g.clone() for g in grads], [s.clone() for s in states]
             scheduled = time.time() + 3.0
             for i, backend in enumerate(backends):
-                backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round}, timeout=20.0,
+                backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round}, timeout=ALLREDUCE_S,
                                 key_bits=group_key_bits(round, group[i], 2))
             with ThreadPoolExecutor(peers) as pool:
                 outcomes = list(pool.map(
                     lambda i, vectors=vectors, outs=outs, round=round: backends[i].average(
-                        vectors[i], weight=weights[i], timeout=40.0, round=round, extra=outs[i]), range(peers)))
+                        vectors[i], weight=weights[i], timeout=2 * ALLREDUCE_S, round=round, extra=outs[i]), range(peers)))
             if all(outcome.ok for outcome in outcomes):
                 break
     assert all(outcome.ok and len(outcome.group) == 2 for outcome in outcomes), outcomes

@@ -173,7 +173,7 @@ def test_shared_fields_cover_the_sections_peers_must_agree_on():
 @pytest.mark.parametrize(
     "change",
     [{"inner.lr": 1e-3}, {"model.n_layer": 3}, {"outer.momentum": 0.8}, {"round.seconds": 11.0},
-     {"data.batch_size": 8}, {"outer.nesterov": False}, {"data.shard_stripe_bytes": 4096}],
+     {"data.batch_size": 8}, {"outer.nesterov": False}, {"data.shard_stripe_bytes": 65536}],
 )
 def test_config_hash_changes_with_a_shared_field(change):
     base = fields_hash(shared_fields(load_config(TINY)))
