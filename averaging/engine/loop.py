@@ -44,7 +44,7 @@ from averaging.math.outer_step import OuterConfig
 from averaging.math.wire import WireFormat
 from averaging.network.interface import Progress
 from averaging.state import accept
-from averaging.state.served import AppliedUpdate, DownloadedState
+from averaging.state.served import DownloadedState
 from averaging.state.shared_state import HISTORY_KEPT, SharedState
 from averaging.state.verdict import Applied
 from protocols.schedule import RoundSchedule
@@ -80,8 +80,8 @@ class RoundEngine:
         self.clock = clock  # read on both threads (see Clock)
         self.policy = JoinPolicy(config, schedule, swarm_lateness)
         wire = wire or WireFormat()
-        recovery = Recovery(state=state, backend=worker.backend, schedule=schedule, clock=clock,
-                            download_timeout=config.download_timeout)
+        self._recovery = recovery = Recovery(state=state, backend=worker.backend, schedule=schedule, clock=clock,
+                                             download_timeout=config.download_timeout)
         common = dict(state=state, outer=outer or state.config, wire=wire, recovery=recovery, peer_id=peer_id,
                       alone=alone)
         kind = SubGroups(mixing=mixing, **common) if mixing is not None else WholeSwarm(**common)
@@ -173,24 +173,15 @@ class RoundEngine:
         steps it took). Each step comes from the first of the first donors that holds it (one may
         not have stepped yet). The steps replayed (0: none has stepped), or None when fewer than
         ``at_least`` came in order (then download)."""
-        updates = self.clock.wait(self.worker.submit(self._history, list(donors)[:REPLAY_DONORS]))
+        # (on the worker thread, as every fetch)
+        updates = self.clock.wait(self.worker.submit(self._recovery.fetch_steps, list(donors)[:REPLAY_DONORS],
+                                                     first=0, count=HISTORY_KEPT))
         newest = newest_round(self._schedule(), self.clock.now())  # a donor's claimed round is its own word
         if (len(updates) < at_least or any(u.round > newest for u in updates)
                 or not self.state.catch_up(updates, None)):
             return None
         self.load_anchor_into_params()
         return len(updates)
-
-    def _history(self, donors: list[str]) -> list[AppliedUpdate]:
-        """The run's outer steps from the first on, as many as ``donors`` still hold (worker thread)."""
-        updates: list[AppliedUpdate] = []
-        while len(updates) < HISTORY_KEPT:
-            update = self.worker.backend.fetch_update(donors, rounds_done=len(updates), numel=self.layout.numel,
-                                                      timeout=self.config.download_timeout)
-            if update is None:
-                break
-            updates.append(update)
-        return updates
 
     def resume(self, state: DownloadedState) -> int:
         """Start from a saved shared state (a checkpoint): validated like a download."""

@@ -55,17 +55,13 @@ class Recovery:
     def catch_up(self, plan: CatchUp, *, round: int, work_rms: float = 0.0) -> bool:
         """Replay ``plan.steps`` fetched from its donors after undoing our last ``plan.rewind``
         (``SharedState.catch_up``); ``work_rms``: our own pseudo-gradient's RMS, a size bound."""
-        updates: list[AppliedUpdate] = []
         first = self.state.rounds_done - plan.rewind
         donors = list(plan.donors)
-        for rounds_done in range(first, first + plan.steps):
-            update = self.backend.fetch_update(donors, rounds_done=rounds_done, numel=self.state.layout.numel,
-                                               timeout=self.download_timeout)
-            if update is None:
-                logger.warning(f"round {round}: no peer of {donors} could send outer step {rounds_done + 1}; "
-                               "not caught up")
-                return False
-            updates.append(update)
+        updates = self.fetch_steps(donors, first=first, count=plan.steps)
+        if len(updates) < plan.steps:
+            logger.warning(f"round {round}: no peer of {donors} could send outer step {first + len(updates) + 1}; "
+                           "not caught up")
+            return False
         undone = f" after undoing our last {plan.rewind}" if plan.rewind else ""
         if not self.state.catch_up(updates, plan.reference, rewind=plan.rewind, work_rms=work_rms):
             logger.warning(f"round {round}: replaying {plan.steps} missed outer step(s){undone} did not reach the "
@@ -74,6 +70,18 @@ class Recovery:
         if plan.steps:
             logger.info(f"round {round}: caught up with {plan.steps} missed outer step(s){undone} from {donors}")
         return True
+
+    def fetch_steps(self, donors: list[str], *, first: int, count: int) -> list[AppliedUpdate]:
+        """The outer steps after ``first`` .. ``first + count - 1`` of them, in order, each from the
+        first of ``donors`` that holds it, up to the first that none holds."""
+        updates: list[AppliedUpdate] = []
+        for rounds_done in range(first, first + count):
+            update = self.backend.fetch_update(donors, rounds_done=rounds_done, numel=self.state.layout.numel,
+                                               timeout=self.download_timeout)
+            if update is None:
+                break
+            updates.append(update)
+        return updates
 
     def resync(self, round: int, resync: Resync, step: torch.Tensor | None) -> bool:
         """Our anchor disagrees with the group's: take the state of a peer that agrees. ``step``:

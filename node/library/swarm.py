@@ -497,9 +497,9 @@ class DiLoCoSwarm:
         steps = self._loop.join_by_replay(donors, at_least=max(claimed))
         if steps is None:
             return None
-        if steps == 0 and self._monitor.schedule.round_end(1) <= self._directory.now():
-            return None  # past round 1 "no step" may be a donor that could not answer in time: download
         if steps == 0:
+            if self._monitor.schedule.round_end(1) <= self._directory.now():
+                return None  # past round 1 "no step" may be a donor that could not answer in time: download
             logger.info("the swarm has not applied an outer step yet: starting from the run's initial weights, "
                         "as every peer does (nothing to download)")
             return {}
