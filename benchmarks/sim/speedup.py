@@ -43,8 +43,10 @@ correction is merged with ``averaging.math.merge.apply_correction_``. Rules only
   outer momentum linearly from 0 over the first 10% of rounds;
 - ``+norm`` gives each part of the average the token-weighted mean of its senders' norms
   (the average's direction, the members' length: ``benchmarks.sim.rules.keep_norm``, what a
-  reducer can do alone); ``+shards`` gives peer i shard i of the node's default 16 (stripes of
-  64 KiB, as nodes draw) instead of the whole corpus, ``+shardsN`` in stripes of N bytes; ``+nowork`` judges parts in the centered clip against each other (the
+  reducer can do alone); ``+shards`` gives peer i shard i of the node's default 16, in the node's
+  default stripes (``data.shard_stripe_bytes``: 4 KiB; 64 KiB before, as speedup_shards.md ran:
+  ``+shards65536``), instead of the whole corpus, ``+shardsN`` in stripes of N bytes; ``+nowork``
+  judges parts in the centered clip against each other (the
   rule before CenteredClip judged a part by its sender's work); ``+mean`` aggregates with a plain weighted mean.
 
 ``--group-sizes G``: round-seeded sub-groups of at most G peers (``averaging.math.groups``) that average
@@ -139,10 +141,10 @@ def run_swarm(seed: int, steps: list[int], rounds: int, lr: float, outer_lr: flo
     wire = WireFormat.of(compression)
     config = robust.RobustConfig(aggregation="mean" if "mean" in flags else "centered_clip")
     trainers = [sim.trainer(seed, lr, rounds, "muon" if "muon" in flags else "adamw") for _ in steps]
-    # every peer draws from the whole corpus, or (+shards) from shard i of the node's default shards
-    stripe = int(next((f[6:] for f in flags if f.startswith("shards") and f[6:]), DataConfig().shard_stripe_bytes))
-    samplers = sim.samplers(seed, len(steps), stripe if any(f.startswith("shards") for f in flags) else 0,
-                            num_shards=DataConfig().num_shards)
+    # every peer draws from the whole corpus, or (+shards[N]) from shard i of the node's default shards
+    shards, node = next((f for f in flags if f.startswith("shards")), None), DataConfig()
+    stripe = int(shards.removeprefix("shards") or node.shard_stripe_bytes) if shards else 0
+    samplers = sim.samplers(seed, len(steps), stripe, num_shards=node.num_shards)
     layout = FlatLayout.of(trainers[0].model.named_parameters())
     pack = lambda t: layout.pack(dict(t.model.named_parameters()), layout.new_buffer())  # noqa: E731
     reduce = partial(aggregate, config=config, work_scaled="nowork" not in flags, norm="norm" in flags)
