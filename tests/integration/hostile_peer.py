@@ -8,8 +8,8 @@ so a test can change it between rounds without restarting the peer:
 - ``shape``: parts of shape [1] (hivemind's reducer would broadcast them);
 - ``weight``: the sign-flipped vector with a declared weight of 1e30;
 - ``lie``: honest sends, but as a reducer it returns averages + 1e4;
-- ``short``: honest sends, but as a reducer it ends each answer stream one part early (with one
-  part per reducer: it answers nothing), so every member's result misses its share.
+- ``short``: honest sends, but as a reducer it ends each answer stream one part early, so every
+  member's result misses that part (with one part per reducer: its whole share).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch
 
 from averaging.math.robust import RobustConfig
 from averaging.network.hivemind.backend import HivemindBackend
+from averaging.network.hivemind.parts import OPEN_GROUP_PARTS
 from averaging.network.interface import PARTIAL_ERROR
 from tests.integration import hostile_peer
 from tests.integration.averagers import loopback_averagers
@@ -26,7 +27,7 @@ from tests.integration.hostile_peer import ATTACK, HostileBackend
 
 pytestmark = pytest.mark.integration
 
-NUMEL = 4 * 262_144  # fp16 parts of 512 KiB: four parts, one per reducer
+NUMEL = 4 * 262_144  # in OPEN_GROUP_PARTS parts: three per reducer
 HONEST = 3
 ALLREDUCE_TIMEOUT = 20.0  # hivemind's sender timeout is then 8 s: a stalled round takes at least that
 ATTACKS = ("scale", "flip", "nan", "shape", "weight", "lie")
@@ -209,21 +210,25 @@ def test_a_banned_peer_is_kept_out_of_the_next_groups():
             assert not outcomes[HONEST].ok or len(outcomes[HONEST].group) == 1
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_a_reducer_that_ends_its_streams_early_is_struck_then_banned():
-    """A member whose reducer ends its answer streams early (``short``) leaves every member's result
-    without its share: a partial round, applied by nobody. Honest reducers fail now and then too, so
-    one failure only strikes it (no ban after round 1); after ``strike_limit`` rounds in which only
-    it failed, the honest members ban it, and their next group is themselves alone, whose round
-    applies with the honest mean. A member that keeps partial results (sub-groups) gets the group's
-    average with its own values on the missing share."""
+    """A member whose reducer ends its answer streams early (``short``: its last part goes unsent)
+    leaves every member's result without that part: a partial round, applied by nobody. Honest
+    reducers fail now and then too, so one failure only strikes it (no ban before ``strike_limit``
+    rounds); once every honest member has banned it, their next group is themselves alone, whose
+    round applies with the honest mean. A member that keeps partial results (sub-groups) gets the
+    group's average with its own values on the missing share.
+
+    Under load an honest reducer can fail in the same round (seen in CI: a third of the average
+    missing, not a twelfth); such a round strikes nobody (``robust.struck_reducers``), so the ban
+    may come a round later, never earlier, and never on an honest peer."""
     limit = 2
     generator = torch.Generator().manual_seed(13)
     common = torch.randn(NUMEL, generator=generator)
     vectors = [common + 0.05 * torch.randn(NUMEL, generator=generator) for _ in range(HONEST + 1)]
     honest_mean = torch.stack(vectors[:HONEST]).double().mean(0)
     prefix = f"short-{uuid.uuid4().hex[:8]}"
-    robust = RobustConfig(ban_rounds=5, strike_limit=limit, strike_window=10)
+    robust = RobustConfig(ban_rounds=10, strike_limit=limit, strike_window=10)
 
     def make(i: int, dht: hivemind.DHT) -> HivemindBackend:
         backend_type = HostileBackend if i == HONEST else HivemindBackend
@@ -231,39 +236,44 @@ def test_a_reducer_that_ends_its_streams_early_is_struck_then_banned():
                             min_group_size=HONEST, min_matchmaking_time=2.0, request_timeout=1.0,
                             allreduce_timeout=ALLREDUCE_TIMEOUT, robust=robust)
 
+    def play(backends, pool, round: int, banned: bool) -> tuple[list, list[torch.Tensor]]:
+        scheduled = time.time() + 3.0
+        for backend in backends:  # once banned, the attacker (turned away by everyone) gives up sooner
+            backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round},
+                            timeout=5 if backend is backends[HONEST] and banned else 30)
+        results = [vector.clone() for vector in vectors]
+        # Member 0 keeps a partial result, as sub-groups do (averaging.engine.subgroups)
+        futures = [pool.submit(backend.average, result, weight=1.0, timeout=60, keep_partial=i == 0)
+                   for i, (backend, result) in enumerate(zip(backends, results))]
+        return [future.result(timeout=90) for future in futures], results
+
     ATTACK.value = b"short"
     with loopback_averagers(HONEST + 1, make) as backends, ThreadPoolExecutor(HONEST + 1) as pool:
         attacker = backends[HONEST].peer_id
-        for round in range(1, limit + 2):
-            banned = round > limit
-            scheduled = time.time() + 3.0
-            for backend in backends:  # once banned, the attacker (turned away by everyone) gives up sooner
-                backend.prepare(round=round, scheduled_time=scheduled, gather={"round": round},
-                                timeout=5 if backend is backends[HONEST] and banned else 30)
-            results = [vector.clone() for vector in vectors]
-            # Member 0 keeps a partial result, as sub-groups do (averaging.engine.subgroups)
-            futures = [pool.submit(backend.average, result, weight=1.0, timeout=60, keep_partial=i == 0)
-                       for i, (backend, result) in enumerate(zip(backends, results))]
-            outcomes = [future.result(timeout=90) for future in futures]
-            honest = outcomes[:HONEST]
-            if not banned:
-                for i, outcome in enumerate(honest):
-                    assert attacker in outcome.group and outcome.ok == (i == 0), (round, i, outcome)
-                    assert 0 < outcome.partial <= 1 / (HONEST + 1) + 1e-6, (round, i, outcome)  # (part of) its share
-                    if i == 0:  # kept: the missing share holds our own values, the rest the group's average
-                        unchanged = float(results[0].eq(vectors[0]).double().mean())
-                        assert abs(unchanged - outcome.partial) < 0.01, (round, unchanged, outcome.partial)
-                        continue
+        for round in range(1, limit + 4):
+            outcomes, results = play(backends, pool, round, banned=False)
+            for i, outcome in enumerate(outcomes[:HONEST]):
+                assert attacker in outcome.group and 0 < outcome.partial, (round, i, outcome)
+                if outcome.ok:  # only the keeper: the missing share holds our own values, the rest the average
+                    assert i == 0 and outcome.partial <= 0.5, (round, i, outcome)
+                    unchanged = float(results[0].eq(vectors[0]).double().mean())
+                    assert abs(unchanged - outcome.partial) < 0.01, (round, unchanged, outcome.partial)
+                else:
                     assert torch.equal(results[i], vectors[i]), f"round {round}: a partial result leaked"
+                if outcome.partial <= 1 / OPEN_GROUP_PARTS + 1e-6:  # the attacker's last part alone: no stall
                     assert outcome.allreduce_s < 0.4 * ALLREDUCE_TIMEOUT, f"round {round}: stalled {outcome.allreduce_s:.1f}s"
-                bans = [b.robustness()["bans"] for b in backends[:HONEST]]
-                assert bans == [1 if round == limit else 0] * HONEST, (round, bans)  # struck, banned at the limit
-                continue
-            for i, outcome in enumerate(honest):
-                assert outcome.ok, f"honest peer {i}: {outcome.error}"
-                assert attacker not in outcome.group and len(outcome.group) == HONEST, outcome.group
-                error = float((results[i].double() - honest_mean).norm() / honest_mean.norm())
-                assert error < 1e-3, f"honest peer {i} is {error:.2e} away from the honest mean"
+            bans = [b.robustness()["bans"] for b in backends[:HONEST]]
+            assert all(ban <= 1 for ban in bans) and (round >= limit or not any(bans)), (round, bans)
+            if all(bans):
+                break
+        else:
+            pytest.fail(f"the attacker was not banned by every honest member in {round} rounds")
+        outcomes, results = play(backends, pool, round + 1, banned=True)
+        for i, outcome in enumerate(outcomes[:HONEST]):
+            assert outcome.ok, f"honest peer {i}: {outcome.error}"
+            assert attacker not in outcome.group and len(outcome.group) == HONEST, outcome.group
+            error = float((results[i].double() - honest_mean).norm() / honest_mean.norm())
+            assert error < 1e-3, f"honest peer {i} is {error:.2e} away from the honest mean"
 
 
 @pytest.mark.timeout(120)
