@@ -14,7 +14,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check node protocols averaging tests examples benchmarks scripts
-	$(PY) -m pytest tests
+	bash scripts/run-suite.sh $(PY)
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit

@@ -16,7 +16,8 @@ import torch
 from examples.swarm_launcher import kill_process_group, session_members
 from tests.integration.swarm import REPO, shoal_command
 
-pytestmark = pytest.mark.integration
+# Short-lived processes, mostly waiting on timeouts: run beside the unit tests (scripts/run-suite.sh).
+pytestmark = [pytest.mark.integration, pytest.mark.wall_clock]
 
 VALID_PEER_ID = "12D3KooWNSgyp7Jk9sKE6bQqBHmCKDCX6ayX3cFHpLdcFWUy56Sd"
 

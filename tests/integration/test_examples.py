@@ -110,6 +110,7 @@ def test_local_swarm_sh_trains_then_ctrl_c_leaves_cleanly(tmp_path, marker):
     assert_nothing_left(marker)
 
 
+@pytest.mark.wall_clock  # two small MLPs waiting on rounds: run beside the unit tests
 @pytest.mark.timeout(150)
 def test_bring_your_own_model_two_peers(tmp_path, marker):
     """Two copies of the library-API example, the second joining the first: both average and exit 0."""

@@ -4,6 +4,8 @@ The audit's proof: five records claiming ``sync_late_s = 86400`` moved the sync 
 
 from __future__ import annotations
 
+import pytest
+
 from node.api import Applied
 from node.library.acquaintances import Acquaintances
 from node.library.local_network import LocalSwarmHub
@@ -33,6 +35,7 @@ def sybil_record(peer: str) -> ProgressRecord:
                           time=0.0, phase="training", sync_late_s=86400.0, rounds_done=0)
 
 
+@pytest.mark.wall_clock  # an in-process swarm on real rounds (scripts/run-suite.sh)
 def test_records_that_never_average_with_us_neither_set_our_sync_period_nor_keep_us_from_stepping_alone():
     hub = LocalSwarmHub()
     peer = swarm(hub, "lone-honest-peer")

@@ -13,6 +13,9 @@ import torch
 from node.api import Applied, AveragingConfig, ConfigError, DiLoCoSwarm, Heartbeat, OuterConfig, RoundConfig
 from node.library.local_network import LocalNetwork, LocalSwarmHub
 
+# In-process swarms on real rounds: run beside the CPU-bound unit tests (scripts/run-suite.sh).
+pytestmark = pytest.mark.wall_clock
+
 ROUND_S = 1.0
 FAST = AveragingConfig(matchmaking_seconds=0.4, request_timeout=0.2, allreduce_timeout=5.0)
 

@@ -22,6 +22,9 @@ from node.process.options import PeerOptions
 from node.process.peer import Peer, run_peer
 from protocols.errors import ConfigError
 
+# In-process swarms on real rounds: run beside the CPU-bound unit tests (scripts/run-suite.sh).
+pytestmark = pytest.mark.wall_clock
+
 # The first AdamW a process builds takes seconds (torch's lazy imports): pay it before any round clock runs.
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
