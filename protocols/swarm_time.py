@@ -7,7 +7,13 @@ off (a Windows PC syncs about once a week), and one second is enough to break ma
 whose clock is 1 s fast declares expirations the others have not reached yet and, measured at
 873d623, never averaged once. So every peer runs on *swarm time*: ``time.time() + offset``, where
 the offset is what this peer measured against the others (``estimate_offset``: Cristian's method on
-DHT pings, the median over distinct peers, so a few liars cannot move it).
+DHT pings to peers it chose, applied only where most of them agree, and slowly once settled).
+
+Whom a peer measures against decides who can set its clock, and a record costs a stranger one DHT
+store: measured against every record, five made-up identities that sorted first moved honest peers
+by an hour. So a peer measures only against the peers it has averaged with (a random few) and,
+before its first fix, the peers its user named (``--initial-peer``); a lone or new peer with
+neither keeps its own clock (``node.library.swarm_clock``).
 
 hivemind reads the time only through ``hivemind.utils.get_dht_time``, which is ``time.time`` bound
 by name into each of its modules (``from hivemind.utils import get_dht_time``). ``install``
@@ -30,6 +36,13 @@ MAX_ERROR_S = 1.0
 # Offsets under this are left alone (jitter, not a clock error), and an update smaller than this
 # is not applied (so the offset does not wander with each probe's noise).
 DEADBAND_S = 0.05
+# A measurement is applied only where more than half the peers measured are within this of their
+# median: honest answers agree to Cristian's error; a split says too little to act on.
+AGREE_S = 0.5
+# Once settled, the offset moves at most this far per probe toward the peers': honest clocks drift by
+# milliseconds a day, so only an attacker that averaged with us (a majority of those we measure) could
+# need more, and then it moves us this far a probe, not an hour at once.
+MAX_STEP_S = 0.25
 # Past this the clock is wrong enough that the user should fix it, though shoal runs on swarm time.
 WARN_S = 1.0
 # A peer never moves its clock further than this on others' word: an hour covers any real error
@@ -90,21 +103,31 @@ class ClockSample:
         return (self.received - self.sent) / 2
 
 
-def estimate_offset(samples: list[ClockSample], current: float) -> float:
-    """The offset this peer should run on: the median of ``current`` (our own vote, so two peers
-    meet halfway and one odd peer among honest ones moves only itself) and, per distinct peer, the
-    offset of its most precise sample (smallest round trip). Samples with a round trip over
-    ``2 * MAX_ERROR_S`` or a non-finite time are dropped; a change under ``DEADBAND_S`` keeps
-    ``current``. Pure: no clock, no network."""
+def estimate_offset(samples: list[ClockSample], current: float, *, settled: bool = True) -> float | None:
+    """The offset this peer should run on, or None where the peers measured do not agree (more than
+    half within ``AGREE_S`` of their median): measure again later. Per distinct peer the offset of
+    its most precise sample (smallest round trip); samples with a round trip over ``2 *
+    MAX_ERROR_S`` or a non-finite time are dropped. Before the first fix (not ``settled``) the
+    peers' median; after it, the median of ``current`` (our own vote, so two peers meet halfway and
+    one odd peer moves only itself) and theirs, at most ``MAX_STEP_S`` from ``current``. A change
+    under ``DEADBAND_S`` keeps ``current``. Pure: no clock, no network."""
     best: dict[str, ClockSample] = {}
     for s in samples:
         if not (0 <= s.error <= MAX_ERROR_S) or not all(map(_finite, (s.sent, s.remote, s.received))):
             continue
         if s.peer not in best or s.error < best[s.peer].error:
             best[s.peer] = s
-    if not best:
-        return current
-    target = statistics.median([current, *(s.offset for s in best.values())])
+    offsets = [s.offset for s in best.values()]
+    if not offsets:
+        return None
+    middle = statistics.median(offsets)
+    if 2 * sum(abs(o - middle) <= AGREE_S for o in offsets) <= len(offsets):
+        return None
+    if settled:
+        target = statistics.median([current, *offsets])
+        target = current + max(-MAX_STEP_S, min(MAX_STEP_S, target - current))
+    else:
+        target = middle
     target = max(-MAX_OFFSET_S, min(MAX_OFFSET_S, target))
     return current if abs(target - current) < DEADBAND_S else target
 

@@ -68,12 +68,14 @@ class PeerMonitor:
                  status: Callable[[], ProgressRecord], on_change: Callable[[set[str], set[str]], None],
                  trust: RunTrust | None = None, rediscovery: Rediscovery | None = None,
                  present: Callable[[list[str]], list[str]] | None = None,
+                 voices: Callable[[list[str]], list[str]] | None = None, clock: ClockKeeper | None = None,
                  heartbeat_peers: int | None = HEARTBEAT_PEERS, manifest_publishers: int | None = MANIFEST_PUBLISHERS,
                  read_manifests: bool = False):
         """``period``: the heartbeat's base period (``heartbeat_period`` slows it beyond
         ``heartbeat_peers`` live peers; None: never). ``present(others)``: of the other live peers,
         those that count as members of the swarm (``node.library.acquaintances``); None: every
-        record does. ``manifest_publishers`` None (republish every heartbeat), ``heartbeat_peers`` None
+        record does. ``voices(others)``: those we averaged with lately, whose clocks we measure (None:
+        nobody's; ``clock`` then measures only the peers it trusts). ``manifest_publishers`` None (republish every heartbeat), ``heartbeat_peers`` None
         and ``read_manifests`` (every heartbeat, not only while ``converging``) restore the costs these
         limits replaced, for ``benchmarks.swarm.dht_load``."""
         self.directory, self.manifest, self.peer_id = directory, ours, peer_id
@@ -81,13 +83,13 @@ class PeerMonitor:
         self._heartbeat_peers, self._manifest_publishers = heartbeat_peers, manifest_publishers
         self._read_manifests = read_manifests
         self._manifest_published: tuple[RunManifest, float] | None = None  # what we last published, when
-        self._present = present
+        self._present, self._voices = present, voices
         self.trust = trust if trust is not None else RunTrust(pinned=ours.organiser or None)
         self._status, self._on_change = status, on_change
         self.peers: dict[str, ProgressRecord] = {}
         self.malformed = 0  # records ignored at the last read (validation failed)
         self.others_seen_at = -math.inf  # time.time() of the last read that found another peer present
-        self.clock = ClockKeeper()
+        self.clock = clock if clock is not None else ClockKeeper()
         self.rediscovery = rediscovery  # None: nothing to re-dial (an in-process swarm, a test)
         self._ticks = 0
         self._stop = threading.Event()
@@ -153,8 +155,11 @@ class PeerMonitor:
             self.period = min(2 * self.period, heartbeat_period(self.base_period, len(live),
                                                                 reference=self._heartbeat_peers))
         self._ticks += 1
-        if others and (self._ticks <= CLOCK_FIRST_TICKS or self._ticks % CLOCK_EVERY_TICKS == 0 or joined):
-            self.clock.update(self.directory.clock_samples(others))
+        self.clock.follow_steps()
+        if self._ticks <= CLOCK_FIRST_TICKS or self._ticks % CLOCK_EVERY_TICKS == 0 or joined:
+            measured = self.clock.chosen(self._voices(others) if self._voices is not None and others else [])
+            if measured:
+                self.clock.update(self.directory.clock_samples(measured))
         if self.rediscovery is not None:
             self.rediscovery.tick(live, self.directory.reconnect)
         if joined or left:

@@ -46,6 +46,7 @@ from node.library.network import HivemindNetwork, Network
 from node.library.rediscovery import PeerCache, Rediscovery
 from node.library.resume import find_resume_point, save_shared_state, state_from_checkpoint
 from node.library.run_record import MANIFEST_TTL, RunTrust, join_run
+from node.library.swarm_clock import ClockKeeper
 from protocols import swarm_time
 from protocols.addresses import parse_peer_multiaddr, peer_id_of
 from protocols.errors import AddressError, CheckpointError, ConfigError
@@ -237,7 +238,9 @@ class DiLoCoSwarm:
         self._monitor = PeerMonitor(self._directory, self.manifest, peer_id=self.peer_id,
                                     period=period, status=self._status,
                                     on_change=self._peers_changed, trust=self.trust,
-                                    rediscovery=self._rediscovery(period), present=self._present_others)
+                                    rediscovery=self._rediscovery(period), present=self._present_others,
+                                    voices=self._voices,
+                                    clock=ClockKeeper(trusted=[peer_id_of(a) for a in self.initial_peers]))
         self._closers.insert(0, self._monitor.stop)
         self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
         named_now = lambda: dict(self.model.named_parameters())  # noqa: E731 - follows .to(device)
@@ -296,6 +299,10 @@ class DiLoCoSwarm:
         recent = now - self._served_at < wait or now - self._monitor.others_seen_at < wait
         others = [p for p in self._monitor.peers if p != self.peer_id]
         return not self._acquaintances.present(others, self._loop.round) and not recent
+
+    def _voices(self, others: list[str]) -> list[str]:
+        """Of the other live peers, those we averaged with lately (monitor thread)."""
+        return self._acquaintances.voices(others, self._loop.round)
 
     def _present_others(self, others: list[str]) -> list[str]:
         """The monitor's filter (its thread): of the other live records, the peers that count."""
@@ -552,7 +559,7 @@ class DiLoCoSwarm:
         """The sync lateness the other live peers we averaged with lately published (the round
         engine agrees on a period from their median): a record we never met has no say."""
         peers = self._monitor.peers
-        voices = self._acquaintances.voices([p for p in peers if p != self.peer_id], self._loop.round)
+        voices = self._voices([p for p in peers if p != self.peer_id])
         return [peers[p].sync_late_s for p in voices if peers[p].sync_late_s is not None]
 
     def _status(self) -> ProgressRecord:

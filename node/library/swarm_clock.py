@@ -3,15 +3,19 @@
 hivemind's DHT already stamps every ping answer with the answerer's time (``PingResponse.dht_time``,
 its ``get_dht_time()``, which ``protocols.swarm_time.install`` makes swarm time), so a probe is a
 few pings the DHT would make anyway, sent from inside its process with our raw clock read around
-each one (Cristian's method). ``ClockKeeper`` turns the answers into the offset every process of
-this peer runs on (``protocols.swarm_time``) and into the one line a user with a wrong clock sees.
+each one (Cristian's method). ``ClockKeeper`` chooses whom to ask (the peers we averaged with; before
+the first fix also those the user named), turns the answers into the offset every process of this
+peer runs on (``protocols.swarm_time``), keeps swarm time steady when this machine's own clock is
+stepped (NTP, a user setting it), and says the one line a user with a wrong clock sees.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
+from collections.abc import Iterable
 from functools import partial
 
 from protocols import swarm_time
@@ -20,7 +24,7 @@ from protocols.swarm_time import ClockSample
 logger = logging.getLogger(__name__)
 
 PINGS_PER_PEER = 3  # the most precise of three (the smallest round trip) is kept
-MAX_PEERS = 8  # distinct peers per probe: enough for a median that a few liars cannot move
+MAX_PEERS = 8  # distinct peers per probe (a random sample): enough for a median that a few liars cannot move
 PING_TIMEOUT_S = 2.0
 
 
@@ -61,19 +65,52 @@ async def _ping_times(_dht, node, *, peer_ids: list[str]) -> list[tuple[str, flo
 
 class ClockKeeper:
     """Applies each probe's estimate to this process tree's swarm time; logs when it moves and
-    when it is off by more than ``swarm_time.WARN_S`` (once per change of a second or more)."""
+    when it is off by more than ``swarm_time.WARN_S`` (once per change of a second or more).
 
-    def __init__(self) -> None:
+    ``trusted``: the peer ids the user named (``--initial-peer``), measured until the first fix. A
+    fix hivemind's bootstrap already made from them (``node.library.dht``) counts as the first."""
+
+    def __init__(self, trusted: Iterable[str] = ()) -> None:
+        self.trusted = list(dict.fromkeys(trusted))
+        self.settled = swarm_time.offset() != 0.0
         self.peers_measured = 0  # distinct peers in the last probe that answered
         self.advice: str | None = None  # the user-facing line while the clock is off
         self._warned_at: float | None = None
+        self._raw_minus_monotonic = time.time() - time.monotonic()
+
+    def chosen(self, voices: list[str]) -> list[str]:
+        """Whom to probe: up to ``MAX_PEERS`` of ``voices`` (peers we averaged with lately) at
+        random, and before the first fix the trusted peers too."""
+        peers = random.sample(voices, min(MAX_PEERS, len(voices)))
+        return peers if self.settled else list(dict.fromkeys([*self.trusted, *peers]))
+
+    def follow_steps(self) -> float:
+        """This machine's clock was stepped (raw time moved against the monotonic clock): move the
+        offset the other way, so swarm time runs on (our own reading, no one else's word); returns
+        the step. Call each heartbeat."""
+        raw_minus_monotonic = time.time() - time.monotonic()
+        step = raw_minus_monotonic - self._raw_minus_monotonic
+        if abs(step) < swarm_time.DEADBAND_S:
+            return 0.0
+        self._raw_minus_monotonic = raw_minus_monotonic
+        current = swarm_time.offset()
+        new = max(-swarm_time.MAX_OFFSET_S, min(swarm_time.MAX_OFFSET_S, current - step))
+        swarm_time.set_offset(new)
+        logger.info(f"swarm time: this machine's clock was stepped by {step:+.3f}s; the offset follows ({new:+.3f}s)")
+        return step
 
     def update(self, samples: list[ClockSample]) -> float:
         current = swarm_time.offset()
         peers = len({s.peer for s in samples})
         if peers:
             self.peers_measured = peers
-        new = swarm_time.estimate_offset(samples, current)
+        new = swarm_time.estimate_offset(samples, current, settled=self.settled)
+        if new is None:
+            if peers:
+                logger.info(f"swarm time: the {peers} peer(s) measured disagree; the offset stays {current:+.3f}s")
+            new = current
+        else:
+            self.settled = True
         if new != current:
             swarm_time.set_offset(new)
             logger.info(f"swarm time: this clock is {new:+.3f}s off the swarm's ({peers} peer(s) measured)")

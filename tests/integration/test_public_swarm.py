@@ -9,15 +9,19 @@ overlap mode is test_swarm's), spread their progress records over two DHT keys
 (``averaging.progress_shards``: they find each other through them as through the one key;
 test_entry_peers checks the keys themselves) and average the inner AdamW moments with every round
 (``averaging.average_inner_state``: in blocking mode they land before the next step, so both peers
-save the same moments within bf16's precision, where their own would differ). One swarm for all of
-it: each costs the suite a minute."""
+save the same moments within bf16's precision, where their own would differ). Beside them from the
+start, ``LIARS`` strangers publish records and answer every DHT ping with the time an hour ahead
+(``clock_liars.py``): they outnumber the honest peers a peer measured before issue 54, and no honest
+clock moves now. One swarm for all of it: each costs the suite a minute."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -39,6 +43,7 @@ ROUND_S = 6.0
 # loop idles until the deadline, which is what the blocking checks are about.
 INNER_STEPS = 10
 BLOCKING = ("--sync-mode", "blocking")
+LIARS, LIE_S = 3, 3000.0
 
 
 def records(peer, event: str) -> list[dict]:
@@ -57,6 +62,13 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, requ
     config.write_text(text.replace("[averaging]\n", "[averaging]\nprogress_shards = 2\naverage_inner_state = true\n", 1))
     peer_args = ("--round-seconds", str(ROUND_S), *BLOCKING, "--identity", str(tmp_path / "a.key"))
     initial = [f"@{address_file}"]  # both peers know only the bootstrap peer, through its address file
+    wait_until(address_file.exists, 90, "the bootstrap peer wrote no address")
+    liars_log = tmp_path / "liars.log"
+    with open(liars_log, "w") as log:
+        liars = subprocess.Popen([sys.executable, "-m", "tests.integration.clock_liars", swarm.run_id,
+                                  address_file.read_text().split()[0], str(LIARS), str(LIE_S)],
+                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    request.addfinalizer(lambda: kill_process_group(liars))
 
     # b starts once a has organised the run: an organiser never adopts another organiser's key, so
     # two peers that both organised at once would each run a run of their own.
@@ -146,8 +158,19 @@ def test_bootstrap_join_refuse_interrupt_resume(swarm, bootstrap, tmp_path, requ
     swarm.interrupt_all()
     for peer in (a2, b):
         assert peer.wait(timeout=60) == 0, peer.log()[-3000:]
+    check_clocks([a2, b], liars, liars_log)
     assert bootstrap_proc.poll() is None, "the bootstrap peer died"
     stop_bootstrap(bootstrap_proc)
+
+
+def check_clocks(peers, liars: subprocess.Popen, log) -> None:
+    """The liars' records were live to the honest peers (counted among their peers), and no honest
+    clock moved by a second (every process here shares one true clock)."""
+    assert liars.poll() is None and "liars ready" in log.read_text(), log.read_text()[-3000:]
+    for peer in peers:
+        assert max(r["peers"] for r in records(peer, "round")) >= 2 + LIARS, f"{peer.name} never saw the liars' records"
+        moves = [float(m) for m in re.findall(r"swarm time: this clock is ([-+][0-9.]+)s off", peer.log())]
+        assert all(abs(m) < 1.0 for m in moves), (peer.name, moves)
 
 
 def restart_bootstrap(proc: subprocess.Popen, address_file, tmp_path) -> subprocess.Popen:

@@ -23,14 +23,16 @@ def test_cristian_offset_and_error():
 
 def test_one_fast_clock_moves_only_itself():
     # Peers b, c, d agree; a's clock is 1 s fast. a sees the others 1 s behind it, they see a ahead.
-    assert estimate_offset([sample(p, -1.0) for p in "bcd"], current=0.0) == pytest.approx(-1.0)
+    # Before its first fix a jumps to them; settled, it walks there MAX_STEP_S a probe.
+    assert estimate_offset([sample(p, -1.0) for p in "bcd"], current=0.0, settled=False) == pytest.approx(-1.0)
+    assert estimate_offset([sample(p, -1.0) for p in "bcd"], current=0.0) == pytest.approx(-swarm_time.MAX_STEP_S)
     assert estimate_offset([sample("a", +1.0), sample("c", 0.0), sample("d", 0.0)], current=0.0) == 0.0
 
 
 def test_two_peers_meet_halfway_and_then_stay():
-    first = estimate_offset([sample("b", 2.0)], current=0.0)
-    assert first == pytest.approx(1.0)
-    # b moved by -1 (halfway from its side): its swarm time is ours now (our raw clock + 1), and
+    first = estimate_offset([sample("b", 0.4)], current=0.0)
+    assert first == pytest.approx(0.2)
+    # b moved by -0.2 (halfway from its side): its swarm time is ours now (our raw clock + 0.2), and
     # nothing moves any more.
     assert estimate_offset([sample("b", first)], current=first) == first
 
@@ -43,19 +45,34 @@ def test_a_few_liars_cannot_move_an_honest_peer_far():
     assert estimate_offset(honest[:2] + [sample("x", 500.0, at=1.7e9 + k) for k in range(20)], current=0.0) == 0.0
 
 
+def test_peers_that_disagree_move_nobody_and_a_settled_offset_moves_slowly():
+    """The audit's attack, on the estimate alone: liars answering +3000 s that are half the peers
+    measured (no majority agrees) move nothing, before the first fix or after; a majority of liars
+    (only peers that averaged with us are measured, so they paid for it) moves a settled peer
+    MAX_STEP_S a probe, not an hour."""
+    split = [sample("b", 0.0), sample("c", 0.0), sample("x", 3000.0), sample("y", 3000.0)]
+    assert estimate_offset(split, current=0.0, settled=False) is None
+    assert estimate_offset(split, current=0.0) is None
+    spread = [sample("x", 3000.0), sample("y", -3000.0), sample("z", 5.0)]  # a different lie to each
+    assert estimate_offset(spread, current=0.0) is None
+    majority = [sample("b", 0.0), sample("x", 3000.0), sample("y", 3000.0)]
+    assert estimate_offset(majority, current=0.0) == pytest.approx(swarm_time.MAX_STEP_S)
+    assert estimate_offset([], current=0.3) is None
+
+
 def test_the_most_precise_ping_of_a_peer_wins_and_bad_ones_are_dropped():
     noisy = [sample("b", 3.0, rtt=1.5), sample("b", 2.0, rtt=0.02)]  # the 20 ms one is believed
-    assert estimate_offset(noisy + [sample("c", 2.0)], current=0.0) == pytest.approx(2.0)
+    assert estimate_offset(noisy + [sample("c", 2.0)], current=0.0, settled=False) == pytest.approx(2.0)
     slow = ClockSample(peer="b", sent=0.0, remote=50.0, received=5.0)  # a 5 s round trip
     backwards = ClockSample(peer="c", sent=10.0, remote=50.0, received=9.0)
     nan = ClockSample(peer="d", sent=0.0, remote=float("nan"), received=0.01)
-    assert estimate_offset([slow, backwards, nan], current=0.3) == 0.3
+    assert estimate_offset([slow, backwards, nan], current=0.3) is None
 
 
 def test_jitter_under_the_deadband_is_ignored_and_offsets_are_bounded():
     assert estimate_offset([sample("b", 0.02), sample("c", 0.03)], current=0.0) == 0.0
     huge = [sample(p, 1e6) for p in "bcd"]
-    assert estimate_offset(huge, current=0.0) == swarm_time.MAX_OFFSET_S
+    assert estimate_offset(huge, current=0.0, settled=False) == swarm_time.MAX_OFFSET_S
     with pytest.raises(ValueError):
         swarm_time.set_offset(float("inf"))
 
