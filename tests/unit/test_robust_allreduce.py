@@ -264,15 +264,20 @@ def test_a_failed_reducer_is_named_in_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(AllReduceRunner, "_communicate_with_peer", cut_short)
     runner = RobustAllReduceRunner.__new__(RobustAllReduceRunner)
     runner.excluded_peers, runner.group_id, runner.failed_reducers = [], bytes.fromhex("b783fae9") * 2, []
+    runner.leader = None
     with caplog.at_level("WARNING", logger="averaging.network.hivemind.allreduce"), pytest.raises(AllreduceException):
         asyncio.run(runner._communicate_with_peer(PEERS[1]))
     assert f"group b783fae9: reducer {PEERS[1]} failed" in caplog.text
     assert "sent 2 parts, but we expected 3" in caplog.text
 
 
-def test_a_peer_that_does_not_run_the_group_is_not_waited_for_as_a_sender(monkeypatch, caplog):
+@pytest.mark.parametrize("leader", [None, 0], ids=["we-led", "sent-by-a-leader"])
+def test_a_peer_that_does_not_run_the_group_is_not_waited_for_as_a_sender(monkeypatch, caplog, leader):
     """A reducer that answers BAD_GROUP_ID gave up on the group: it will not send its parts either,
-    so it is failed as a sender at once (hivemind waits for it until the sender timeout)."""
+    so it is failed as a sender at once (hivemind waits for it until the sender timeout). In a
+    group a leader sent us, the leader answers for it (issue 54, item 3: a hostile leader listed an
+    honest peer it had turned away, and the members struck that peer until they banned it); in one
+    we assembled, the peer joined us itself."""
     from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 
     failures = {PEERS[1]: "sent BAD_GROUP_ID", PEERS[2]: "sent 2 parts, but we expected 3"}
@@ -290,6 +295,8 @@ def test_a_peer_that_does_not_run_the_group_is_not_waited_for_as_a_sender(monkey
     runner = RobustAllReduceRunner.__new__(RobustAllReduceRunner)
     runner.excluded_peers, runner.group_id, runner.failed_reducers = [], bytes.fromhex("b783fae9") * 2, []
     runner.sender_peer_ids, runner.banned_senders, runner.tensor_part_reducer = list(PEERS), set(), Reducer()
+    runner.leader = None if leader is None else PEERS[leader]
+    Reducer.failed = []
 
     async def both() -> None:
         runner.banlock = asyncio.Lock()
@@ -301,7 +308,8 @@ def test_a_peer_that_does_not_run_the_group_is_not_waited_for_as_a_sender(monkey
         asyncio.run(both())
     assert Reducer.failed == [1] and runner.banned_senders == {PEERS[1]}  # a short stream says nothing of that
     assert f"{PEERS[1]} does not run this group" in caplog.text
-    assert runner.failed_reducers == [PEERS[1], PEERS[2]]  # both are judged when the all-reduce ends
+    blamed = PEERS[1] if leader is None else PEERS[leader]
+    assert runner.failed_reducers == [blamed, PEERS[2]]  # both are judged when the all-reduce ends
 
 
 @pytest.mark.parametrize("how, why", [

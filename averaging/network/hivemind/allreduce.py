@@ -252,11 +252,14 @@ class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's runner with ``RobustPartReducer``, returned-delta checks and the ban list."""
 
     def __init__(self, *, robust_config: RobustConfig, ban_list: BanList, counters: RobustCounters | None = None,
-                 strikes: Strikes | None = None, far_peers: Sequence[PeerID] = (), **kwargs):
+                 strikes: Strikes | None = None, far_peers: Sequence[PeerID] = (), leader: PeerID | None = None,
+                 **kwargs):
         """``far_peers``: members whose anchor and momentum get weight 0 (``RobustPartReducer``'s
-        ``far_senders``)."""
+        ``far_senders``). ``leader``: the peer that sent us this group (None: we assembled it), which
+        answers for the members that turn out not to run it."""
         super().__init__(**kwargs)
         self.robust_config, self.ban_list, self.counters, self.strikes = robust_config, ban_list, counters, strikes
+        self.leader = leader
         self.failed_reducers: list[PeerID] = []  # reducers whose stream failed, in the order they failed
         # hivemind's reducer was built in super().__init__ and never used; mark it finished so its
         # __del__ does not warn about parts it never received.
@@ -305,11 +308,15 @@ class RobustAllReduceRunner(AllReduceRunner):
         try:
             await super()._communicate_with_peer(peer_id)
         except Exception as e:
-            self.failed_reducers.append(peer_id)  # judged when the all-reduce ends (strike_failed_reducers)
             # hivemind logs this at debug level only, and its "received N% results" names no one.
             logger.warning(f"group {self.group_id.hex()[:8]}: reducer {peer_id} failed ({e!r}): our result misses "
                            "its share, so this round's average is not applied")
-            if f"sent {averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)}" in str(e):
+            absent = f"sent {averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)}" in str(e)
+            # Judged when the all-reduce ends (strike_failed_reducers). A member that runs no such
+            # group is there on the word of the leader that sent it to us, and the leader answers
+            # for it: a hostile leader listed an honest peer it had turned away, to have it struck.
+            self.failed_reducers.append(self.leader if absent and self.leader is not None else peer_id)
+            if absent:
                 await self._drop_absent_sender(peer_id)
             raise
 

@@ -35,7 +35,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
 from hivemind.averaging.partition import AllreduceException
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
@@ -139,6 +139,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         # Averager process: each running group's missing fraction and view (sub-groups).
         self._partial: dict[bytes, float] = {}
         self._views: dict[bytes, GroupView] = {}
+        self._leaders: dict[bytes, PeerID] = {}  # group id -> the leader that sent it to us, while it runs
         # Averager process: groups our steps matched that will not run (any more), oldest first.
         self._ended_groups: dict[bytes, None] = {}
         self._max_group_size = leader_group_cap(kwargs.get("target_group_size"), robust) or 2**31
@@ -262,9 +263,12 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
             if isinstance(e, ForgedGroup) and leader is not None and leader != self.peer_id:
                 ban(self._ban_list, str(leader), f"led a group with forged metadata ({e})", self.robust_counters)
             raise MatchmakingException(f"refused the group: {e}") from None
+        if leader is not None and leader != self.peer_id:
+            self._leaders[group_info.group_id] = leader
         try:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
+            self._leaders.pop(group_info.group_id, None)
             # (a partial result: hivemind kept our local values where a reducer failed)
             missing = self._partial.pop(group_info.group_id, 0.0)
             view = self._views.pop(group_info.group_id, None)
@@ -294,7 +298,7 @@ class ShoalAverager(StateServing, StateFetching, DecentralizedAverager):
         else:
             runner = RobustAllReduceRunner(robust_config=self._robust, ban_list=self._ban_list,
                                            counters=self.robust_counters, strikes=self._strikes,
-                                           far_peers=far_peers, **common)
+                                           far_peers=far_peers, leader=self._leaders.get(group_id), **common)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         # Lattice-coded state: residues go out, the mean's residues come back; a far member cannot
