@@ -135,18 +135,42 @@ def parse_listen_multiaddr(text: str, flag: str = "--listen") -> str:
     return normalized
 
 
-def _is_loopback(maddr: str) -> bool:
+def _host(maddr: str) -> tuple[str, str] | None:
+    """The address's first part (protocol name, value), e.g. ("ip4", "10.0.0.1"); None if unparsable."""
     try:
-        parts = Multiaddr(maddr).items()
-        name, value = parts[0][0].name, parts[0][1]
+        name, value = Multiaddr(maddr).items()[0]
     except Exception:
+        return None
+    return name.name, value
+
+
+def _is_loopback(maddr: str) -> bool:
+    host = _host(maddr)
+    if host is None:
         return False
+    name, value = host
     if name in ("ip4", "ip6"):
         try:
             return ipaddress.ip_address(value).is_loopback
         except ValueError:
             return False
     return name in _NETWORK_PROTOCOLS and value == "localhost"
+
+
+def is_public(maddr: str) -> bool:
+    """Whether ``maddr``'s host is on the public internet: a global IP address, or a DNS name other
+    than localhost (where it resolves is not known here). Loopback, private, link-local and
+    unspecified addresses are not."""
+    host = _host(maddr)
+    if host is None:
+        return False
+    name, value = host
+    if name in ("ip4", "ip6"):
+        try:
+            return ipaddress.ip_address(value).is_global
+        except ValueError:
+            return False
+    return name in _NETWORK_PROTOCOLS and value != "localhost"
 
 
 def format_join_command(maddrs: list[str], extra: str = "") -> str:

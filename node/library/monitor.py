@@ -161,7 +161,8 @@ class PeerMonitor:
             if measured:
                 self.clock.update(self.directory.clock_samples(measured))
         if self.rediscovery is not None:
-            self.rediscovery.tick(live, self.directory.reconnect)
+            self.rediscovery.tick(live, self.directory.reconnect,
+                                  met=self._voices(others) if self._voices is not None and others else [])
         if joined or left:
             self._on_change(joined, left)
 

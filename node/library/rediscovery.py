@@ -12,10 +12,15 @@ steps, inside the DHT's process, for the peers we know of:
 
 - the initial peers (``--initial-peer``), pinged every ``SWEEP_TICKS`` heartbeats whatever we
   see: a restarted bootstrap learns us again within that, and joiners find the swarm through it;
-- the peers we have met (their records list their addresses, ``ProgressRecord.addrs``), kept in
-  ``PeerCache`` and in ``<checkpoint-dir>/<run>.peers.json`` across restarts; dialled while we see
-  fewer peers than we did lately (the most live peers in the last ``WINDOW_TICKS``), on a backoff
-  that doubles from one heartbeat to ``MAX_GAP_TICKS``.
+- the peers we have averaged with lately (their records list their addresses,
+  ``ProgressRecord.addrs``), kept in ``PeerCache`` and in ``<checkpoint-dir>/<run>.peers.json``
+  across restarts; dialled while we see fewer peers than we did lately (the most live peers in the
+  last ``WINDOW_TICKS``), on a backoff that doubles from one heartbeat to ``MAX_GAP_TICKS``.
+
+A record costs a stranger one DHT store, and withdrawing records makes us "short" at will: so only
+the addresses of peers that averaged with us are kept, and a node with a public address of its
+own dials only public ones (a loopback or LAN address in a stranger's record would have it dial
+into its own network); a node on a local or LAN swarm dials what its peers list.
 
 A peer that left for good keeps us dialling its old address once a ``MAX_GAP_TICKS``, until it is
 older than the window: a connect attempt with a timeout, nothing more.
@@ -28,14 +33,14 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from node.library.atomic import write_atomically
-from protocols.addresses import parse_peer_multiaddr, peer_id_of
+from protocols.addresses import is_public, parse_peer_multiaddr, peer_id_of
 from protocols.errors import AddressError
 from protocols.progress import MAX_ADDRS, ProgressRecord
 
@@ -148,26 +153,34 @@ class Rediscovery:
     the DHT's process in the background (dialling a peer that is gone takes seconds, and the
     heartbeat must not wait: our own record would expire); one at a time, read at a later tick."""
 
-    def __init__(self, *, initial_peers: list[str], cache: PeerCache, peer_id: str, period: float):
+    def __init__(self, *, initial_peers: list[str], cache: PeerCache, peer_id: str, period: float,
+                 local: bool = True):
+        """``local``: this node has no public address of its own (a local or LAN swarm), so it
+        dials any address its peers list; otherwise only public ones (the initial peers always)."""
         self.initial = [(peer_id_of(a), (a,)) for a in initial_peers]
-        self.cache, self.peer_id, self.period = cache, peer_id, period
+        self.cache, self.peer_id, self.period, self.local = cache, peer_id, period, local
         self.backoff = Backoff()
         self.tries = 0  # dials of missing peers (not the periodic sweep of the initial peers)
         self.reached = 0  # peers those tries reached
         self._pending: tuple[Future, bool, int, int] | None = None  # (try, short, peers dialled, live then)
 
-    def tick(self, live: Mapping[str, ProgressRecord], reconnect: Callable[[list], Future]) -> list[str]:
-        """After a heartbeat's read of the records: remember addresses, read the last try's answer,
-        and start the next try when it is time (``reconnect(targets)``: a future of the peers it
-        reached). Returns the peers the try that finished reached."""
+    def tick(self, live: Mapping[str, ProgressRecord], reconnect: Callable[[list], Future], *,
+             met: Collection[str]) -> list[str]:
+        """After a heartbeat's read of the records: remember the addresses of the live peers in
+        ``met`` (those we averaged with lately), read the last try's answer, and start the next try
+        when it is time (``reconnect(targets)``: a future of the peers it reached). Returns the
+        peers the try that finished reached."""
         now = time.time()
-        self.cache.remember(live, now)
+        self.cache.remember({peer: record for peer, record in live.items() if peer in met}, now)
         reached = self._collect()
         short = self.backoff.observe(len(live))
         targets: list[tuple[str, tuple[str, ...]]] = []
         if short:
             since = now - self.backoff.window * self.period
-            targets += [t for t in self.cache.missing(set(live), since=since) if t[0] != self.peer_id]
+            for peer, addrs in self.cache.missing(set(live), since=since):
+                dialable = addrs if self.local else tuple(a for a in addrs if is_public(a))
+                if peer != self.peer_id and dialable:
+                    targets.append((peer, dialable))
         if short or self.backoff.tick % SWEEP_TICKS == 0:
             targets += [t for t in self.initial if t[0] not in live and t[0] != self.peer_id]
         self.cache.save()

@@ -48,7 +48,7 @@ from node.library.resume import find_resume_point, save_shared_state, state_from
 from node.library.run_record import MANIFEST_TTL, RunTrust, join_run
 from node.library.swarm_clock import ClockKeeper
 from protocols import swarm_time
-from protocols.addresses import parse_peer_multiaddr, peer_id_of
+from protocols.addresses import is_public, parse_peer_multiaddr, peer_id_of
 from protocols.errors import AddressError, CheckpointError, ConfigError
 from protocols.manifest import RunManifest, progress_shards
 from protocols.messages import MessageError
@@ -264,11 +264,11 @@ class DiLoCoSwarm:
             self._on_peers_changed(joined, left)
 
     def _rediscovery(self, period: float) -> Rediscovery:
-        """Re-dialling the initial peers and the peers met (kept in ``trust_dir``, the checkpoint
+        """Re-dialling the initial peers and the peers averaged with (kept in ``trust_dir``, the checkpoint
         folder, across restarts) when the swarm seems to shrink: ``node.library.rediscovery``."""
         path = self._trust_dir / f"{self.run_id}.peers.json" if self._trust_dir is not None else None
         return Rediscovery(initial_peers=self.initial_peers, cache=PeerCache.load(path), peer_id=self.peer_id,
-                           period=period)
+                           period=period, local=not any(is_public(a) for a in self.maddrs))
 
     def _group_plan(self, round: int) -> tuple[int, int]:
         """Our sub-group in ``round`` and the round's group count (the prepare lane's thread), from

@@ -114,15 +114,33 @@ def test_rediscovery_dials_the_missing_peers_when_short_and_the_initial_ones_on_
 
     whole = {me: record(me, (addr(me),)), A: record(A, (addr(A),)), B: record(B, (addr(B),))}
     for _ in range(SWEEP_TICKS - 1):
-        assert found.tick(whole, reconnect) == []
+        assert found.tick(whole, reconnect, met={me, A, B}) == []
     assert calls == []  # whole, and not yet time for the sweep
-    found.tick(whole, reconnect)
+    found.tick(whole, reconnect, met={me, A, B})
     assert calls == [[boot]]  # the sweep: the bootstrap (never in the records) is pinged
-    assert found.tick({me: whole[me]}, reconnect) == []  # the sweep's answer: not a try of ours
+    assert found.tick({me: whole[me]}, reconnect, met={me, A, B}) == []  # the sweep's answer: not a try of ours
     assert calls[-1] == sorted([A, B, boot])  # A and B gone: dialled at once, never ourselves
-    assert found.tick({me: whole[me]}, reconnect) == [A]  # that try's answer, read a tick later
+    assert found.tick({me: whole[me]}, reconnect, met={me, A, B}) == [A]  # that try's answer, read a tick later
     assert found.tries == 2 and found.reached == 1  # and the next try (a gap of 1) has started
     assert json.loads((tmp_path / "p.json").read_text())["peers"].keys() == {me, A, B}
+
+
+def test_only_peers_we_averaged_with_are_kept_and_a_public_node_dials_only_public_addresses(tmp_path):
+    """Issue 54, item 6: a stranger's record (never averaged with us) is not remembered, so withdrawing
+    records cannot make us dial it; a node with a public address skips the loopback and LAN
+    addresses a peer lists (a node on a LAN swarm dials them); the initial peers are always dialled."""
+    me, boot = "QmSoLPppuBtQSGwKDZT2M73ULpjvfd3aZ6ha4oFGL1KrGM", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    public = f"/ip4/1.2.3.4/tcp/4001/p2p/{A}"  # (never dialled: the reconnect here is a stub)
+    listed = (f"/ip4/127.0.0.1/tcp/4001/p2p/{A}", addr(A), public)
+    whole = {me: record(me), A: record(A, listed), B: record(B, (f"/ip4/192.168.1.9/tcp/22/p2p/{B}",))}
+    for local, expected in ((False, [(A, (public,)), (boot, (addr(boot),))]),
+                            (True, [(A, listed), (boot, (addr(boot),))])):
+        found = Rediscovery(initial_peers=[addr(boot)], cache=PeerCache(), peer_id=me, period=1.0, local=local)
+        calls = []
+        found.tick(whole, lambda targets: calls.append(sorted(targets)) or Future(), met={A})  # B never met us
+        assert B not in found.cache.peers
+        found.tick({me: whole[me]}, lambda targets: calls.append(sorted(targets)) or Future(), met={A})
+        assert calls == [sorted(expected)], (local, calls)
 
 
 def test_a_try_still_running_is_not_doubled():
@@ -135,13 +153,13 @@ def test_a_try_still_running_is_not_doubled():
         return pending
 
     found.cache.peers[A] = ((addr(A),), time.time())
-    found.tick({"me": record(A, None), A: record(A, (addr(A),))}, reconnect)
+    found.tick({"me": record(A, None), A: record(A, (addr(A),))}, reconnect, met={A})
     for _ in range(6):  # short for six ticks: tries due, but the first is still dialling
-        found.tick({"me": record(A, None)}, reconnect)
+        found.tick({"me": record(A, None)}, reconnect, met={A})
     assert len(calls) == 1
     pending.set_result([])
-    found.tick({"me": record(A, None)}, reconnect)  # read (reached none)
-    found.tick({"me": record(A, None)}, reconnect)
+    found.tick({"me": record(A, None)}, reconnect, met={A})  # read (reached none)
+    found.tick({"me": record(A, None)}, reconnect, met={A})
     assert len(calls) == 2 and found.reached == 0
 
 
