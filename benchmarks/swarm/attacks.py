@@ -20,8 +20,9 @@ the eval loss stays near the clean run's), and name the attacker in their logs. 
   hostile_node's ``hijack`` (a consistent liar about its anchor, in its claims and its state),
   ``forged-leader`` (the hijacker, leading groups whose other members' claims it forges),
   ``donor-scale`` / ``donor-momentum`` (a member serving a state of scale 1e300, or with momentum
-  values of 1e6) and ``sybil`` (a member publishing five more identities' records claiming a day of
-  sync lateness). In the two donor scenarios a fourth honest peer (``late``) starts ``--late-rounds``
+  values of 1e6), ``sybil`` (a member publishing five more identities' records claiming a day of
+  sync lateness) and ``clock`` (a member running five more identities whose records' DHT pings answer
+  the time + 3000 s: ``tests/integration/clock_liars.py``). In the two donor scenarios a fourth honest peer (``late``) starts ``--late-rounds``
   rounds after the others and must download the swarm's state.
 - hostile_node's ``far-state`` and ``fake-state``, for sub-groups (``--group-size``): a member whose
   anchor in its groups' all-reduce is its own x 10, claimed too (``far-state``: the far-member rule
@@ -94,12 +95,14 @@ WHAT = {
     "sybil": ("publishes 5 more identities' records: sync lateness 86400 s, 1000 steps ahead",
               "5 of the 9 lateness figures each peer read: its sync period would be 17,280 rounds, no averaging "
               "(issue 29)"),
+    "clock": ("runs 5 more identities whose records' DHT pings answer the time + 3000 s",
+              "5 of the 7 clocks each peer measured: every honest peer moved an hour, rounds 11 -> 311 (issue 54)"),
     "far-state": ("sub-groups: claims and sends its anchor x10 in the state it averages",
                   "not run before; the far-member rule (issue 32) gives its state weight 0"),
     "fake-state": ("sub-groups: sends its anchor x10 in the state it averages, under an honest claim",
                    "not run before; CenteredClip on the state's parts bounds it (issue 32)"),
 }
-HOSTILE = (*ATTACKS, "hijack", "forged-leader", "donor-scale", "donor-momentum", "sybil", "far-state",
+HOSTILE = (*ATTACKS, "hijack", "forged-leader", "donor-scale", "donor-momentum", "sybil", "clock", "far-state",
            "fake-state")  # hostile_node's modes
 STATE_ATTACKS = ("far-state", "fake-state")
 # What the honest peers' logs say about a member's state in sub-group rounds (averaging.network.hivemind.allreduce,
@@ -107,6 +110,7 @@ STATE_ATTACKS = ("far-state", "fake-state")
 FAR_LINE = "are far from the others'"
 CLIPPED_LINE = "clipped outlying parts of"
 REFUSED_STATE = "than the members' claims allow"
+CLOCK_MOVED = re.compile(r"swarm time: this clock is ([-+][0-9.]+)s off")
 LATE = ("donor-scale", "donor-momentum")  # scenarios with a late honest joiner
 
 
@@ -215,6 +219,9 @@ def run_scenario(name: str, args, root: Path, evaluator: Evaluator) -> dict:
         "states_refused": sum(1 for log in logs.values() for line in log.splitlines()
                               if "refused the swarm's state" in line or "refused the state of" in line),
         "final_eval": finals, "anchor_spread": spread,
+        # The farthest each honest peer's swarm time moved from its own clock (all share one clock here).
+        "clock_moved_s": {n: max((abs(float(x)) for x in CLOCK_MOVED.findall(log)), default=0.0)
+                          for n, log in logs.items()},
         "attacker": attacker_id,
         "attacker_named_in": sorted(n for n, log in logs.items() if attacker_id and attacker_id in log),
         # States the honest peers assembled with slices the attacker served (must stay 0).
@@ -409,6 +416,11 @@ def _what_they_did(name: str, run: dict) -> str:
         return f"sync period 1: {out} rounds out for it, {averaged} of {sum(run['rounds_trained'].values())} rounds averaged"
     if kind == "hijack":
         return f"kept in groups, outvoted; {resyncs}, {run['attacker_state_used']} states with its slices"
+    if kind == "clock":
+        moved = max(run.get("clock_moved_s", {}).values(), default=0.0)
+        averaged = sum(run["averaged"].values())
+        return (f"no honest clock moved over {moved:.2f} s; {averaged} of {sum(run['rounds_trained'].values())} "
+                "rounds averaged")
     if kind in STATE_ATTACKS:
         flagged = sum(run["far_flags_attacker"].values())
         clipped = sum(run["clipped_attacker"].values())

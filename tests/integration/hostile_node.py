@@ -22,6 +22,9 @@ processes it forks), before the node starts.
   ``SYBILS`` identities of its own making, each claiming ``sync_late_s = 86400`` (the most a record
   may claim), 1,000 more outer steps than the attacker's and 1e6 tokens/s. Those identities never
   average.
+- ``clock`` (issue 54, item 1): an honest member that also runs ``CLOCK_LIARS`` more identities
+  (``clock_liars.py``, a child process in its session) whose records' DHT pings answer the time +
+  ``CLOCK_LIE_S``. Those identities never average.
 - ``far-state`` / ``fake-state`` (sub-groups, ``averaging.target_group_size``): a member whose
   state, as it rides its groups' all-reduce (``averaging.engine.subgroups``), is poisoned: the anchor
   it packs into the extra vector is its own x ``POISON_FACTOR`` (10; the momentum and the
@@ -44,6 +47,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import struct
+import subprocess
 import sys
 
 import torch
@@ -67,7 +71,7 @@ from protocols.records import ShoalRecordValidator
 from protocols.signed_claims import PUBLIC_KEY_FIELD, SIGNATURE_FIELD
 from tests.integration.hostile_peer import ATTACK, ATTACKS, HostileBackend
 
-MODES = (*ATTACKS, "hijack", "forged-leader", "donor-scale", "donor-momentum", "sybil", "far-state", "fake-state",
+MODES = (*ATTACKS, "hijack", "forged-leader", "donor-scale", "donor-momentum", "sybil", "clock", "far-state", "fake-state",
          "unsigned")
 LEAD_BY_S = 0.5  # how much earlier than the others the forged leader declares its search's end
 SYBILS = 5  # identities the Sybil publishes records for (the audit's five)
@@ -257,6 +261,19 @@ class UnsignedBackend(HivemindBackend):
         super().__init__(*args, signer=None, **kwargs)
 
 
+# -- clock: identities whose pings lie about the time ---------------------------------------------------
+CLOCK_LIARS, CLOCK_LIE_S = 5, 3000.0
+
+
+def start_clock_liars(argv: list[str]) -> None:
+    """``clock_liars.py`` for this node's run, through its first initial peer, in our session (it
+    ends with the node's process group)."""
+    run_id = argv[argv.index("--run-id") + 1]
+    initial = argv[argv.index("--initial-peer") + 1]
+    subprocess.Popen([sys.executable, "-m", "tests.integration.clock_liars", run_id, initial, str(CLOCK_LIARS),
+                      str(CLOCK_LIE_S)])
+
+
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in MODES:
         raise SystemExit(f"usage: python -m tests.integration.hostile_node {{{','.join(MODES)}}} [shoal run options]")
@@ -273,6 +290,8 @@ def main(argv: list[str]) -> None:
         serve_poisoned_state(mode.removeprefix("donor-"))
     elif mode == "sybil":
         publish_sybil_records(SYBILS)
+    elif mode == "clock":
+        start_clock_liars(argv)
     elif mode in ("far-state", "fake-state"):
         send_poisoned_state(claim_it=mode == "far-state")
     elif mode == "unsigned":

@@ -136,10 +136,15 @@ def test_only_peers_we_averaged_with_are_kept_and_a_public_node_dials_only_publi
     for local, expected in ((False, [(A, (public,)), (boot, (addr(boot),))]),
                             (True, [(A, listed), (boot, (addr(boot),))])):
         found = Rediscovery(initial_peers=[addr(boot)], cache=PeerCache(), peer_id=me, period=1.0, local=local)
-        calls = []
-        found.tick(whole, lambda targets: calls.append(sorted(targets)) or Future(), met={A})  # B never met us
+        calls: list[list] = []
+
+        def reconnect(targets, calls=calls):
+            calls.append(sorted(targets))
+            return Future()
+
+        found.tick(whole, reconnect, met={A})  # B never met us
         assert B not in found.cache.peers
-        found.tick({me: whole[me]}, lambda targets: calls.append(sorted(targets)) or Future(), met={A})
+        found.tick({me: whole[me]}, reconnect, met={A})
         assert calls == [sorted(expected)], (local, calls)
 
 
