@@ -28,6 +28,8 @@ import torch
 from averaging.engine.kind import RoundConclusion, RoundEnding, account, alone_or_fold, take
 from averaging.engine.recover import Recovery
 from averaging.math.fingerprints import (
+    DEFAULT_ABS_TOL,
+    AnchorClaim,
     chunk_rms,
     claim_of,
     fingerprint,
@@ -35,6 +37,7 @@ from averaging.math.fingerprints import (
     rms_difference,
 )
 from averaging.math.groups import balanced_groups, group_key_bits
+from averaging.math.lattice import WITHIN_STEPS
 from averaging.math.outer_step import OuterConfig
 from averaging.math.wire import LATTICE_CODE, MIX_CODE, WireFormat
 from averaging.network.interface import AverageOutcome
@@ -133,6 +136,19 @@ def donors_if_far(claims: Mapping[str, ClaimMessage], far: frozenset[str], *, se
     return [peer for peer in claims if peer not in far and peer != self_id]
 
 
+def far_by_our_step(ours: AnchorClaim, near: list[AnchorClaim]) -> bool:
+    """Whether our anchor is beyond what a lattice grid covers (``WITHIN_STEPS`` steps) from the near
+    members' (the median distance, per chunk), in *our own* claimed step. The group's far rule
+    (``lattice.far``) measures in the steps its members claim, which members claiming step 0 shrink:
+    two colluders of four made an honest member two steps away count as far and re-sync to the state
+    most of its donors served, theirs (issue 54, item 4). Our re-sync is ours to decide: it needs
+    both. Not a rule members must agree on (a far member keeps its own state either way)."""
+    if not near:
+        return True
+    distance = torch.stack([rms_difference(ours.fingerprint, c.fingerprint) for c in near]).median(dim=0).values
+    return bool((distance > WITHIN_STEPS * ours.scale + DEFAULT_ABS_TOL).any())
+
+
 def state_problem(anchor: torch.Tensor, momentum: torch.Tensor, state: SharedState,
                   claims: list[ClaimMessage], *, members: int, local_pseudo_grad: torch.Tensor, mu: float,
                   left_out: list[bool] | None = None) -> str | None:
@@ -197,9 +213,15 @@ def conclude(state: SharedState, outcome: AverageOutcome, local_pseudo_grad: tor
         claims = list(by_peer.values())
         far = outcome.far or frozenset()  # the group view's, as its reducers found it
         donors = donors_if_far(by_peer, far, self_id=self_id) if lattice else None
-        if donors:
+        if donors:  # our averager kept our own state (we could not decode the group's): its step on ours
             take(conclusion, check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms),
                  lambda: state.apply(averaged, round=round))
+            if self_id in by_peer and not far_by_our_step(claim_of(by_peer[self_id]),
+                                                          [claim_of(by_peer[p]) for p in donors]):
+                logger.warning(f"round {round}: the group's claims put our anchor far from theirs, but it is within "
+                               f"{WITHIN_STEPS:g} of our own steps of the near members': no re-sync (claimed steps "
+                               "of 0 shrink the group's measure)")
+                return conclusion
             conclusion.resync = Resync(donors=donors, reference=None)
             return conclusion
         problem = check_average(averaged, local_pseudo_grad, reference_rms=state.last_rms) or state_problem(

@@ -194,6 +194,45 @@ def test_a_far_member_of_a_lattice_round_takes_the_groups_step_and_re_syncs_from
     assert float((state.anchor - before).abs().max()) > 0.1  # the far member was pulled in without the code
 
 
+def test_members_claiming_step_0_cannot_make_an_honest_member_re_sync_to_their_state():
+    """Issue 54, item 4, the audit's proof on the real functions: two colluders of four claim an honest
+    member's anchor with step 0. The group's lower median step is then 0, and the group's rule finds
+    the other honest member, two steps away, far; it used to re-sync, taking the state most donors
+    served (theirs). Measured in its own step it is near: it keeps its state and takes the step."""
+    import dataclasses
+
+    from averaging.engine.subgroups import conclude
+    from averaging.math.flat import FlatLayout
+    from averaging.math.group_view import decode_claims, group_view
+    from averaging.math.outer_step import OuterConfig
+    from averaging.network.interface import AverageOutcome
+    from averaging.state.shared_state import SharedState
+    from averaging.state.verdict import Applied
+
+    numel, round = 4093 * 4, 5
+    generator = torch.Generator().manual_seed(9)
+    base = torch.randn(numel, generator=generator) * 0.05
+    step = torch.randn(numel, generator=generator) * 1e-3
+    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
+    outer = OuterConfig(lr=0.7, momentum=0.9, nesterov=True)
+    first = SharedState(layout, base.clone(), outer)
+    first.apply(step, round=round - 1)
+    second = SharedState(layout, base + 2 * step, outer)  # two steps away
+    second.apply(step, round=round - 1)
+    honest = first.claim_message(round=round, with_momentum=True)
+    colluder = dataclasses.replace(honest, scale=tuple(0.0 for _ in honest.scale)).encode()
+    gathered = {"h1": honest.encode(), "c1": colluder, "c2": colluder,
+                "h2": second.claim_message(round=round, with_momentum=True).encode()}
+    view = group_view(decode_claims(gathered, numel=numel), lattice_coded=True)
+    assert "h2" in view.far  # the group's rule, fooled
+    before = second.anchor.clone()
+    outcome = AverageOutcome(ok=True, group=tuple(gathered), gathered=gathered, far=view.far)
+    conclusion = conclude(second, outcome, step.clone(), round=round, mu=outer.momentum, averaged=step.clone(),
+                          mixed=torch.cat([second.anchor, second.momentum]), self_id="h2", lattice=True)
+    assert conclusion.applied == Applied.AVERAGED and conclusion.resync is None
+    assert float((second.anchor - before).abs().max()) < 0.01  # its own anchor, one step on
+
+
 def test_a_liar_in_a_pair_cannot_make_the_grid_coarse():
     """In a group of two nobody is far, so the grid takes the pair's claimed distance; a liar that
     claims an anchor far off (and a huge step) gets the grid only as coarse as ``RANGE_CAP_STEPS``
