@@ -23,7 +23,8 @@ from averaging.math.wire import WireFormat
 from averaging.network.hivemind.backend import HivemindBackend
 from tests.integration.averagers import loopback_averagers
 
-pytestmark = pytest.mark.integration
+# A few averagers, mostly waiting on matchmaking: run beside the unit tests (scripts/run-suite.sh).
+pytestmark = [pytest.mark.integration, pytest.mark.wall_clock]
 
 NUMEL = 4096
 ALLREDUCE_TIMEOUT = 40.0  # registration wait and sender timeout: 16 s

@@ -28,7 +28,8 @@ from averaging.network.hivemind.codecs import ReturnCodec, ShoalCodec
 from averaging.network.hivemind.parts import balanced_part_size
 from tests.integration.averagers import loopback_averagers
 
-pytestmark = pytest.mark.integration
+# A few averagers, mostly waiting on matchmaking: run beside the unit tests (scripts/run-suite.sh).
+pytestmark = [pytest.mark.integration, pytest.mark.wall_clock]
 
 NUMEL = 30_000
 PEERS = 3

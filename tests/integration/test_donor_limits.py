@@ -28,7 +28,8 @@ from averaging.state.served import AppliedUpdate
 from protocols.state_slices import encode_slice_request
 from tests.integration.averagers import loopback_averagers
 
-pytestmark = pytest.mark.integration
+# A few averagers, mostly waiting on matchmaking: run beside the unit tests (scripts/run-suite.sh).
+pytestmark = [pytest.mark.integration, pytest.mark.wall_clock]
 
 NUMEL = 50_000
 COUNT = 4

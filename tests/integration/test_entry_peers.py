@@ -18,6 +18,8 @@ import pytest
 RUN = "entries"
 
 
+# Real DHTs and in-process monitors waiting on heartbeats: run beside the unit tests (scripts/run-suite.sh).
+@pytest.mark.wall_clock
 @pytest.mark.timeout(180)
 def test_peers_started_at_once_through_two_unconnected_entry_peers_form_one_swarm(monkeypatch):
     from hivemind.utils import get_dht_time

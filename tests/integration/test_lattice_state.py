@@ -18,7 +18,8 @@ from averaging.math.fingerprints import claim_of, far_members, momentum_of
 from averaging.math.wire import LATTICE_CODE, WireFormat
 from tests.integration.averagers import group_backends, group_round, stepped_states
 
-pytestmark = pytest.mark.integration
+# A few averagers, mostly waiting on matchmaking: run beside the unit tests (scripts/run-suite.sh).
+pytestmark = [pytest.mark.integration, pytest.mark.wall_clock]
 
 
 @pytest.mark.timeout(150)

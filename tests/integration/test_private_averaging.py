@@ -23,7 +23,8 @@ from averaging.state.served import AppliedUpdate
 from protocols.admission import admission_key
 from tests.integration.averagers import loopback_averagers
 
-pytestmark = pytest.mark.integration
+# A few averagers, mostly waiting on matchmaking: run beside the unit tests (scripts/run-suite.sh).
+pytestmark = [pytest.mark.integration, pytest.mark.wall_clock]
 
 NUMEL = 10_000
 KEY = admission_key(b"our private swarm")

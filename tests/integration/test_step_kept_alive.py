@@ -23,7 +23,8 @@ from averaging.network.hivemind.averager import ShoalAverager
 from averaging.network.hivemind.backend import HivemindBackend
 from tests.integration.averagers import loopback_averagers
 
-pytestmark = pytest.mark.integration
+# A few averagers, mostly waiting on matchmaking: run beside the unit tests (scripts/run-suite.sh).
+pytestmark = [pytest.mark.integration, pytest.mark.wall_clock]
 
 NUMEL = 4096
 
