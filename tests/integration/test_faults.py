@@ -64,7 +64,9 @@ def test_a_full_disk_costs_checkpoints_never_the_run_and_a_killed_averager_ends_
         assert f"averager process (pid {start['processes']['averager']}) exited with signal 9" in noticed["message"]
         errors = [line for line in peer.log().splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and "averager process" in errors[0] and "start shoal run again" in errors[0], errors
-        assert time.monotonic() - killed_at < 45  # the leave itself (a checkpoint attempt, closing) included
+        # The leave itself (a checkpoint attempt, closing) included. A sync in flight gives up within a
+        # second of the averager's death: it used to wait out its all-reduce timeout (34 s of 52 here).
+        assert time.monotonic() - killed_at < 15
         assert noticed["time"] - killed_wall < 3, noticed  # checked once a second from the training loop
         # No staging files once the peer is gone (checked only now: a save runs beside training, so
         # mid-run a later round's staging dir may legitimately exist).

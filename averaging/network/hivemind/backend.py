@@ -243,7 +243,7 @@ class HivemindBackend:
         control.allow_allreduce()
         # 2. Wait for the group; a failure keeps the caller's vector as it was.
         try:
-            result: GroupResult | None = control.result(timeout=timeout)
+            result: GroupResult | None = self._result(control, timeout)
         except Exception as e:
             control.cancel()
             return AverageOutcome(ok=False, sync_s=time.perf_counter() - started, error=describe(e))
@@ -274,6 +274,20 @@ class HivemindBackend:
             self._note_allreduce(allreduce_s)  # (a partial one lasted as long as the timeout that failed it)
         return AverageOutcome(ok=True, group=group, gathered=gathered_by_peer, sync_s=sync_s, allreduce_s=allreduce_s,
                               partial=missing, far=result.far)
+
+    def _result(self, control: StepControl, timeout: float) -> GroupResult | None:
+        """``control.result(timeout)``, given up within a second once the averager process is gone
+        (killed, say, by the OOM killer): nothing would ever answer, and the leave that follows
+        waited out the whole all-reduce timeout (30 s and more) for this round."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return control.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                if not self._averager.is_alive():
+                    raise RuntimeError(f"the averager process exited ({self._averager.exitcode})") from None
 
     def _note_allreduce(self, seconds: float) -> None:
         """A whole all-reduce took ``seconds``: scale the part timeouts to it (a partial one lasted
