@@ -135,26 +135,23 @@ def parse_listen_multiaddr(text: str, flag: str = "--listen") -> str:
     return normalized
 
 
-def _host(maddr: str) -> tuple[str, str] | None:
-    """The address's first part (protocol name, value), e.g. ("ip4", "10.0.0.1"); None if unparsable."""
+def _host(maddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | str | None:
+    """The address's host: an IP address, a DNS name, or None (unparsable, or neither)."""
     try:
         name, value = Multiaddr(maddr).items()[0]
     except Exception:
         return None
-    return name.name, value
+    if name.name in ("ip4", "ip6"):
+        try:
+            return ipaddress.ip_address(value)
+        except ValueError:
+            return None
+    return value if name.name in _NETWORK_PROTOCOLS else None
 
 
 def _is_loopback(maddr: str) -> bool:
     host = _host(maddr)
-    if host is None:
-        return False
-    name, value = host
-    if name in ("ip4", "ip6"):
-        try:
-            return ipaddress.ip_address(value).is_loopback
-        except ValueError:
-            return False
-    return name in _NETWORK_PROTOCOLS and value == "localhost"
+    return host == "localhost" if isinstance(host, str) else host is not None and host.is_loopback
 
 
 def is_public(maddr: str) -> bool:
@@ -162,15 +159,7 @@ def is_public(maddr: str) -> bool:
     than localhost (where it resolves is not known here). Loopback, private, link-local and
     unspecified addresses are not."""
     host = _host(maddr)
-    if host is None:
-        return False
-    name, value = host
-    if name in ("ip4", "ip6"):
-        try:
-            return ipaddress.ip_address(value).is_global
-        except ValueError:
-            return False
-    return name in _NETWORK_PROTOCOLS and value != "localhost"
+    return host != "localhost" if isinstance(host, str) else host is not None and host.is_global
 
 
 def format_join_command(maddrs: list[str], extra: str = "") -> str:
