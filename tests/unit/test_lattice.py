@@ -143,25 +143,35 @@ def test_the_reducer_unwraps_lattice_parts_before_judging_them():
     assert reducer.edge_values == 5
 
 
+STATE_NUMEL, STATE_ROUND = 4093 * 4, 5
+
+
+def state_setup(seed: int):
+    """For ``subgroups.conclude`` on real shared states: a generator, weights of 0.05, an outer step
+    of 1e-3, the layout and the outer optimizer."""
+    from averaging.math.flat import FlatLayout
+    from averaging.math.outer_step import OuterConfig
+
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(STATE_NUMEL, generator=generator) * 0.05
+    step = torch.randn(STATE_NUMEL, generator=generator) * 1e-3
+    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(STATE_NUMEL)))])
+    return generator, base, step, layout, OuterConfig(lr=0.7, momentum=0.9, nesterov=True)
+
+
 def test_a_far_member_of_a_lattice_round_takes_the_groups_step_and_re_syncs_from_the_near_members():
     """``subgroups.conclude(lattice=True)``: a member far from its group by the claims cannot decode the
     group's lattice-coded state (its averager kept its own), so it applies the group's step to its
     own state and asks for a re-sync from the near members; a near member takes the group's state
     as with fp16, and without the lattice code the far member takes it too."""
     from averaging.engine.subgroups import conclude as conclude_mixed
-    from averaging.math.flat import FlatLayout
     from averaging.math.group_view import decode_claims, group_view
-    from averaging.math.outer_step import OuterConfig
     from averaging.network.interface import AverageOutcome
     from averaging.state.shared_state import SharedState
     from averaging.state.verdict import Applied
 
-    numel, round = 4093 * 4, 5
-    generator = torch.Generator().manual_seed(6)
-    base = torch.randn(numel, generator=generator) * 0.05
-    step = torch.randn(numel, generator=generator) * 1e-3
-    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
-    outer = OuterConfig(lr=0.7, momentum=0.9, nesterov=True)
+    numel, round = STATE_NUMEL, STATE_ROUND
+    generator, base, step, layout, outer = state_setup(seed=6)
 
     def member(spread: float) -> SharedState:
         state = SharedState(layout, base + torch.randn(numel, generator=generator) * spread, outer)
@@ -202,19 +212,13 @@ def test_members_claiming_step_0_cannot_make_an_honest_member_re_sync_to_their_s
     import dataclasses
 
     from averaging.engine.subgroups import conclude
-    from averaging.math.flat import FlatLayout
     from averaging.math.group_view import decode_claims, group_view
-    from averaging.math.outer_step import OuterConfig
     from averaging.network.interface import AverageOutcome
     from averaging.state.shared_state import SharedState
     from averaging.state.verdict import Applied
 
-    numel, round = 4093 * 4, 5
-    generator = torch.Generator().manual_seed(9)
-    base = torch.randn(numel, generator=generator) * 0.05
-    step = torch.randn(numel, generator=generator) * 1e-3
-    layout = FlatLayout.of([("w", torch.nn.Parameter(torch.zeros(numel)))])
-    outer = OuterConfig(lr=0.7, momentum=0.9, nesterov=True)
+    numel, round = STATE_NUMEL, STATE_ROUND
+    generator, base, step, layout, outer = state_setup(seed=9)
     first = SharedState(layout, base.clone(), outer)
     first.apply(step, round=round - 1)
     second = SharedState(layout, base + 2 * step, outer)  # two steps away
