@@ -22,6 +22,7 @@ from tests.integration.swarm import (
     anchor_at,
     every_round_checkpoints,
     found_no_group,
+    is_partial,
     rounds_of,
     took_part,
     train_then_interrupt,
@@ -172,15 +173,23 @@ def explained_by_load(rounds: dict[int, dict], r: int) -> bool:
     return record["skipped"] and starved
 
 
+# A round that came back partial to one member and whole to another leaves their step histories
+# apart for a while: a replay in the next few rounds can miss the group's anchor, and the peer
+# re-syncs (docs/limitations.md; seen in 2 of 8 suite runs, 1 and 4 rounds after the partial one).
+PARTIAL_AFTERMATH = 5
+
+
 def assert_no_unexcused_resync(peer, per_peer: dict[str, dict[int, dict]], records: list[dict], shown) -> None:
     """No re-sync, unless the peer had fallen more than ``HISTORY_ROUNDS`` outer steps behind the
-    others (past what a catch-up replays: it folded rounds for want of a group on a starved machine)."""
+    others (past what a catch-up replays: it folded rounds for want of a group on a starved machine),
+    or a round came back partial to some peer in the ``PARTIAL_AFTERMATH`` rounds before."""
     others = [rounds for name, rounds in per_peer.items() if name != peer.name]
     ours = per_peer[peer.name]
+    partial = {r for rounds in per_peer.values() for r, x in rounds.items() if is_partial(x)}
     unexcused = []
     for record in records:
         r = record["round"]
-        if not record["resynced"]:
+        if not record["resynced"] or partial & set(range(r - PARTIAL_AFTERMATH, r)):
             continue
         behind = max((rounds[r - 1]["rounds_done"] for rounds in others if r - 1 in rounds), default=0) - \
             ours[r - 1]["rounds_done"] if r - 1 in ours else 0
