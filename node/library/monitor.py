@@ -74,9 +74,9 @@ class PeerMonitor:
         """``period``: the heartbeat's base period (``heartbeat_period`` slows it beyond
         ``heartbeat_peers`` live peers; None: never). ``present(others)``: of the other live peers,
         those that count as members of the swarm (``node.library.acquaintances``); None: every
-        record does. ``voices(others)``: those we averaged with lately, whose clocks we measure (None:
-        nobody's; ``clock`` then measures only the peers it trusts). ``manifest_publishers`` None (republish every heartbeat), ``heartbeat_peers`` None
-        and ``read_manifests`` (every heartbeat, not only while ``converging``) restore the costs these
+        record does. ``voices(others)``: those we averaged with lately, whose clocks we measure and
+        whom we re-dial (None: nobody; ``clock`` then measures only the peers it trusts).
+        ``manifest_publishers`` None (republish every heartbeat), ``heartbeat_peers`` None and ``read_manifests`` (every heartbeat, not only while ``converging``) restore the costs these
         limits replaced, for ``benchmarks.swarm.dht_load``."""
         self.directory, self.manifest, self.peer_id = directory, ours, peer_id
         self.base_period = self.period = period
@@ -155,14 +155,13 @@ class PeerMonitor:
             self.period = min(2 * self.period, heartbeat_period(self.base_period, len(live),
                                                                 reference=self._heartbeat_peers))
         self._ticks += 1
+        voices = self._voices(others) if self._voices is not None and others else []
         self.clock.follow_steps()
         if self._ticks <= CLOCK_FIRST_TICKS or self._ticks % CLOCK_EVERY_TICKS == 0 or joined:
-            measured = self.clock.chosen(self._voices(others) if self._voices is not None and others else [])
-            if measured:
+            if measured := self.clock.chosen(voices):
                 self.clock.update(self.directory.clock_samples(measured))
         if self.rediscovery is not None:
-            self.rediscovery.tick(live, self.directory.reconnect,
-                                  met=self._voices(others) if self._voices is not None and others else [])
+            self.rediscovery.tick(live, self.directory.reconnect, met=voices)
         if joined or left:
             self._on_change(joined, left)
 
